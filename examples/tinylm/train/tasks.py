@@ -1,0 +1,197 @@
+"""Synthetic long-context tasks for TinyLM (see ../MODEL.md, section "Tasks").
+
+Every prompt is  BOS <context> <question>  and the answer is a list of tokens that
+the model must produce by greedy decoding right after the last prompt token.
+The question is always at the END of the prompt.
+
+Vocabulary (256 ids):
+    0 PAD   1 BOS   2 [N] (needle)   3 [Q] (question, single/multi-key)
+    4 [QM] (question, multi-value)   5 [VAR]   6 =   7 [TRK] (question, var. tracking)
+    8..11  ordinals #1..#4 (multi-value)   12..15 unused
+    16..127  filler words (112)
+    128..191 key words (64), also variable names in variable tracking
+    192..255 value words (64), also the tracked values in variable tracking
+Inside one prompt all key words are distinct and all value words are distinct.
+
+Tasks (eval settings in EVAL_TASKS):
+    single     : 1 needle    "[N] k1 k2 v1 v2 v3"       question "[Q] k1 k2"   answer "v1 v2 v3"
+    multikey   : n needles of the same form (distinct keys); one of them is asked
+    multivalue : m keys, each with `nv` needles "[N] k1 k2 #j a_j b_j" (j=1..nv, shuffled
+                 positions); question "[QM] k1 k2"; answer "#1 a_1 b_1 #2 a_2 b_2 ... "
+    vartrack   : c chains "[VAR] X1 = V", "[VAR] X2 = X1", ..., "[VAR] Xh = X(h-1)"
+                 (statements of a chain appear in chain order; chains interleaved);
+                 question "[TRK] V"; answer "X1 X2 ... Xh"
+Filler is i.i.d. uniform over the filler words; needles are put at uniformly random
+depths of the context.
+"""
+import numpy as np
+
+PAD, BOS, NDL, Q, QM, VAR, EQ, TRK = 0, 1, 2, 3, 4, 5, 6, 7
+ORD0 = 8                     # #1 = 8 ... #4 = 11
+MAX_ORD = 4
+FILLER = np.arange(16, 128)
+KEYS = np.arange(128, 192)
+VALUES = np.arange(192, 256)
+VOCAB_SIZE = 256
+
+TASKS = ("single", "multikey", "multivalue", "vartrack")
+
+# settings for the held-out evaluation prompts
+EVAL_TASKS = {
+    "single": dict(),
+    "multikey": dict(n_needles=6),
+    "multivalue": dict(n_keys=2, n_values=3),
+    "vartrack": dict(n_chains=2, n_hops=4),
+}
+
+
+def token_name(t):
+    names = {PAD: "<pad>", BOS: "<bos>", NDL: "[N]", Q: "[Q]", QM: "[QM]", VAR: "[VAR]", EQ: "=", TRK: "[TRK]"}
+    if t in names:
+        return names[t]
+    if ORD0 <= t < ORD0 + MAX_ORD:
+        return "#%d" % (t - ORD0 + 1)
+    if 16 <= t < 128:
+        return "f%d" % (t - 16)
+    if 128 <= t < 192:
+        return "K%d" % (t - 128)
+    if 192 <= t < 256:
+        return "V%d" % (t - 192)
+    return "<unused%d>" % t
+
+
+def _place(rng, needles, ctx_len, keep_order_groups=None):
+    """Insert needles (list of token lists, in the order given) into filler so that the
+    context has exactly ctx_len tokens; needle i goes to a uniformly random depth, the
+    given order is kept."""
+    n_tok = sum(len(n) for n in needles)
+    n_fill = ctx_len - n_tok
+    assert n_fill >= 0, "context too short for the needles"
+    filler = rng.choice(FILLER, size=n_fill)
+    cuts = np.sort(rng.randint(0, n_fill + 1, size=len(needles)))
+    out, prev = [], 0
+    for c, nd in zip(cuts, needles):
+        out.extend(filler[prev:c].tolist())
+        out.extend(nd)
+        prev = c
+    out.extend(filler[prev:].tolist())
+    return out
+
+
+def _kv_needles(rng, n, key_len=2, val_len=3):
+    toks_k = rng.choice(KEYS, size=n * key_len, replace=False).reshape(n, key_len)
+    toks_v = rng.choice(VALUES, size=n * val_len, replace=False).reshape(n, val_len)
+    return [(k.tolist(), v.tolist()) for k, v in zip(toks_k, toks_v)]
+
+
+def make_example(rng, task, ctx_len, n_questions=1, **kw):
+    """Returns (context, qa) where context is the token list after BOS and qa is a list of
+    (question_tokens, answer_tokens). A prompt is [BOS] + context + qa[0][0], answer qa[0][1].
+    With n_questions > 1 (training) several questions follow each other:
+    context, q1, a1, q2, a2, ...  (n_questions=None: ask about every needle group)."""
+    if task in ("single", "multikey"):
+        n = 1 if task == "single" else kw.get("n_needles", 6)
+        kvs = _kv_needles(rng, n)
+        needles = [[NDL] + k + v for k, v in kvs]
+        qa = [([Q] + k, v) for k, v in kvs]
+    elif task == "multivalue":
+        m, nv = kw.get("n_keys", 2), kw.get("n_values", 3)
+        keys = rng.choice(KEYS, size=m * 2, replace=False).reshape(m, 2).tolist()
+        vals = rng.choice(VALUES, size=m * nv * 2, replace=False).reshape(m, nv, 2).tolist()
+        needles, qa = [], []
+        for i in range(m):
+            ans = []
+            for j in range(nv):
+                needles.append([NDL] + keys[i] + [ORD0 + j] + vals[i][j])
+                ans += [ORD0 + j] + vals[i][j]
+            qa.append(([QM] + keys[i], ans))
+        rng.shuffle(needles)
+    elif task == "vartrack":
+        c, h = kw.get("n_chains", 2), kw.get("n_hops", 4)
+        names = rng.choice(KEYS, size=c * h, replace=False).reshape(c, h).tolist()
+        vals = rng.choice(VALUES, size=c, replace=False).tolist()
+        chains = []
+        qa = []
+        for i in range(c):
+            st = [[VAR, names[i][0], EQ, vals[i]]]
+            for j in range(1, h):
+                st.append([VAR, names[i][j], EQ, names[i][j - 1]])
+            chains.append(st)
+            qa.append(([TRK, vals[i]], list(names[i])))
+        # random interleaving that keeps each chain's order
+        order = np.concatenate([[i] * h for i in range(c)])
+        rng.shuffle(order)
+        ptr = [0] * c
+        needles = []
+        for i in order:
+            needles.append(chains[i][ptr[i]])
+            ptr[i] += 1
+    else:
+        raise ValueError(task)
+    context = _place(rng, needles, ctx_len)
+    perm = rng.permutation(len(qa))
+    qa = [qa[i] for i in perm]
+    if n_questions is not None:
+        qa = qa[:n_questions]
+    return context, qa
+
+
+def make_prompt(rng, task, ctx_len, **kw):
+    """Held-out style prompt: (prompt_ids, answer_ids); prompt length = 1 + ctx_len + len(question)."""
+    context, qa = make_example(rng, task, ctx_len, n_questions=1, **kw)
+    qtok, ans = qa[0]
+    return [BOS] + context + qtok, ans
+
+
+def make_train_sequence(rng, task, ctx_len, **kw):
+    """Training sequence: BOS context q1 a1 q2 a2 ... with every needle group asked once.
+    Returns (ids, loss_mask) where loss_mask[t] = 1 if ids[t+1] is an answer token."""
+    context, qa = make_example(rng, task, ctx_len, n_questions=None, **kw)
+    ids = [BOS] + context
+    tgt = [0] * len(ids)
+    for qtok, ans in qa:
+        ids += qtok
+        tgt += [0] * len(qtok)
+        ids += ans
+        tgt += [1] * len(ans)
+    # mask[t] marks positions whose NEXT token is an answer token
+    mask = tgt[1:] + [0]
+    return ids, mask
+
+
+def sample_train_kw(rng, task, ctx_len):
+    """Random difficulty for a training sequence (number of needles etc.), limited so the
+    needles take at most ~60% of the context."""
+    budget = int(0.6 * ctx_len)
+    if task == "single":
+        return {}
+    if task == "multikey":
+        n = rng.randint(2, 9)
+        n = max(2, min(n, budget // 6))
+        return dict(n_needles=n)
+    if task == "multivalue":
+        m = rng.randint(1, 4)
+        nv = rng.randint(2, MAX_ORD + 1)
+        while m * nv * 6 > budget and m > 1:
+            m -= 1
+        while m * nv * 6 > budget and nv > 1:
+            nv -= 1
+        return dict(n_keys=m, n_values=nv)
+    if task == "vartrack":
+        c = rng.randint(1, 4)
+        h = rng.randint(2, 6)
+        while c * h * 4 > budget and c > 1:
+            c -= 1
+        while c * h * 4 > budget and h > 1:
+            h -= 1
+        return dict(n_chains=c, n_hops=h)
+    raise ValueError(task)
+
+
+if __name__ == "__main__":
+    rng = np.random.RandomState(0)
+    for t in TASKS:
+        p, a = make_prompt(rng, t, 48, **EVAL_TASKS[t]) if t != "multikey" else make_prompt(rng, t, 48, n_needles=3)
+        print(t, " ".join(token_name(x) for x in p), "->", " ".join(token_name(x) for x in a))
+        ids, m = make_train_sequence(rng, t, 64, **sample_train_kw(rng, t, 64))
+        print("  train:", " ".join(token_name(x) + ("*" if mm else "") for x, mm in zip(ids, m)))

@@ -1,0 +1,44 @@
+// kvevict: KV-cache eviction policies for LLM inference engines.
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_CONFIG_HPP
+#define KVEVICT_CONFIG_HPP
+
+// Library-wide configuration: version, the versioned inline namespace, host/device
+// annotations and feature detection. Included by every public header; includes nothing.
+
+#define KVEVICT_VERSION_MAJOR 0
+#define KVEVICT_VERSION_MINOR 1
+#define KVEVICT_VERSION_PATCH 0
+#define KVEVICT_VERSION \
+  (KVEVICT_VERSION_MAJOR * 10000 + KVEVICT_VERSION_MINOR * 100 + KVEVICT_VERSION_PATCH)
+
+// The inline namespace carries the ABI version: two kvevict versions linked into one
+// program (say, an engine and a plugin) get distinct symbols instead of ODR violations.
+#define KVEVICT_NAMESPACE_BEGIN \
+  namespace kvevict {           \
+  inline namespace v0 {
+#define KVEVICT_NAMESPACE_END \
+  }                           \
+  }
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define KVEVICT_HOST_DEVICE __host__ __device__
+#else
+#define KVEVICT_HOST_DEVICE
+#endif
+
+#if defined(__cpp_exceptions) || defined(__EXCEPTIONS) || defined(_CPPUNWIND)
+#define KVEVICT_HAS_EXCEPTIONS 1
+#else
+#define KVEVICT_HAS_EXCEPTIONS 0
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define KVEVICT_ALWAYS_INLINE inline __attribute__((always_inline))
+#define KVEVICT_RESTRICT __restrict__
+#else
+#define KVEVICT_ALWAYS_INLINE inline
+#define KVEVICT_RESTRICT
+#endif
+
+#endif  // KVEVICT_CONFIG_HPP

@@ -1,0 +1,104 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_VIEWS_CACHE_VIEW_HPP
+#define KVEVICT_VIEWS_CACHE_VIEW_HPP
+
+// A non-owning view of one layer's K (or V) cache for one sequence: element (head h,
+// token j, channel c) of a [Hkv, L, d] tensor, wherever the engine keeps it.
+//
+//   strided:  data + h*head_stride + j*token_stride + c*dim_stride
+//   paged:    data + block_table[j / block_size] * block_stride
+//                  + (j % block_size)*token_stride + h*head_stride + c*dim_stride
+//
+// Strides are in elements, never bytes. dim_stride is 1 for every layout except a
+// transposed V (llama.cpp), where tokens are contiguous and channels are kv_size apart.
+// Views are trivially copyable values usable in host and device code; they never own or
+// copy memory. See views/layouts.hpp for named factories of engine layouts.
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kvevict/config.hpp"
+#include "kvevict/dtype.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+
+template <class T>
+struct cache_view {
+  static_assert(is_storage_type<T>::value, "cache_view<T>: T must be float, fp16 or bf16 (maybe const)");
+  using element_type = T;
+  using value_type = std::remove_cv_t<T>;
+
+  T* data = nullptr;          ///< element (0,0,0), or the pool base when paged
+  std::int64_t num_heads = 0;   ///< Hkv
+  std::int64_t num_tokens = 0;  ///< L: tokens currently in this sequence's cache
+  std::int64_t head_dim = 0;    ///< d
+  std::int64_t head_stride = 0;
+  std::int64_t token_stride = 0;  ///< between consecutive tokens (inside a block when paged)
+  std::int64_t dim_stride = 1;
+
+  // Paged caches only (block_table == nullptr means strided).
+  const std::int32_t* block_table = nullptr;  ///< logical block -> physical block id
+  std::int64_t block_size = 0;                ///< tokens per block
+  std::int64_t block_stride = 0;              ///< elements between physical blocks
+  std::int64_t num_pool_blocks = 0;           ///< physical blocks in the pool (ids must be below)
+
+  KVEVICT_HOST_DEVICE bool is_paged() const noexcept { return block_table != nullptr; }
+
+  /// Blocks of the table this sequence uses: ceil(num_tokens / block_size).
+  KVEVICT_HOST_DEVICE std::int64_t num_used_blocks() const noexcept {
+    return is_paged() ? (num_tokens + block_size - 1) / block_size : 0;
+  }
+
+  /// Offset in elements of (h, j, c) from `data`.
+  KVEVICT_HOST_DEVICE std::int64_t offset(std::int64_t h, std::int64_t j, std::int64_t c) const noexcept {
+    if (block_table != nullptr) {
+      const std::int64_t block = j / block_size;
+      const std::int64_t in_block = j - block * block_size;
+      return static_cast<std::int64_t>(block_table[block]) * block_stride + in_block * token_stride +
+             h * head_stride + c * dim_stride;
+    }
+    return h * head_stride + j * token_stride + c * dim_stride;
+  }
+
+  KVEVICT_HOST_DEVICE T& at(std::int64_t h, std::int64_t j, std::int64_t c) const noexcept {
+    return data[offset(h, j, c)];
+  }
+
+  /// Pointer to channel 0 of token j of head h; channels follow at dim_stride.
+  KVEVICT_HOST_DEVICE T* row(std::int64_t h, std::int64_t j) const noexcept {
+    return data + offset(h, j, 0);
+  }
+
+  /// The same memory seen through the first `n` tokens (n <= num_tokens is the caller's
+  /// promise; validation checks it where it matters).
+  KVEVICT_HOST_DEVICE cache_view first_tokens(std::int64_t n) const noexcept {
+    cache_view v = *this;
+    v.num_tokens = n;
+    return v;
+  }
+
+  /// Read-only view of the same memory.
+  template <class U = T, std::enable_if_t<!std::is_const<U>::value, int> = 0>
+  KVEVICT_HOST_DEVICE operator cache_view<const value_type>() const noexcept {
+    cache_view<const value_type> v;
+    v.data = data;
+    v.num_heads = num_heads;
+    v.num_tokens = num_tokens;
+    v.head_dim = head_dim;
+    v.head_stride = head_stride;
+    v.token_stride = token_stride;
+    v.dim_stride = dim_stride;
+    v.block_table = block_table;
+    v.block_size = block_size;
+    v.block_stride = block_stride;
+    v.num_pool_blocks = num_pool_blocks;
+    return v;
+  }
+};
+
+static_assert(std::is_trivially_copyable<cache_view<float>>::value, "views are trivially copyable");
+static_assert(std::is_trivially_copyable<cache_view<const bf16>>::value, "views are trivially copyable");
+
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_VIEWS_CACHE_VIEW_HPP
