@@ -25,6 +25,7 @@ class Config:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     max_seq_len: int = 4096
+    tie_embeddings: bool = False
 
     def to_dict(self):
         return asdict(self)
@@ -120,6 +121,8 @@ class TinyLM(nn.Module):
         self.layers = nn.ModuleList([Block(c) for _ in range(c.n_layers)])
         self.norm = RMSNorm(c.d_model, c.norm_eps)
         self.output = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        if c.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         cos, sin = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

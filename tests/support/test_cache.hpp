@@ -1,0 +1,181 @@
+// Test caches: dense [H][L][d] data laid out in every engine layout by explicit offset
+// formulas (not through the library's view code), with the matching library view.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvevict/dtype.hpp"
+#include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/layouts.hpp"
+#include "kvevict/views/query_view.hpp"
+
+namespace test {
+
+enum class layout { contiguous, padded, token_major, transposed, paged_nhd, paged_hnd };
+inline const layout kAllLayouts[] = {layout::contiguous, layout::padded,    layout::token_major,
+                                     layout::transposed, layout::paged_nhd, layout::paged_hnd};
+inline std::string name(layout l) {
+  switch (l) {
+    case layout::contiguous: return "contiguous";
+    case layout::padded: return "padded";
+    case layout::token_major: return "token_major";
+    case layout::transposed: return "transposed";
+    case layout::paged_nhd: return "paged_nhd";
+    case layout::paged_hnd: return "paged_hnd";
+  }
+  return "?";
+}
+
+template <class T>
+inline T store(double x) {
+  return kvevict::from_float<T>(static_cast<float>(x));
+}
+template <class T>
+inline double load(T x) {
+  return static_cast<double>(kvevict::to_float(x));
+}
+template <class T>
+inline T sentinel() {
+  return store<T>(-777.0);
+}
+
+/// Dense values rounded to what T can store (so the reference sees exactly the stored data).
+template <class T>
+std::vector<double> rounded(std::vector<double> v) {
+  for (double& x : v) x = load(store<T>(x));
+  return v;
+}
+
+inline std::vector<double> normal(std::size_t n, std::uint64_t seed, double scale = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> dist(0.0, scale);
+  std::vector<double> v(n);
+  for (double& x : v) x = dist(rng);
+  return v;
+}
+
+template <class T>
+struct test_cache {
+  layout kind = layout::contiguous;
+  std::int64_t heads = 0, tokens = 0, dim = 0, block_size = 0, kv_size = 0;
+  std::vector<T> buffer;
+  std::vector<std::int32_t> table;
+  std::int64_t pool_blocks = 0;
+  kvevict::cache_view<T> view;
+
+  std::int64_t offset(std::int64_t h, std::int64_t j, std::int64_t c) const {
+    switch (kind) {
+      case layout::contiguous: return (h * tokens + j) * dim + c;
+      case layout::padded: return h * (tokens + 3) * (dim + 5) + j * (dim + 5) + c;
+      case layout::token_major: return j * (heads * dim) + h * dim + c;
+      case layout::transposed: return (h * dim + c) * kv_size + j;
+      case layout::paged_nhd: {
+        const std::int64_t blk = table[static_cast<std::size_t>(j / block_size)];
+        return ((blk * block_size + j % block_size) * heads + h) * dim + c;
+      }
+      case layout::paged_hnd: {
+        const std::int64_t blk = table[static_cast<std::size_t>(j / block_size)];
+        return ((blk * heads + h) * block_size + j % block_size) * dim + c;
+      }
+    }
+    return -1;
+  }
+  T& at(std::int64_t h, std::int64_t j, std::int64_t c) { return buffer[static_cast<std::size_t>(offset(h, j, c))]; }
+  T at(std::int64_t h, std::int64_t j, std::int64_t c) const { return buffer[static_cast<std::size_t>(offset(h, j, c))]; }
+
+  /// Dense [H][L][d] copy of the first `n` tokens of each head (as stored).
+  std::vector<double> dense(std::int64_t n) const {
+    std::vector<double> out(static_cast<std::size_t>(heads * n * dim));
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t j = 0; j < n; ++j)
+        for (std::int64_t c = 0; c < dim; ++c) out[static_cast<std::size_t>((h * n + j) * dim + c)] = load(at(h, j, c));
+    return out;
+  }
+};
+
+/// Lays dense [H][L][d] out in `kind`. Paged layouts get a shuffled block table over a pool
+/// with spare blocks; all unused memory holds a sentinel.
+template <class T>
+test_cache<T> make_cache(layout kind, std::int64_t heads, std::int64_t tokens, std::int64_t dim,
+                         const std::vector<double>& dense, std::int64_t block_size = 16, std::uint64_t seed = 7) {
+  test_cache<T> c;
+  c.kind = kind;
+  c.heads = heads;
+  c.tokens = tokens;
+  c.dim = dim;
+  c.block_size = block_size;
+  c.kv_size = tokens + 7;
+  std::size_t size = 0;
+  switch (kind) {
+    case layout::contiguous: size = static_cast<std::size_t>(heads * tokens * dim); break;
+    case layout::padded: size = static_cast<std::size_t>(heads * (tokens + 3) * (dim + 5)); break;
+    case layout::token_major: size = static_cast<std::size_t>(tokens * heads * dim); break;
+    case layout::transposed: size = static_cast<std::size_t>(heads * dim * c.kv_size); break;
+    case layout::paged_nhd:
+    case layout::paged_hnd: {
+      const std::int64_t used = (tokens + block_size - 1) / block_size;
+      c.pool_blocks = used + 3;
+      std::vector<std::int32_t> ids(static_cast<std::size_t>(c.pool_blocks));
+      std::iota(ids.begin(), ids.end(), 0);
+      std::mt19937_64 rng(seed);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      c.table.assign(ids.begin(), ids.begin() + used);
+      if (c.table.empty()) c.table.push_back(0);
+      size = static_cast<std::size_t>(c.pool_blocks * block_size * heads * dim);
+      break;
+    }
+  }
+  c.buffer.assign(std::max<std::size_t>(size, 1), sentinel<T>());
+  for (std::int64_t h = 0; h < heads; ++h)
+    for (std::int64_t j = 0; j < tokens; ++j)
+      for (std::int64_t d = 0; d < dim; ++d) c.at(h, j, d) = store<T>(dense[static_cast<std::size_t>((h * tokens + j) * dim + d)]);
+  T* p = c.buffer.data();
+  switch (kind) {
+    case layout::contiguous: c.view = kvevict::hf_contiguous(p, heads, tokens, dim); break;
+    case layout::padded:
+      c.view = kvevict::strided_cache(p, heads, tokens, dim, (tokens + 3) * (dim + 5), dim + 5, 1);
+      break;
+    case layout::token_major: c.view = kvevict::llamacpp_k(p, heads, tokens, dim); break;
+    case layout::transposed: c.view = kvevict::llamacpp_v_transposed(p, c.kv_size, heads, tokens, dim); break;
+    case layout::paged_nhd:
+      c.view = kvevict::vllm_paged(p, c.pool_blocks, block_size, heads, dim, c.table.data(), tokens);
+      break;
+    case layout::paged_hnd:
+      c.view = kvevict::flashinfer_paged_hnd(p, c.pool_blocks, block_size, heads, dim, c.table.data(), tokens);
+      break;
+  }
+  return c;
+}
+
+/// Queries [Hq][W][d] stored as T, head-major or token-major.
+template <class T>
+struct test_queries {
+  std::vector<T> buffer;
+  std::vector<std::int64_t> positions;
+  kvevict::query_view<T> view;
+};
+
+template <class T>
+test_queries<T> make_queries(std::int64_t hq, std::int64_t w, std::int64_t d, const std::vector<double>& dense,
+                             std::vector<std::int64_t> positions, bool token_major = false) {
+  test_queries<T> q;
+  q.buffer.resize(static_cast<std::size_t>(hq * w * d));
+  q.positions = std::move(positions);
+  for (std::int64_t h = 0; h < hq; ++h)
+    for (std::int64_t t = 0; t < w; ++t)
+      for (std::int64_t c = 0; c < d; ++c) {
+        const std::int64_t off = token_major ? (t * hq + h) * d + c : (h * w + t) * d + c;
+        q.buffer[static_cast<std::size_t>(off)] = store<T>(dense[static_cast<std::size_t>((h * w + t) * d + c)]);
+      }
+  q.view = token_major ? kvevict::token_major_queries(q.buffer.data(), hq, w, d, q.positions.data())
+                       : kvevict::contiguous_queries(q.buffer.data(), hq, w, d, q.positions.data());
+  return q;
+}
+
+}  // namespace test
