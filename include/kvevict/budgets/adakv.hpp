@@ -1,0 +1,127 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_BUDGETS_ADAKV_HPP
+#define KVEVICT_BUDGETS_ADAKV_HPP
+
+// AdaKV head budgets inside a layer (DESIGN.md section 5): heads whose attention is spread
+// out get more of the layer's Hkv*B tokens, concentrated heads fewer, every head at least
+// floor(alpha*B).
+//   1. optionally normalise: scale head h's scores by (sum of its top-B) / (sum of all), the
+//      share of its mass a uniform budget would keep;
+//   2. take the global top Hkv*B over all heads' candidates (ties: lower head, then lower
+//      index), and count c_h picks per head;
+//   3. head h keeps round(c_h*(1 - alpha) + floor(alpha*B)) candidates (round half to even,
+//      as the Python reference does), clamped to [0, C].
+// The sum is Hkv*B up to rounding (at most Hkv/2 away).
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "kvevict/config.hpp"
+#include "kvevict/detail/topk.hpp"
+#include "kvevict/detail/validate.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/views/matrix_view.hpp"
+#include "kvevict/workspace.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+
+struct adakv_params {
+  double alpha = 0.2;      ///< floor fraction (the AdaKV GQA script's value)
+  bool normalize = false;  ///< per-head normalisation (off in AdaKV's GQA script)
+};
+
+namespace detail {
+struct adakv_layout {
+  float* flat = nullptr;            ///< [Hkv * C]
+  std::int64_t* picked = nullptr;   ///< [Hkv * B] (at most Hkv * C)
+  topk_scratch topk;
+};
+inline void carve_adakv_layout(arena& a, std::int64_t heads, std::int64_t candidates, adakv_layout* out) noexcept {
+  out->flat = a.take<float>(heads * candidates);
+  out->picked = a.take<std::int64_t>(heads * candidates);
+  carve_topk_scratch(a, heads * candidates, &out->topk);
+}
+inline std::int64_t round_half_even(double x) noexcept {
+  const double f = std::floor(x);
+  const double diff = x - f;
+  if (diff > 0.5) return static_cast<std::int64_t>(f) + 1;
+  if (diff < 0.5) return static_cast<std::int64_t>(f);
+  const auto fi = static_cast<std::int64_t>(f);
+  return (fi % 2 == 0) ? fi : fi + 1;
+}
+}  // namespace detail
+
+/// Bytes of workspace `adakv_head_budgets` needs for [num_kv_heads, num_tokens] scores.
+inline std::size_t adakv_workspace_size(std::int64_t num_kv_heads, std::int64_t num_tokens) noexcept {
+  detail::arena a;
+  detail::adakv_layout layout;
+  detail::carve_adakv_layout(a, num_kv_heads, num_tokens, &layout);
+  return a.used();
+}
+
+/// scores: [Hkv, L] (candidates [0, L - protected_tail)); per_head_budget: B, the average
+/// number of candidates a head keeps; out: [Hkv] candidates each head keeps (select them
+/// with the per-head overload of kvevict::select and the same protected tail on top).
+inline status adakv_head_budgets(const_score_view scores, std::int64_t protected_tail, std::int64_t per_head_budget,
+                                 const adakv_params& params, std::int64_t* out, workspace_span ws) {
+  static constexpr const char* fn = "kvevict::adakv_head_budgets";
+  if (scores.rows < 1)
+    return status::error(errc::invalid_shape, fn, "scores.rows", "expected >= 1 KV head, got %lld",
+                         static_cast<long long>(scores.rows));
+  KVEVICT_RETURN_IF_ERROR(detail::validate_matrix_view(scores, scores.rows, scores.cols, fn, "scores"));
+  if (protected_tail < 0)
+    return status::error(errc::invalid_argument, fn, "protected_tail", "expected >= 0, got %lld",
+                         static_cast<long long>(protected_tail));
+  if (per_head_budget < 0)
+    return status::error(errc::invalid_argument, fn, "per_head_budget", "expected >= 0, got %lld",
+                         static_cast<long long>(per_head_budget));
+  if (!(params.alpha >= 0.0 && params.alpha <= 1.0))
+    return status::error(errc::invalid_argument, fn, "params.alpha", "expected alpha in [0, 1], got %g", params.alpha);
+  if (out == nullptr) return status::error(errc::null_pointer, fn, "out", "expected [Hkv] budgets");
+  const std::int64_t heads = scores.rows;
+  const std::int64_t candidates = scores.cols > protected_tail ? scores.cols - protected_tail : 0;
+  if (heads * candidates > static_cast<std::int64_t>(std::numeric_limits<std::uint32_t>::max()))
+    return status::error(errc::overflow, fn, "scores", "expected fewer than 2^32 candidates in a layer");
+  detail::arena a(ws);
+  detail::adakv_layout layout;
+  detail::carve_adakv_layout(a, heads, candidates, &layout);
+  if (a.overflowed())
+    return status::error(errc::workspace_too_small, fn, "ws",
+                         "expected at least %zu bytes (adakv_workspace_size), got %zu", a.used(), ws.size);
+
+  if (per_head_budget >= candidates) {
+    for (std::int64_t h = 0; h < heads; ++h) out[h] = candidates;
+    return status();
+  }
+  const std::int64_t b = per_head_budget;
+  for (std::int64_t h = 0; h < heads; ++h) {
+    float* row = layout.flat + h * candidates;
+    for (std::int64_t j = 0; j < candidates; ++j) row[j] = scores.at(h, j);
+    if (params.normalize && b > 0) {
+      detail::top_k_ascending(row, candidates, b, layout.picked, layout.topk);
+      double top = 0.0, total = 0.0;
+      for (std::int64_t i = 0; i < b; ++i) top += static_cast<double>(row[layout.picked[i]]);
+      for (std::int64_t j = 0; j < candidates; ++j) total += static_cast<double>(row[j]);
+      const double factor = (total > 0.0 && std::isfinite(total) && std::isfinite(top)) ? top / total : 1.0;
+      for (std::int64_t j = 0; j < candidates; ++j) row[j] = static_cast<float>(static_cast<double>(row[j]) * factor);
+    }
+  }
+  const std::int64_t global = heads * b;
+  for (std::int64_t h = 0; h < heads; ++h) out[h] = 0;
+  if (global > 0) {
+    detail::top_k_ascending(layout.flat, heads * candidates, global, layout.picked, layout.topk);
+    for (std::int64_t i = 0; i < global; ++i) ++out[layout.picked[i] / candidates];
+  }
+  const double floor_budget = std::floor(params.alpha * static_cast<double>(b));
+  for (std::int64_t h = 0; h < heads; ++h) {
+    std::int64_t v = detail::round_half_even(static_cast<double>(out[h]) * (1.0 - params.alpha) + floor_budget);
+    out[h] = v < 0 ? 0 : (v > candidates ? candidates : v);
+  }
+  return status();
+}
+
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_BUDGETS_ADAKV_HPP

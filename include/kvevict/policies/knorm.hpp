@@ -1,0 +1,82 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_POLICIES_KNORM_HPP
+#define KVEVICT_POLICIES_KNORM_HPP
+
+// KNorm: score = -||k||_2 per KV head and token (low-norm keys tend to draw attention; a
+// cheap query-free baseline, as kvpress's KnormPress). NaN keys score NaN and rank last.
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "kvevict/config.hpp"
+#include "kvevict/detail/validate.hpp"
+#include "kvevict/detail/widen.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/executor.hpp"
+#include "kvevict/policies/layer_inputs.hpp"
+#include "kvevict/selection/budget.hpp"
+#include "kvevict/shape.hpp"
+#include "kvevict/views/matrix_view.hpp"
+#include "kvevict/workspace.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+
+struct knorm_config {
+  std::int64_t protected_tail = 0;  ///< last tokens always kept (scored +inf)
+  protected_mode protect = protected_mode::inside_budget;
+};
+
+template <class T>
+class knorm {
+ public:
+  using storage_type = T;
+  using config_type = knorm_config;
+
+  explicit knorm(const knorm_config& config = {}) noexcept : config_(config) {}
+  const knorm_config& config() const noexcept { return config_; }
+
+  std::size_t workspace_size(const layer_shape& shape, const executor& = {}) const noexcept {
+    detail::arena a;
+    (void)a.take<float>(shape.head_dim);
+    return a.used();
+  }
+  selection_params selection() const noexcept { return {config_.protected_tail, config_.protect}; }
+
+  /// keys: [Hkv, L, d]; scores: [Hkv, L] out.
+  status score(const layer_inputs<T>& in, score_view scores, workspace_span ws, const executor& = {}) const {
+    static constexpr const char* fn = "kvevict::knorm::score";
+    if (config_.protected_tail < 0)
+      return status::error(errc::invalid_argument, fn, "config.protected_tail", "expected >= 0, got %lld",
+                           static_cast<long long>(config_.protected_tail));
+    KVEVICT_RETURN_IF_ERROR(detail::validate_cache_view(in.keys, fn, "keys"));
+    KVEVICT_RETURN_IF_ERROR(
+        detail::validate_matrix_view(scores, in.keys.num_heads, in.keys.num_tokens, fn, "scores"));
+    detail::arena a(ws);
+    float* row_buf = a.take<float>(in.keys.head_dim);
+    if (a.overflowed())
+      return status::error(errc::workspace_too_small, fn, "ws", "expected at least %zu bytes, got %zu", a.used(),
+                           ws.size);
+    const std::int64_t tokens = in.keys.num_tokens;
+    const std::int64_t candidates = tokens > config_.protected_tail ? tokens - config_.protected_tail : 0;
+    for (std::int64_t h = 0; h < in.keys.num_heads; ++h) {
+      float* out = scores.row(h);
+      for (std::int64_t j = 0; j < candidates; ++j) {
+        detail::widen_row(in.keys.row(h, j), in.keys.dim_stride, row_buf, in.keys.head_dim);
+        float sum = 0.0f;
+        for (std::int64_t c = 0; c < in.keys.head_dim; ++c) sum += row_buf[c] * row_buf[c];
+        out[j] = -std::sqrt(sum);
+      }
+      for (std::int64_t j = candidates; j < tokens; ++j) out[j] = std::numeric_limits<float>::infinity();
+    }
+    return status();
+  }
+
+ private:
+  knorm_config config_;
+};
+
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_POLICIES_KNORM_HPP

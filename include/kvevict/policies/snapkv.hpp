@@ -1,0 +1,55 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_POLICIES_SNAPKV_HPP
+#define KVEVICT_POLICIES_SNAPKV_HPP
+
+// SnapKV / prompt-window scoring: the last W prompt queries observe every key; their
+// aggregated, pooled attention is the score; the window itself is protected. Every
+// convention is a parameter (scoring/params.hpp); scoring/presets.hpp pins the peers'.
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvevict/config.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/executor.hpp"
+#include "kvevict/policies/layer_inputs.hpp"
+#include "kvevict/scoring/observation_scores.hpp"
+#include "kvevict/scoring/presets.hpp"
+#include "kvevict/selection/budget.hpp"
+#include "kvevict/shape.hpp"
+#include "kvevict/workspace.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+
+template <class T>
+class snapkv {
+ public:
+  using storage_type = T;
+  using config_type = window_config;
+
+  explicit snapkv(const window_config& config = presets::kvpress_snapkv()) noexcept : config_(config) {}
+  const window_config& config() const noexcept { return config_; }
+  /// W: how many of its last prompt queries the engine should hand in.
+  std::int64_t window() const noexcept { return config_.window; }
+
+  std::size_t workspace_size(const layer_shape& shape, const executor& exec = {}) const noexcept {
+    return observation_scores_workspace_size(shape, config_.params(), exec);
+  }
+  selection_params selection() const noexcept { return config_.selection(); }
+
+  /// in.queries: [Hq, W', d] the last W' <= W prompt queries with positions; in.keys:
+  /// [Hkv, L, d]; scores: [Hkv, L] out (the last W tokens +inf).
+  status score(const layer_inputs<T>& in, score_view scores, workspace_span ws, const executor& exec = {}) const {
+    if (config_.window < 0)
+      return status::error(errc::invalid_argument, "kvevict::snapkv::score", "config.window", "expected >= 0, got %lld",
+                           static_cast<long long>(config_.window));
+    return observation_scores(in.queries, in.keys, config_.params(), scores, ws, in.observation, exec);
+  }
+
+ private:
+  window_config config_;
+};
+
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_POLICIES_SNAPKV_HPP

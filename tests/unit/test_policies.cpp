@@ -1,0 +1,299 @@
+// Policies against independent references: StreamingLLM, KNorm, H2O (from queries and from
+// attention rows), ChunkKV, PyramidKV layer budgets, AdaKV head budgets, and a policy a
+// user writes against the shared contract.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "kvevict/budgets/adakv.hpp"
+#include "kvevict/budgets/pyramidkv.hpp"
+#include "kvevict/policies/chunkkv.hpp"
+#include "kvevict/policies/h2o.hpp"
+#include "kvevict/policies/knorm.hpp"
+#include "kvevict/policies/snapkv.hpp"
+#include "kvevict/policies/streaming_llm.hpp"
+#include "kvevict/selection/select.hpp"
+#include "reference/reference.hpp"
+#include "support/compare.hpp"
+#include "support/test_cache.hpp"
+
+using kvevict::bf16;
+using kvevict::fp16;
+
+namespace {
+
+template <class Policy>
+std::vector<float> score_with(const Policy& policy, const kvevict::layer_inputs<typename Policy::storage_type>& in,
+                              const kvevict::layer_shape& shape) {
+  std::vector<float> scores(static_cast<std::size_t>(shape.num_kv_heads * shape.num_tokens));
+  kvevict::workspace ws(policy.workspace_size(shape));
+  const auto st =
+      policy.score(in, {scores.data(), shape.num_kv_heads, shape.num_tokens, shape.num_tokens}, ws);
+  INFO(st.message());
+  REQUIRE(st.ok());
+  return scores;
+}
+
+kvevict::keep_list select_all(const std::vector<float>& scores, std::int64_t heads, std::int64_t tokens,
+                              kvevict::budget b, kvevict::selection_params sp) {
+  kvevict::keep_list keep(heads, kvevict::select_capacity(heads, tokens, b, sp));
+  kvevict::workspace ws(kvevict::select_workspace_size(tokens));
+  REQUIRE(kvevict::select(kvevict::const_score_view{scores.data(), heads, tokens, tokens}, b, sp, keep, ws).ok());
+  return keep;
+}
+
+}  // namespace
+
+TEST_CASE("StreamingLLM keeps the sinks and the most recent tokens", "[policies]") {
+  std::vector<float> k(2 * 50 * 4, 0.0f);
+  kvevict::layer_inputs<float> in;
+  in.keys = kvevict::hf_contiguous(k.data(), 2, 50, 4);
+  kvevict::streaming_llm<float> policy({4});
+  const auto scores = score_with(policy, in, {2, 2, 4, 50, 0});
+  for (std::int64_t b : {0, 3, 4, 10, 50, 60}) {
+    const auto keep = select_all(scores, 2, 50, kvevict::budget::tokens(b), policy.selection());
+    std::vector<std::int64_t> want;
+    for (std::int64_t j = 0; j < 50; ++j)
+      if (j < std::min<std::int64_t>(4, b) || (b > 4 && j >= 50 - (b - 4))) want.push_back(j);
+    REQUIRE(keep.head(0) == want);
+    REQUIRE(keep.head(1) == want);
+  }
+}
+
+TEMPLATE_TEST_CASE("KNorm scores -||k|| in every layout", "[policies]", float, fp16, bf16) {
+  const std::int64_t h = 3, l = 45, d = 64;
+  const auto dense = test::rounded<TestType>(test::normal(static_cast<std::size_t>(h * l * d), 3));
+  for (test::layout lay : test::kAllLayouts) {
+    auto cache = test::make_cache<TestType>(lay, h, l, d, dense);
+    kvevict::layer_inputs<TestType> in;
+    in.keys = cache.view;
+    kvevict::knorm<TestType> policy({5, kvevict::protected_mode::inside_budget});
+    const auto scores = score_with(policy, in, {h, h, d, l, 0});
+    std::vector<ref::vec> want(static_cast<std::size_t>(h), ref::vec(static_cast<std::size_t>(l), INFINITY));
+    for (std::int64_t hh = 0; hh < h; ++hh)
+      for (std::int64_t j = 0; j < l - 5; ++j) {
+        double s = 0;
+        for (std::int64_t c = 0; c < d; ++c) s += std::pow(dense[static_cast<std::size_t>((hh * l + j) * d + c)], 2);
+        want[static_cast<std::size_t>(hh)][static_cast<std::size_t>(j)] = -std::sqrt(s);
+      }
+    test::require_scores_close({scores.data(), h, l, l}, want);
+  }
+}
+
+TEST_CASE("H2O: accumulated attention divided by the queries that see each key", "[policies]") {
+  const std::int64_t hkv = 2, g = 2, hq = hkv * g, d = 64, l = 57;
+  ref::problem p;
+  p.hq = hq;
+  p.hkv = hkv;
+  p.w = l;  // every prompt query observes
+  p.l = l;
+  p.d = d;
+  p.q = test::rounded<bf16>(test::normal(static_cast<std::size_t>(hq * l * d), 21));
+  p.k = test::rounded<bf16>(test::normal(static_cast<std::size_t>(hkv * l * d), 22));
+  for (std::int64_t t = 0; t < l; ++t) p.qpos.push_back(t);
+  ref::params rp;
+  rp.window = ref::agg::visible_mean;
+  rp.kind = ref::pool::none;
+  rp.reduce_before_pool = true;
+  rp.protected_tail = 8;
+  const auto want = ref::scores(p, rp);
+
+  auto keys = test::make_cache<bf16>(test::layout::paged_nhd, hkv, l, d, p.k);
+  auto queries = test::make_queries<bf16>(hq, l, d, p.q, p.qpos);
+  kvevict::h2o<bf16> policy({8, kvevict::protected_mode::inside_budget, kvevict::gqa_reduction::mean});
+  kvevict::layer_inputs<bf16> in;
+  in.keys = keys.view;
+  in.queries = queries.view;
+  const auto from_queries = score_with(policy, in, {hq, hkv, d, l, l});
+  test::require_scores_close({from_queries.data(), hkv, l, l}, want);
+
+  // The same scores from attention rows the engine computed ([Hq, W, L]).
+  std::vector<float> rows(static_cast<std::size_t>(hq * l * l), 0.0f);
+  ref::params full = rp;
+  full.protected_tail = 0;
+  for (std::int64_t q = 0; q < hq; ++q) {
+    const auto a = ref::attention(p, full, q);
+    for (std::int64_t t = 0; t < l; ++t)
+      for (std::int64_t j = 0; j < l; ++j)
+        rows[static_cast<std::size_t>((q * l + t) * l + j)] = static_cast<float>(a[static_cast<std::size_t>(t)][static_cast<std::size_t>(j)]);
+  }
+  kvevict::layer_inputs<bf16> rin;
+  rin.keys = keys.view;
+  rin.attention = kvevict::contiguous_attention(rows.data(), hq, l, l, p.qpos.data());
+  const auto from_rows = score_with(policy, rin, {hq, hkv, d, l, l});
+  test::require_scores_close({from_rows.data(), hkv, l, l}, want);
+}
+
+TEST_CASE("ChunkKV keeps whole chunks, the same for every head", "[policies]") {
+  const std::int64_t hkv = 3, g = 2, hq = hkv * g, d = 64, l = 203, w = 16, chunk = 20;
+  ref::problem p;
+  p.hq = hq;
+  p.hkv = hkv;
+  p.w = w;
+  p.l = l;
+  p.d = d;
+  p.q = test::normal(static_cast<std::size_t>(hq * w * d), 31, 1.5);
+  p.k = test::normal(static_cast<std::size_t>(hkv * l * d), 32);
+  for (std::int64_t t = 0; t < w; ++t) p.qpos.push_back(l - w + t);
+  auto keys = test::make_cache<float>(test::layout::contiguous, hkv, l, d, p.k);
+  auto queries = test::make_queries<float>(hq, w, d, p.q, p.qpos);
+  kvevict::window_config cfg = kvevict::presets::kvpress_snapkv();
+  cfg.window = w;
+  kvevict::chunkkv<kvevict::snapkv<float>> policy(kvevict::snapkv<float>(cfg), {chunk});
+  kvevict::layer_inputs<float> in;
+  in.keys = keys.view;
+  in.queries = queries.view;
+  const auto scores = score_with(policy, in, {hq, hkv, d, l, w});
+
+  // Reference: SnapKV scores summed over heads, mean per chunk of candidates.
+  ref::params rp;
+  rp.protected_tail = w;
+  const auto snap = ref::scores(p, rp);
+  const std::int64_t c = l - w;
+  ref::vec chunk_scores(static_cast<std::size_t>(l), INFINITY);
+  for (std::int64_t c0 = 0; c0 < c; c0 += chunk) {
+    const std::int64_t c1 = std::min(c, c0 + chunk);
+    double s = 0;
+    for (std::int64_t h = 0; h < hkv; ++h)
+      for (std::int64_t j = c0; j < c1; ++j) s += snap[static_cast<std::size_t>(h)][static_cast<std::size_t>(j)];
+    for (std::int64_t j = c0; j < c1; ++j) chunk_scores[static_cast<std::size_t>(j)] = s / static_cast<double>(c1 - c0);
+  }
+  test::require_scores_close({scores.data(), hkv, l, l}, std::vector<ref::vec>(static_cast<std::size_t>(hkv), chunk_scores));
+  const auto keep = select_all(scores, hkv, l, kvevict::budget::tokens(16 + 50), policy.selection());
+  REQUIRE(keep.head(0) == keep.head(1));
+  REQUIRE(keep.head(1) == keep.head(2));
+  if (!test::near_tie_at(chunk_scores, c, 50))
+    REQUIRE(keep.head(0) == ref::keep(chunk_scores, 66, w, true));
+  // 50 candidates = two whole chunks + the first 10 tokens of the third-best chunk.
+  REQUIRE(keep.size(0) == 66);
+}
+
+TEST_CASE("PyramidKV layer budgets: mean C - w, linear and decreasing", "[policies][budgets]") {
+  struct c {
+    std::int64_t capacity, window, layers, tokens;
+  };
+  const c cases[] = {{2048, 32, 32, 32768}, {128, 8, 32, 4096}, {512, 32, 28, 600}, {100, 10, 7, 1000},
+                     {64, 8, 1, 500},       {600, 8, 32, 500},  {70, 8, 32, 120},   {40, 8, 5, 40}};
+  for (const c& k : cases) {
+    std::vector<std::int64_t> b(static_cast<std::size_t>(k.layers));
+    REQUIRE(kvevict::pyramidkv_layer_budgets(k.capacity, k.window, k.layers, k.tokens, b.data()).ok());
+    const std::int64_t available = std::max<std::int64_t>(0, k.tokens - k.window);
+    const std::int64_t mean = std::min(k.capacity - k.window, available);
+    INFO("C=" << k.capacity << " w=" << k.window << " N=" << k.layers << " L=" << k.tokens);
+    REQUIRE(std::accumulate(b.begin(), b.end(), std::int64_t{0}) == mean * k.layers);
+    for (std::size_t l = 0; l < b.size(); ++l) {
+      REQUIRE(b[l] >= 0);
+      REQUIRE(b[l] <= available);
+      if (l > 0) REQUIRE(b[l] <= b[l - 1]);
+    }
+    // Within one token of DESIGN.md's real-valued schedule.
+    if (k.capacity - k.window < available && k.layers > 1) {
+      const double avg = static_cast<double>(k.capacity - k.window);
+      double lo = avg / 20.0, hi = 2.0 * avg - lo;
+      if (hi >= static_cast<double>(available)) {
+        hi = static_cast<double>(available);
+        lo = 2.0 * avg - hi;
+      }
+      const double step = (hi - lo) / static_cast<double>(k.layers - 1);
+      for (std::size_t l = 0; l < b.size(); ++l)
+        REQUIRE(std::fabs(static_cast<double>(b[l]) - (hi - static_cast<double>(l) * step)) < 1.0);
+    }
+  }
+  std::int64_t out[4];
+  REQUIRE(kvevict::pyramidkv_layer_budgets(10, 20, 4, 100, out).code() == kvevict::errc::invalid_argument);
+  REQUIRE(std::string(kvevict::pyramidkv_layer_budgets(64, 8, 0, 100, out).argument()) == "num_layers");
+}
+
+TEST_CASE("AdaKV head budgets: total Hkv*B, floor respected, matches a reference", "[policies][budgets]") {
+  const std::int64_t heads = 8, tokens = 700, protect = 32;
+  const std::int64_t candidates = tokens - protect;
+  std::mt19937_64 rng(5);
+  std::vector<float> scores(static_cast<std::size_t>(heads * tokens));
+  for (std::int64_t h = 0; h < heads; ++h) {
+    // Heads differ in concentration: a few large scores for low h, flat for high h.
+    std::exponential_distribution<float> e(1.0f);
+    for (std::int64_t j = 0; j < tokens; ++j) {
+      const float x = e(rng);
+      scores[static_cast<std::size_t>(h * tokens + j)] = j >= candidates ? INFINITY : std::pow(x, 1.0f + static_cast<float>(8 - h));
+    }
+  }
+  for (bool normalize : {false, true})
+    for (std::int64_t b : {0, 1, 16, 100, 500, 668, 1000}) {
+      for (double alpha : {0.0, 0.2, 0.5}) {
+        std::vector<std::int64_t> out(static_cast<std::size_t>(heads));
+        kvevict::workspace ws(kvevict::adakv_workspace_size(heads, tokens));
+        REQUIRE(kvevict::adakv_head_budgets({scores.data(), heads, tokens, tokens}, protect, b, {alpha, normalize},
+                                            out.data(), ws)
+                    .ok());
+        // Reference: flatten (with optional normalisation), full sort, count, round half even.
+        std::vector<std::int64_t> want(static_cast<std::size_t>(heads), std::min(b, candidates));
+        if (b < candidates) {
+          std::vector<std::pair<double, std::int64_t>> flat;
+          for (std::int64_t h = 0; h < heads; ++h) {
+            ref::vec row(scores.begin() + h * tokens, scores.begin() + h * tokens + candidates);
+            double factor = 1.0;
+            if (normalize && b > 0) {
+              ref::vec sorted = row;
+              std::sort(sorted.rbegin(), sorted.rend());
+              double top = 0, total = 0;
+              for (std::int64_t i = 0; i < b; ++i) top += sorted[static_cast<std::size_t>(i)];
+              for (double x : row) total += x;
+              factor = top / total;
+            }
+            for (std::int64_t j = 0; j < candidates; ++j)
+              flat.push_back({static_cast<double>(static_cast<float>(row[static_cast<std::size_t>(j)] * factor)), h * candidates + j});
+          }
+          std::sort(flat.begin(), flat.end(), [](const auto& x, const auto& y) {
+            return x.first != y.first ? x.first > y.first : x.second < y.second;
+          });
+          std::vector<std::int64_t> count(static_cast<std::size_t>(heads), 0);
+          for (std::int64_t i = 0; i < heads * b; ++i) ++count[static_cast<std::size_t>(flat[static_cast<std::size_t>(i)].second / candidates)];
+          for (std::int64_t h = 0; h < heads; ++h) {
+            const double x = static_cast<double>(count[static_cast<std::size_t>(h)]) * (1 - alpha) + std::floor(alpha * static_cast<double>(b));
+            want[static_cast<std::size_t>(h)] = std::min<std::int64_t>(candidates, static_cast<std::int64_t>(std::nearbyint(x)));
+          }
+        }
+        INFO("B=" << b << " alpha=" << alpha << " normalize=" << normalize);
+        REQUIRE(out == want);
+        const std::int64_t total = std::accumulate(out.begin(), out.end(), std::int64_t{0});
+        if (b < candidates) REQUIRE(std::llabs(total - heads * b) <= heads / 2);
+        for (std::int64_t v : out) REQUIRE(v >= std::min<std::int64_t>(candidates, static_cast<std::int64_t>(std::floor(alpha * static_cast<double>(b)))));
+      }
+    }
+}
+
+namespace {
+// A policy written by a user against the shared contract: keep the tokens whose keys have
+// the largest first channel. It needs nothing from kvevict but the views.
+template <class T>
+struct first_channel_policy {
+  using storage_type = T;
+  std::size_t workspace_size(const kvevict::layer_shape&, const kvevict::executor& = {}) const { return 0; }
+  kvevict::selection_params selection() const { return {2, kvevict::protected_mode::on_top_of_budget}; }
+  kvevict::status score(const kvevict::layer_inputs<T>& in, kvevict::score_view out, kvevict::workspace_span,
+                        const kvevict::executor& = {}) const {
+    for (std::int64_t h = 0; h < in.keys.num_heads; ++h)
+      for (std::int64_t j = 0; j < in.keys.num_tokens; ++j) out.at(h, j) = kvevict::to_float(in.keys.at(h, j, 0));
+    return {};
+  }
+};
+}  // namespace
+
+TEST_CASE("a user-defined policy plugs into the shared selection", "[policies]") {
+  std::vector<fp16> k;
+  for (int j = 0; j < 10; ++j) {
+    k.push_back(fp16(static_cast<float>((j * 7) % 10)));
+    k.push_back(fp16(0.0f));
+  }
+  kvevict::layer_inputs<fp16> in;
+  in.keys = kvevict::hf_contiguous(k.data(), 1, 10, 2);
+  first_channel_policy<fp16> policy;
+  const auto scores = score_with(policy, in, {1, 1, 2, 10, 0});
+  const auto keep = select_all(scores, 1, 10, kvevict::budget::tokens(3), policy.selection());
+  // Channel 0 of tokens 0..7 is 0,7,4,1,8,5,2,9: the top 3 are tokens 7 (9), 4 (8), 1 (7); plus the tail 8, 9.
+  REQUIRE(keep.head(0) == std::vector<std::int64_t>{1, 4, 7, 8, 9});
+}
