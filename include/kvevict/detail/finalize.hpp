@@ -29,26 +29,39 @@ struct window_normaliser {
   }
 };
 
-/// acc: [G, C] (modified in place); tmp: [C] scratch; out: [L].
+/// Pools a KV head's GQA-reduced row into its score row: applies the window normalisation
+/// and, for mean, 1/G, then pooling; writes +inf to the protected tail. row: [C] (modified);
+/// out: [L]. Shared by window scoring and DeferKV's running state, so that DeferKV without
+/// decode feedback reproduces SnapKV bit for bit.
+inline void finalize_reduced_row(float* row, std::int64_t group, std::int64_t candidates, std::int64_t tokens,
+                                 const scoring_params& params, const window_normaliser& norm, float* out) {
+  norm.apply(row, candidates);
+  if (params.gqa == gqa_reduction::mean && group > 1) {
+    const float inv = 1.0f / static_cast<float>(group);
+    for (std::int64_t j = 0; j < candidates; ++j) row[j] *= inv;
+  }
+  pool_row(row, candidates, params.pool, out);
+  for (std::int64_t j = candidates; j < tokens; ++j) out[j] = std::numeric_limits<float>::infinity();
+}
+
+/// acc: [G, C] un-normalised aggregated rows (modified in place); tmp: [C] scratch; out: [L].
+/// Before pooling, the raw rows are reduced first and normalised once (normalisation is a
+/// positive per-key factor, so it commutes with sum, mean and max).
 inline void finalize_head(float* acc, std::int64_t group, std::int64_t candidates, std::int64_t tokens,
                           const scoring_params& params, const window_normaliser& norm, float* tmp, float* out) {
-  for (std::int64_t g = 0; g < group; ++g) norm.apply(acc + g * candidates, candidates);
   if (params.order == gqa_order::before_pooling) {
     for (std::int64_t g = 0; g < group; ++g) reduce_into(tmp, acc + g * candidates, candidates, params.gqa, g == 0);
-    if (params.gqa == gqa_reduction::mean && group > 1) {
-      const float inv = 1.0f / static_cast<float>(group);
-      for (std::int64_t j = 0; j < candidates; ++j) tmp[j] *= inv;
-    }
-    pool_row(tmp, candidates, params.pool, out);
-  } else {
-    for (std::int64_t g = 0; g < group; ++g) {
-      pool_row(acc + g * candidates, candidates, params.pool, tmp);
-      reduce_into(out, tmp, candidates, params.gqa, g == 0);
-    }
-    if (params.gqa == gqa_reduction::mean && group > 1) {
-      const float inv = 1.0f / static_cast<float>(group);
-      for (std::int64_t j = 0; j < candidates; ++j) out[j] *= inv;
-    }
+    finalize_reduced_row(tmp, group, candidates, tokens, params, norm, out);
+    return;
+  }
+  for (std::int64_t g = 0; g < group; ++g) {
+    norm.apply(acc + g * candidates, candidates);
+    pool_row(acc + g * candidates, candidates, params.pool, tmp);
+    reduce_into(out, tmp, candidates, params.gqa, g == 0);
+  }
+  if (params.gqa == gqa_reduction::mean && group > 1) {
+    const float inv = 1.0f / static_cast<float>(group);
+    for (std::int64_t j = 0; j < candidates; ++j) out[j] *= inv;
   }
   for (std::int64_t j = candidates; j < tokens; ++j) out[j] = std::numeric_limits<float>::infinity();
 }

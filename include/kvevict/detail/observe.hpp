@@ -11,6 +11,7 @@
 // are streamed in tiles (widened to float32 tile by tile); the [G*W, L] attention matrix is
 // never stored. Without an engine-provided log-sum-exp the softmax needs two sweeps: the
 // first finds each row's max and normaliser online, the second accumulates probabilities.
+// Small observation sets (decode steps) keep their logits instead and read the keys once.
 
 #include <algorithm>
 #include <cmath>
@@ -59,17 +60,24 @@ struct observation_scratch {
   float* row_max = nullptr;  ///< [R]
   float* row_lse = nullptr;  ///< [R]
   float* acc = nullptr;      ///< [G, C]
+  float* cached = nullptr;   ///< [R, softmax_end] logits, for small row counts only
 };
+
+/// Observation sets of at most this many rows per KV head (G*W; a decode step's G queries)
+/// keep their logits, so keys are read once; larger sets (prompt windows) read keys twice
+/// and keep only a tile, as the scratch bound O(Hkv*L + tiles) requires.
+constexpr std::int64_t cached_logit_rows = 16;
 
 inline void carve_observation_scratch(arena& a, const observation_problem& p, observation_scratch* s) noexcept {
   const tile_plan plan(p.dim);
   const std::int64_t r = p.rows();
   s->q = a.take<float>(r * p.dim);
   s->k = a.take<float>(plan.keys * p.dim);
-  s->logits = a.take<float>(std::min(r, plan.rows) * plan.keys);
+  s->logits = a.take<float>((r <= cached_logit_rows ? r : std::min(r, plan.rows)) * plan.keys);
   s->row_max = a.take<float>(r);
   s->row_lse = a.take<float>(r);
   s->acc = a.take<float>(p.group * p.candidates);
+  s->cached = r <= cached_logit_rows ? a.take<float>(r * p.softmax_end()) : nullptr;
 }
 
 /// Number of leading keys of tile [j0, j1) that observation position `pos` sees, for
@@ -116,16 +124,82 @@ void widen_key_tile(const cache_view<const KT>& keys, std::int64_t h, std::int64
   for (std::int64_t i = 0; i < n; ++i) widen_row(keys.row(h, j0 + i), keys.dim_stride, k + i * dim, dim);
 }
 
+/// acc[j] += w * exp(logit[j] - lse) (or max) for the first `live` entries of a prepared row;
+/// -inf logits (masked, or NaN) contribute exactly 0.
+KVEVICT_ALWAYS_INLINE void accumulate_row(const observation_problem& p, float* row, std::int64_t live, float lse,
+                                          float weight, float* acc) {
+  using array = Eigen::Array<float, Eigen::Dynamic, 1>;
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  Eigen::Map<array> prob(row, live);
+  prob = (prob == neg_inf).select(0.0f, (prob - lse).exp());
+  if (p.max_over_window) {
+    for (std::int64_t c = 0; c < live; ++c) acc[c] = nan_max(acc[c], row[c]);
+  } else {
+    Eigen::Map<array> out(acc, live);
+    if (weight == 1.0f) out += prob;
+    else out += weight * prob;
+  }
+}
+
+/// Online log-sum-exp update of one row with a prepared tile row.
+KVEVICT_ALWAYS_INLINE void lse_update(const float* row, std::int64_t live, float* row_max, float* row_sum) {
+  using array = Eigen::Array<float, Eigen::Dynamic, 1>;
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  if (live == 0) return;
+  const Eigen::Map<const array> a(row, live);
+  const float tile_max = a.maxCoeff();
+  if (tile_max == neg_inf) return;
+  if (tile_max > *row_max) {
+    *row_sum *= std::exp(*row_max - tile_max);
+    *row_max = tile_max;
+  }
+  *row_sum += (a - *row_max).exp().sum();
+}
+
+KVEVICT_ALWAYS_INLINE float finish_lse(float row_max, float row_sum) noexcept {
+  if (row_sum > 0.0f) return row_max + std::log(row_sum);
+  return row_sum == 0.0f ? -std::numeric_limits<float>::infinity() : row_sum;  // NaN stays NaN
+}
+
 /// Computes s.acc ([G, C]) for KV head h.
 template <class QT, class KT>
 void observe_head(const query_view<const QT>& queries, const cache_view<const KT>& keys, std::int64_t h,
                   const observation_problem& p, const observation_scratch& s) {
-  using array = Eigen::Array<float, Eigen::Dynamic, 1>;
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
   const tile_plan plan(p.dim);
   const std::int64_t rows = p.rows();
   const std::int64_t chunk_rows = std::min(rows, plan.rows);
+  const std::int64_t end = p.softmax_end();
   gather_queries(queries, h, p, s.q);
+  for (std::int64_t i = 0; i < p.group * p.candidates; ++i) s.acc[i] = 0.0f;  // probabilities are >= 0
+  auto weight_of = [&](std::int64_t r) { return p.weights != nullptr ? p.weights[r % p.window] : 1.0f; };
+
+  if (s.cached != nullptr && p.lse == nullptr) {
+    // One sweep: logits of every row over the whole domain, then softmax from the cache.
+    for (std::int64_t r = 0; r < rows; ++r) {
+      s.row_max[r] = neg_inf;
+      s.row_lse[r] = 0.0f;
+    }
+    for (std::int64_t j0 = 0; j0 < end; j0 += plan.keys) {
+      const std::int64_t n = std::min(plan.keys, end - j0);
+      widen_key_tile(keys, h, j0, n, p.dim, s.k);
+      logits_tile(s.q, rows, p.dim, s.k, n, s.logits);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        float* row = s.logits + r * n;
+        const std::int64_t live = mask_row(p, row, j0, n, p.query_positions[r % p.window]);
+        for (std::int64_t c = live; c < n; ++c) row[c] = neg_inf;
+        lse_update(row, live, &s.row_max[r], &s.row_lse[r]);
+        std::copy(row, row + n, s.cached + r * end + j0);
+      }
+    }
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float lse = finish_lse(s.row_max[r], s.row_lse[r]);
+      if (lse == neg_inf || p.candidates == 0) continue;
+      accumulate_row(p, s.cached + r * end, p.candidates, lse, weight_of(r),
+                     s.acc + (r / p.window) * p.candidates);
+    }
+    return;
+  }
 
   // Sweep 1: each row's log-sum-exp over the softmax domain (online max and normaliser).
   if (p.lse != nullptr) {
@@ -134,12 +208,10 @@ void observe_head(const query_view<const QT>& queries, const cache_view<const KT
       s.row_lse[r] = p.lse[(h * p.group + g) * p.lse_head_stride + t];
     }
   } else {
-    float* sums = s.row_lse;
     for (std::int64_t r = 0; r < rows; ++r) {
       s.row_max[r] = neg_inf;
-      sums[r] = 0.0f;
+      s.row_lse[r] = 0.0f;
     }
-    const std::int64_t end = p.softmax_end();
     for (std::int64_t j0 = 0; j0 < end; j0 += plan.keys) {
       const std::int64_t n = std::min(plan.keys, end - j0);
       widen_key_tile(keys, h, j0, n, p.dim, s.k);
@@ -150,24 +222,14 @@ void observe_head(const query_view<const QT>& queries, const cache_view<const KT
           const std::int64_t r = r0 + i;
           float* row = s.logits + i * n;
           const std::int64_t live = mask_row(p, row, j0, n, p.query_positions[r % p.window]);
-          if (live == 0) continue;
-          Eigen::Map<array> a(row, live);
-          const float tile_max = a.maxCoeff();
-          if (tile_max == neg_inf) continue;
-          if (tile_max > s.row_max[r]) {
-            sums[r] *= std::exp(s.row_max[r] - tile_max);
-            s.row_max[r] = tile_max;
-          }
-          sums[r] += (a - s.row_max[r]).exp().sum();
+          lse_update(row, live, &s.row_max[r], &s.row_lse[r]);
         }
       }
     }
-    for (std::int64_t r = 0; r < rows; ++r)
-      s.row_lse[r] = sums[r] > 0.0f ? s.row_max[r] + std::log(sums[r]) : (sums[r] == 0.0f ? neg_inf : sums[r]);
+    for (std::int64_t r = 0; r < rows; ++r) s.row_lse[r] = finish_lse(s.row_max[r], s.row_lse[r]);
   }
 
   // Sweep 2: accumulate probabilities of candidate keys.
-  for (std::int64_t i = 0; i < p.group * p.candidates; ++i) s.acc[i] = 0.0f;
   for (std::int64_t j0 = 0; j0 < p.candidates; j0 += plan.keys) {
     const std::int64_t n = std::min(plan.keys, p.candidates - j0);
     widen_key_tile(keys, h, j0, n, p.dim, s.k);
@@ -178,25 +240,10 @@ void observe_head(const query_view<const QT>& queries, const cache_view<const KT
         const std::int64_t r = r0 + i;
         const float lse = s.row_lse[r];
         if (lse == neg_inf) continue;  // the row sees no key of its domain
-        const std::int64_t t = r % p.window;
         float* row = s.logits + i * n;
-        const std::int64_t live = mask_row(p, row, j0, n, p.query_positions[t]);
+        const std::int64_t live = mask_row(p, row, j0, n, p.query_positions[r % p.window]);
         if (live == 0) continue;
-        Eigen::Map<array> prob(row, live);
-        prob = (prob - lse).exp();
-        if (!p.key_positions_sorted) {
-          for (std::int64_t c = 0; c < live; ++c)
-            if (p.key_positions[j0 + c] > p.query_positions[t]) row[c] = 0.0f;
-        }
-        float* acc = s.acc + (r / p.window) * p.candidates + j0;
-        if (p.max_over_window) {
-          for (std::int64_t c = 0; c < live; ++c) acc[c] = nan_max(acc[c], row[c]);
-        } else {
-          const float w = p.weights != nullptr ? p.weights[t] : 1.0f;
-          Eigen::Map<array> out(acc, live);
-          if (w == 1.0f) out += prob;
-          else out += w * prob;
-        }
+        accumulate_row(p, row, live, lse, weight_of(r), s.acc + (r / p.window) * p.candidates + j0);
       }
     }
   }

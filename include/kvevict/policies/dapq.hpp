@@ -1,0 +1,179 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_POLICIES_DAPQ_HPP
+#define KVEVICT_POLICIES_DAPQ_HPP
+
+// DapQ (seed paper 003): decoding-aligned eviction with position-aware pseudo queries. N
+// pseudo tokens are appended after the prompt at positions Lp .. Lp+N-1 and prefilled; their
+// post-RoPE queries are the observation window, so the window carries the positions of the
+// first N decode steps (the paper finds position dominates query similarity). Scores cover
+// the prompt's keys only; every pseudo token's K/V is evicted and decoding resumes at Lp.
+//
+// Pseudo content (the paper's ablation): the first m and last n prompt tokens (appendix:
+// 8 + 24 for Llama, 2 + 30 for Qwen), a fixed repeated phrase, or ids the caller gives.
+//
+// Beyond the paper (kvevict's re-rotation variant, no extra forward pass): RoPE rotations
+// compose, so the SnapKV window's post-RoPE queries (positions Lp-N .. Lp-1) rotated by N
+// more positions are queries at Lp .. Lp+N-1 -- the pseudo queries' positions with the
+// window's content. dapq_rerotate does that; dapq_rotate_to does the same from pre-RoPE
+// queries captured during prefill.
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvevict/config.hpp"
+#include "kvevict/detail/validate.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/executor.hpp"
+#include "kvevict/policies/layer_inputs.hpp"
+#include "kvevict/rope/rope.hpp"
+#include "kvevict/scoring/observation_scores.hpp"
+#include "kvevict/scoring/params.hpp"
+#include "kvevict/selection/budget.hpp"
+#include "kvevict/shape.hpp"
+#include "kvevict/views/layouts.hpp"
+#include "kvevict/workspace.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+
+struct dapq_config {
+  std::int64_t pseudo_tokens = 32;  ///< N
+  std::int64_t first = 8;           ///< m: leading prompt tokens in the pseudo content (Llama)
+  std::int64_t last = 24;           ///< n: trailing prompt tokens (m + n = N)
+  /// Scoring of the pseudo window over prompt keys (no prompt tail is protected by default:
+  /// the window is the pseudo tokens, which are all evicted).
+  scoring_params scoring = {softmax_domain::visible, window_aggregation::mean, gqa_reduction::mean,
+                            gqa_order::before_pooling, {pooling_kind::max, 7, true}, 0};
+  protected_mode protect = protected_mode::inside_budget;
+};
+
+/// Pseudo content "first m + last n": out[0..m) = prompt[0..m), out[m..m+n) = the last n
+/// prompt tokens. A prompt shorter than m (or n) repeats its ends (indices clamp).
+inline status dapq_pseudo_tokens_first_last(const std::int32_t* prompt, std::int64_t prompt_tokens, std::int64_t first,
+                                            std::int64_t last, std::int32_t* out) {
+  static constexpr const char* fn = "kvevict::dapq_pseudo_tokens_first_last";
+  if (prompt_tokens < 1) return status::error(errc::invalid_argument, fn, "prompt_tokens", "expected >= 1, got %lld", static_cast<long long>(prompt_tokens));
+  if (prompt == nullptr) return status::error(errc::null_pointer, fn, "prompt", "expected non-null");
+  if (first < 0 || last < 0 || first + last < 1)
+    return status::error(errc::invalid_argument, fn, "first", "expected first, last >= 0 with first + last >= 1, got %lld + %lld",
+                         static_cast<long long>(first), static_cast<long long>(last));
+  if (out == nullptr) return status::error(errc::null_pointer, fn, "out", "expected [first + last] ids");
+  for (std::int64_t i = 0; i < first; ++i) out[i] = prompt[i < prompt_tokens ? i : prompt_tokens - 1];
+  for (std::int64_t i = 0; i < last; ++i) {
+    const std::int64_t j = prompt_tokens - last + i;
+    out[first + i] = prompt[j < 0 ? 0 : j];
+  }
+  return status();
+}
+
+/// Pseudo content "fixed phrase": `phrase` repeated and cut to `count` ids.
+inline status dapq_pseudo_tokens_phrase(const std::int32_t* phrase, std::int64_t phrase_tokens, std::int64_t count,
+                                        std::int32_t* out) {
+  static constexpr const char* fn = "kvevict::dapq_pseudo_tokens_phrase";
+  if (phrase_tokens < 1 || phrase == nullptr)
+    return status::error(errc::invalid_argument, fn, "phrase", "expected a non-empty phrase");
+  if (count < 1) return status::error(errc::invalid_argument, fn, "count", "expected >= 1, got %lld", static_cast<long long>(count));
+  if (out == nullptr) return status::error(errc::null_pointer, fn, "out", "expected [count] ids");
+  for (std::int64_t i = 0; i < count; ++i) out[i] = phrase[i % phrase_tokens];
+  return status();
+}
+
+/// Positions of the pseudo tokens: Lp .. Lp+count-1.
+inline void dapq_pseudo_positions(std::int64_t prompt_tokens, std::int64_t count, std::int64_t* out) noexcept {
+  for (std::int64_t i = 0; i < count; ++i) out[i] = prompt_tokens + i;
+}
+
+namespace detail {
+template <class QT, class OutT>
+status rotate_queries(const char* fn, const query_view<QT>& in, const rope_config& rope, bool absolute,
+                      std::int64_t offset, OutT* out, std::int64_t* out_positions, query_view<const OutT>* out_view) {
+  const query_view<const std::remove_cv_t<QT>> q = in;
+  KVEVICT_RETURN_IF_ERROR(validate_query_view(q, fn, "queries"));
+  KVEVICT_RETURN_IF_ERROR(validate_rope_config(rope, fn));
+  if (rope.head_dim != q.head_dim)
+    return status::error(errc::invalid_shape, fn, "rope.head_dim", "expected queries.head_dim = %lld, got %lld",
+                         static_cast<long long>(q.head_dim), static_cast<long long>(rope.head_dim));
+  if (out == nullptr || out_positions == nullptr)
+    return status::error(errc::null_pointer, fn, out == nullptr ? "out" : "out_positions", "expected non-null");
+  float row[1024];
+  if (q.head_dim > 1024)
+    return status::error(errc::unsupported, fn, "queries.head_dim", "expected at most 1024, got %lld",
+                         static_cast<long long>(q.head_dim));
+  for (std::int64_t t = 0; t < q.num_queries; ++t)
+    out_positions[t] = absolute ? offset + t : q.positions[t] + offset;
+  for (std::int64_t h = 0; h < q.num_heads; ++h)
+    for (std::int64_t t = 0; t < q.num_queries; ++t) {
+      const double angle_position = absolute ? static_cast<double>(offset + t) : static_cast<double>(offset);
+      rope_rotate(rope, q.row(h, t), q.dim_stride, angle_position, row);
+      OutT* dst = out + (h * q.num_queries + t) * q.head_dim;
+      for (std::int64_t c = 0; c < q.head_dim; ++c) dst[c] = from_float<OutT>(row[c]);
+    }
+  if (out_view != nullptr) *out_view = contiguous_queries<const OutT>(out, q.num_heads, q.num_queries, q.head_dim, out_positions);
+  return status();
+}
+}  // namespace detail
+
+/// Re-rotation variant: post-RoPE window queries [Hq, N, d] at positions p_t, rotated by
+/// `delta` (= N for the SnapKV window Lp-N .. Lp-1), into out [Hq, N, d] (contiguous) with
+/// positions p_t + delta. *out_view (optional) views the result.
+template <class QT, class OutT>
+status dapq_rerotate(const query_view<QT>& post_rope_window, const rope_config& rope, std::int64_t delta, OutT* out,
+                     std::int64_t* out_positions, query_view<const OutT>* out_view = nullptr) {
+  return detail::rotate_queries("kvevict::dapq_rerotate", post_rope_window, rope, false, delta, out, out_positions,
+                                out_view);
+}
+
+/// Pre-RoPE variant: query t of pre-RoPE queries [Hq, N, d] rotated to absolute position
+/// first_position + t (= Lp + t for DapQ), into out [Hq, N, d] (contiguous).
+template <class QT, class OutT>
+status dapq_rotate_to(const query_view<QT>& pre_rope, const rope_config& rope, std::int64_t first_position, OutT* out,
+                      std::int64_t* out_positions, query_view<const OutT>* out_view = nullptr) {
+  return detail::rotate_queries("kvevict::dapq_rotate_to", pre_rope, rope, true, first_position, out, out_positions,
+                                out_view);
+}
+
+template <class T>
+class dapq {
+ public:
+  using storage_type = T;
+  using config_type = dapq_config;
+
+  explicit dapq(const dapq_config& config = {}) noexcept : config_(config) {}
+  const dapq_config& config() const noexcept { return config_; }
+  std::int64_t pseudo_tokens() const noexcept { return config_.pseudo_tokens; }
+
+  std::size_t workspace_size(const layer_shape& shape, const executor& exec = {}) const noexcept {
+    return observation_scores_workspace_size(shape, config_.scoring, exec);
+  }
+  selection_params selection() const noexcept { return {config_.scoring.protected_tail, config_.protect}; }
+
+  /// in.keys: [Hkv, Lp + N, d] (or [Hkv, Lp, d]): the cache after the pseudo prefill;
+  /// in.queries: [Hq, N, d] the pseudo queries, positions >= Lp; scores: [Hkv, Lp] out -- its
+  /// column count is Lp, the prompt length: only prompt keys are scored and normalised over.
+  status score(const layer_inputs<T>& in, score_view scores, workspace_span ws, const executor& exec = {}) const {
+    static constexpr const char* fn = "kvevict::dapq::score";
+    const std::int64_t prompt = scores.cols;
+    if (prompt < 0 || prompt > in.keys.num_tokens)
+      return status::error(errc::invalid_shape, fn, "scores.cols",
+                           "expected the prompt length Lp <= keys.num_tokens = %lld, got %lld",
+                           static_cast<long long>(in.keys.num_tokens), static_cast<long long>(prompt));
+    if (in.queries.positions != nullptr)
+      for (std::int64_t t = 0; t < in.queries.num_queries; ++t)
+        if (in.queries.positions[t] < prompt)
+          return status::error(errc::out_of_range, fn, "queries.positions",
+                               "expected pseudo-token positions >= Lp = %lld, got %lld at %lld",
+                               static_cast<long long>(prompt), static_cast<long long>(in.queries.positions[t]),
+                               static_cast<long long>(t));
+    return observation_scores(in.queries, in.keys.first_tokens(prompt), config_.scoring, scores, ws, in.observation,
+                              exec);
+  }
+
+  /// Where decoding resumes after eviction: the prompt length (pseudo positions are reused).
+  static constexpr std::int64_t next_position(std::int64_t prompt_tokens) noexcept { return prompt_tokens; }
+
+ private:
+  dapq_config config_;
+};
+
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_POLICIES_DAPQ_HPP
