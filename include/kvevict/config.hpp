@@ -9,8 +9,7 @@
 #define KVEVICT_VERSION_MAJOR 0
 #define KVEVICT_VERSION_MINOR 1
 #define KVEVICT_VERSION_PATCH 0
-#define KVEVICT_VERSION \
-  (KVEVICT_VERSION_MAJOR * 10000 + KVEVICT_VERSION_MINOR * 100 + KVEVICT_VERSION_PATCH)
+#define KVEVICT_VERSION (KVEVICT_VERSION_MAJOR * 10000 + KVEVICT_VERSION_MINOR * 100 + KVEVICT_VERSION_PATCH)
 
 // The inline namespace carries the ABI version: two kvevict versions linked into one
 // program (say, an engine and a plugin) get distinct symbols instead of ODR violations.

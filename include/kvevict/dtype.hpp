@@ -85,16 +85,13 @@ struct fp16 {
   std::uint16_t bits;
 
   fp16() = default;
-  KVEVICT_HOST_DEVICE explicit fp16(float value) noexcept
-      : bits(detail::float_to_fp16_bits(value)) {}
+  KVEVICT_HOST_DEVICE explicit fp16(float value) noexcept : bits(detail::float_to_fp16_bits(value)) {}
   KVEVICT_HOST_DEVICE static fp16 from_bits(std::uint16_t b) noexcept {
     fp16 h;
     h.bits = b;
     return h;
   }
-  KVEVICT_HOST_DEVICE explicit operator float() const noexcept {
-    return detail::fp16_bits_to_float(bits);
-  }
+  KVEVICT_HOST_DEVICE explicit operator float() const noexcept { return detail::fp16_bits_to_float(bits); }
 };
 
 /// bfloat16: the top half of a float32. Stored as its bit pattern.
@@ -102,16 +99,13 @@ struct bf16 {
   std::uint16_t bits;
 
   bf16() = default;
-  KVEVICT_HOST_DEVICE explicit bf16(float value) noexcept
-      : bits(detail::float_to_bf16_bits(value)) {}
+  KVEVICT_HOST_DEVICE explicit bf16(float value) noexcept : bits(detail::float_to_bf16_bits(value)) {}
   KVEVICT_HOST_DEVICE static bf16 from_bits(std::uint16_t b) noexcept {
     bf16 h;
     h.bits = b;
     return h;
   }
-  KVEVICT_HOST_DEVICE explicit operator float() const noexcept {
-    return detail::bf16_bits_to_float(bits);
-  }
+  KVEVICT_HOST_DEVICE explicit operator float() const noexcept { return detail::bf16_bits_to_float(bits); }
 };
 
 static_assert(sizeof(fp16) == 2 && std::is_trivially_copyable<fp16>::value, "fp16 layout");
@@ -122,19 +116,21 @@ enum class dtype : std::int32_t { f32 = 0, f16 = 1, bf16 = 2 };
 
 inline const char* to_string(dtype t) noexcept {
   switch (t) {
-    case dtype::f32: return "f32";
-    case dtype::f16: return "f16";
-    case dtype::bf16: return "bf16";
+    case dtype::f32:
+      return "f32";
+    case dtype::f16:
+      return "f16";
+    case dtype::bf16:
+      return "bf16";
   }
   return "unknown";
 }
 
 /// True for the storage types kvevict accepts (cv-qualifiers ignored).
 template <class T>
-struct is_storage_type
-    : std::integral_constant<bool, std::is_same<std::remove_cv_t<T>, float>::value ||
-                                       std::is_same<std::remove_cv_t<T>, fp16>::value ||
-                                       std::is_same<std::remove_cv_t<T>, bf16>::value> {};
+struct is_storage_type : std::integral_constant<bool, std::is_same<std::remove_cv_t<T>, float>::value ||
+                                                          std::is_same<std::remove_cv_t<T>, fp16>::value ||
+                                                          std::is_same<std::remove_cv_t<T>, bf16>::value> {};
 
 template <class T>
 struct dtype_of;
@@ -148,7 +144,9 @@ template <class T>
 struct dtype_of<const T> : dtype_of<T> {};
 
 /// Widening to float32 (exact for every storage type).
-KVEVICT_HOST_DEVICE KVEVICT_ALWAYS_INLINE float to_float(float x) noexcept { return x; }
+KVEVICT_HOST_DEVICE KVEVICT_ALWAYS_INLINE float to_float(float x) noexcept {
+  return x;
+}
 KVEVICT_HOST_DEVICE KVEVICT_ALWAYS_INLINE float to_float(fp16 x) noexcept {
   return detail::fp16_bits_to_float(x.bits);
 }

@@ -42,18 +42,30 @@ enum class errc : std::int32_t {
 /// Human-readable name of an error code ("invalid_stride", ...).
 inline const char* to_string(errc code) noexcept {
   switch (code) {
-    case errc::ok: return "ok";
-    case errc::null_pointer: return "null_pointer";
-    case errc::invalid_shape: return "invalid_shape";
-    case errc::invalid_stride: return "invalid_stride";
-    case errc::invalid_argument: return "invalid_argument";
-    case errc::out_of_range: return "out_of_range";
-    case errc::invalid_keep_list: return "invalid_keep_list";
-    case errc::workspace_too_small: return "workspace_too_small";
-    case errc::invalid_state: return "invalid_state";
-    case errc::overflow: return "overflow";
-    case errc::unsupported: return "unsupported";
-    case errc::device_error: return "device_error";
+    case errc::ok:
+      return "ok";
+    case errc::null_pointer:
+      return "null_pointer";
+    case errc::invalid_shape:
+      return "invalid_shape";
+    case errc::invalid_stride:
+      return "invalid_stride";
+    case errc::invalid_argument:
+      return "invalid_argument";
+    case errc::out_of_range:
+      return "out_of_range";
+    case errc::invalid_keep_list:
+      return "invalid_keep_list";
+    case errc::workspace_too_small:
+      return "workspace_too_small";
+    case errc::invalid_state:
+      return "invalid_state";
+    case errc::overflow:
+      return "overflow";
+    case errc::unsupported:
+      return "unsupported";
+    case errc::device_error:
+      return "device_error";
   }
   return "unknown";
 }
@@ -71,8 +83,7 @@ class [[nodiscard]] status {
 
   /// Builds an error about `argument` of `function` (both copied); `format` is printf-style
   /// and says what was expected and what was got.
-  static status error(errc code, const char* function, const char* argument, const char* format,
-                      ...) noexcept
+  static status error(errc code, const char* function, const char* argument, const char* format, ...) noexcept
 #if defined(__GNUC__) || defined(__clang__)
       __attribute__((format(printf, 4, 5)))
 #endif
@@ -91,12 +102,20 @@ class [[nodiscard]] status {
     return s;
   }
 
-  bool ok() const noexcept { return code_ == errc::ok; }
-  errc code() const noexcept { return code_; }
+  bool ok() const noexcept {
+    return code_ == errc::ok;
+  }
+  errc code() const noexcept {
+    return code_;
+  }
   /// The argument the error is about ("" when ok).
-  const char* argument() const noexcept { return argument_; }
+  const char* argument() const noexcept {
+    return argument_;
+  }
   /// The full message ("" when ok).
-  const char* message() const noexcept { return message_; }
+  const char* message() const noexcept {
+    return message_;
+  }
 
  private:
   errc code_ = errc::ok;
@@ -133,9 +152,9 @@ inline void throw_if_error(const status& s) {
 KVEVICT_NAMESPACE_END
 
 /// Propagates a failed status from a kvevict call to the caller.
-#define KVEVICT_RETURN_IF_ERROR(expr)            \
-  do {                                           \
-    ::kvevict::status kvevict_status_ = (expr);  \
+#define KVEVICT_RETURN_IF_ERROR(expr)                  \
+  do {                                                 \
+    ::kvevict::status kvevict_status_ = (expr);        \
     if (!kvevict_status_.ok()) return kvevict_status_; \
   } while (0)
 

@@ -18,9 +18,7 @@ struct layer_shape {
   std::int64_t num_tokens = 0;       ///< L (an upper bound is fine)
   std::int64_t num_queries = 0;      ///< W observations per query head (an upper bound is fine)
 
-  constexpr std::int64_t group_size() const noexcept {
-    return num_kv_heads > 0 ? num_query_heads / num_kv_heads : 0;
-  }
+  constexpr std::int64_t group_size() const noexcept { return num_kv_heads > 0 ? num_query_heads / num_kv_heads : 0; }
 };
 
 KVEVICT_NAMESPACE_END

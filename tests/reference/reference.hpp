@@ -39,7 +39,9 @@ struct params {
   vec weights;  // [W] for agg::weighted
 };
 
-inline double nan_max(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? NAN : std::max(a, b); }
+inline double nan_max(double a, double b) {
+  return (std::isnan(a) || std::isnan(b)) ? NAN : std::max(a, b);
+}
 
 /// Attention probabilities A[t][j] of query head q over keys j < C (0 where not visible).
 inline std::vector<vec> attention(const problem& p, const params& s, std::int64_t q) {
@@ -56,7 +58,8 @@ inline std::vector<vec> attention(const problem& p, const params& s, std::int64_
       vis[static_cast<std::size_t>(j)] = true;
       double dot = 0;
       for (std::int64_t c = 0; c < p.d; ++c)
-        dot += p.q[static_cast<std::size_t>((q * p.w + t) * p.d + c)] * p.k[static_cast<std::size_t>((h * p.l + j) * p.d + c)];
+        dot += p.q[static_cast<std::size_t>((q * p.w + t) * p.d + c)] *
+               p.k[static_cast<std::size_t>((h * p.l + j) * p.d + c)];
       const double x = dot / std::sqrt(static_cast<double>(p.d));
       logit[static_cast<std::size_t>(j)] = std::isnan(x) ? -INFINITY : x;  // NaN logits get no attention
     }
@@ -67,7 +70,9 @@ inline std::vector<vec> attention(const problem& p, const params& s, std::int64_
     for (double x : logit) z += std::exp(x - m);
     const double lse = m + std::log(z);
     for (std::int64_t j = 0; j < c_end; ++j)
-      if (vis[static_cast<std::size_t>(j)]) a[static_cast<std::size_t>(t)][static_cast<std::size_t>(j)] = std::exp(logit[static_cast<std::size_t>(j)] - lse);
+      if (vis[static_cast<std::size_t>(j)])
+        a[static_cast<std::size_t>(t)][static_cast<std::size_t>(j)] =
+            std::exp(logit[static_cast<std::size_t>(j)] - lse);
   }
   return a;
 }
@@ -93,7 +98,8 @@ inline vec pool_row(const vec& x, const params& s) {
 inline vec reduce(const std::vector<vec>& rows, gqa r) {
   vec out = rows[0];
   for (std::size_t g = 1; g < rows.size(); ++g)
-    for (std::size_t j = 0; j < out.size(); ++j) out[j] = r == gqa::max ? nan_max(out[j], rows[g][j]) : out[j] + rows[g][j];
+    for (std::size_t j = 0; j < out.size(); ++j)
+      out[j] = r == gqa::max ? nan_max(out[j], rows[g][j]) : out[j] + rows[g][j];
   if (r == gqa::mean)
     for (double& v : out) v /= static_cast<double>(rows.size());
   return out;
@@ -110,7 +116,8 @@ inline std::vector<vec> scores(const problem& p, const params& s) {
       const std::vector<vec> a = attention(p, s, qi);
       vec row(static_cast<std::size_t>(c_end), s.window == agg::max ? 0.0 : 0.0);
       double wsum = 0;
-      for (std::int64_t t = 0; t < p.w; ++t) wsum += s.window == agg::weighted ? s.weights[static_cast<std::size_t>(t)] : 1.0;
+      for (std::int64_t t = 0; t < p.w; ++t)
+        wsum += s.window == agg::weighted ? s.weights[static_cast<std::size_t>(t)] : 1.0;
       for (std::int64_t j = 0; j < c_end; ++j) {
         double v = 0;
         std::int64_t seen = 0;
@@ -119,9 +126,14 @@ inline std::vector<vec> scores(const problem& p, const params& s) {
           const std::int64_t kp = p.kpos.empty() ? j : p.kpos[static_cast<std::size_t>(j)];
           if (kp <= p.qpos[static_cast<std::size_t>(t)]) ++seen;
           switch (s.window) {
-            case agg::max: v = nan_max(v, x); break;
-            case agg::weighted: v += s.weights[static_cast<std::size_t>(t)] * x; break;
-            default: v += x;
+            case agg::max:
+              v = nan_max(v, x);
+              break;
+            case agg::weighted:
+              v += s.weights[static_cast<std::size_t>(t)] * x;
+              break;
+            default:
+              v += x;
           }
         }
         if (s.window == agg::mean) v /= static_cast<double>(p.w);

@@ -22,12 +22,18 @@ inline const layout kAllLayouts[] = {layout::contiguous, layout::padded,    layo
                                      layout::transposed, layout::paged_nhd, layout::paged_hnd};
 inline std::string name(layout l) {
   switch (l) {
-    case layout::contiguous: return "contiguous";
-    case layout::padded: return "padded";
-    case layout::token_major: return "token_major";
-    case layout::transposed: return "transposed";
-    case layout::paged_nhd: return "paged_nhd";
-    case layout::paged_hnd: return "paged_hnd";
+    case layout::contiguous:
+      return "contiguous";
+    case layout::padded:
+      return "padded";
+    case layout::token_major:
+      return "token_major";
+    case layout::transposed:
+      return "transposed";
+    case layout::paged_nhd:
+      return "paged_nhd";
+    case layout::paged_hnd:
+      return "paged_hnd";
   }
   return "?";
 }
@@ -71,10 +77,14 @@ struct test_cache {
 
   std::int64_t offset(std::int64_t h, std::int64_t j, std::int64_t c) const {
     switch (kind) {
-      case layout::contiguous: return (h * tokens + j) * dim + c;
-      case layout::padded: return h * (tokens + 3) * (dim + 5) + j * (dim + 5) + c;
-      case layout::token_major: return j * (heads * dim) + h * dim + c;
-      case layout::transposed: return (h * dim + c) * kv_size + j;
+      case layout::contiguous:
+        return (h * tokens + j) * dim + c;
+      case layout::padded:
+        return h * (tokens + 3) * (dim + 5) + j * (dim + 5) + c;
+      case layout::token_major:
+        return j * (heads * dim) + h * dim + c;
+      case layout::transposed:
+        return (h * dim + c) * kv_size + j;
       case layout::paged_nhd: {
         const std::int64_t blk = table[static_cast<std::size_t>(j / block_size)];
         return ((blk * block_size + j % block_size) * heads + h) * dim + c;
@@ -87,7 +97,9 @@ struct test_cache {
     return -1;
   }
   T& at(std::int64_t h, std::int64_t j, std::int64_t c) { return buffer[static_cast<std::size_t>(offset(h, j, c))]; }
-  T at(std::int64_t h, std::int64_t j, std::int64_t c) const { return buffer[static_cast<std::size_t>(offset(h, j, c))]; }
+  T at(std::int64_t h, std::int64_t j, std::int64_t c) const {
+    return buffer[static_cast<std::size_t>(offset(h, j, c))];
+  }
 
   /// Dense [H][L][d] copy of the first `n` tokens of each head (as stored).
   std::vector<double> dense(std::int64_t n) const {
@@ -113,10 +125,18 @@ test_cache<T> make_cache(layout kind, std::int64_t heads, std::int64_t tokens, s
   c.kv_size = tokens + 7;
   std::size_t size = 0;
   switch (kind) {
-    case layout::contiguous: size = static_cast<std::size_t>(heads * tokens * dim); break;
-    case layout::padded: size = static_cast<std::size_t>(heads * (tokens + 3) * (dim + 5)); break;
-    case layout::token_major: size = static_cast<std::size_t>(tokens * heads * dim); break;
-    case layout::transposed: size = static_cast<std::size_t>(heads * dim * c.kv_size); break;
+    case layout::contiguous:
+      size = static_cast<std::size_t>(heads * tokens * dim);
+      break;
+    case layout::padded:
+      size = static_cast<std::size_t>(heads * (tokens + 3) * (dim + 5));
+      break;
+    case layout::token_major:
+      size = static_cast<std::size_t>(tokens * heads * dim);
+      break;
+    case layout::transposed:
+      size = static_cast<std::size_t>(heads * dim * c.kv_size);
+      break;
     case layout::paged_nhd:
     case layout::paged_hnd: {
       const std::int64_t used = (tokens + block_size - 1) / block_size;
@@ -134,15 +154,22 @@ test_cache<T> make_cache(layout kind, std::int64_t heads, std::int64_t tokens, s
   c.buffer.assign(std::max<std::size_t>(size, 1), sentinel<T>());
   for (std::int64_t h = 0; h < heads; ++h)
     for (std::int64_t j = 0; j < tokens; ++j)
-      for (std::int64_t d = 0; d < dim; ++d) c.at(h, j, d) = store<T>(dense[static_cast<std::size_t>((h * tokens + j) * dim + d)]);
+      for (std::int64_t d = 0; d < dim; ++d)
+        c.at(h, j, d) = store<T>(dense[static_cast<std::size_t>((h * tokens + j) * dim + d)]);
   T* p = c.buffer.data();
   switch (kind) {
-    case layout::contiguous: c.view = kvevict::hf_contiguous(p, heads, tokens, dim); break;
+    case layout::contiguous:
+      c.view = kvevict::hf_contiguous(p, heads, tokens, dim);
+      break;
     case layout::padded:
       c.view = kvevict::strided_cache(p, heads, tokens, dim, (tokens + 3) * (dim + 5), dim + 5, 1);
       break;
-    case layout::token_major: c.view = kvevict::llamacpp_k(p, heads, tokens, dim); break;
-    case layout::transposed: c.view = kvevict::llamacpp_v_transposed(p, c.kv_size, heads, tokens, dim); break;
+    case layout::token_major:
+      c.view = kvevict::llamacpp_k(p, heads, tokens, dim);
+      break;
+    case layout::transposed:
+      c.view = kvevict::llamacpp_v_transposed(p, c.kv_size, heads, tokens, dim);
+      break;
     case layout::paged_nhd:
       c.view = kvevict::vllm_paged(p, c.pool_blocks, block_size, heads, dim, c.table.data(), tokens);
       break;

@@ -34,7 +34,8 @@ std::vector<long double> ref_inv_freq(const kvevict::rope_config& c) {
       if (wl > low_wl) {
         inv = inv / c.llama3.factor;
       } else if (wl >= high_wl) {
-        const long double smooth = (old_ctx / wl - c.llama3.low_freq_factor) / (c.llama3.high_freq_factor - c.llama3.low_freq_factor);
+        const long double smooth =
+            (old_ctx / wl - c.llama3.low_freq_factor) / (c.llama3.high_freq_factor - c.llama3.low_freq_factor);
         inv = (1 - smooth) * inv / c.llama3.factor + smooth * inv;
       }
     }
@@ -51,8 +52,10 @@ std::vector<double> ref_rope(const kvevict::rope_config& c, const std::vector<do
     // rotate_half(x) = [-x2, x1]; emb = cat(freqs, freqs)
     for (std::int64_t i = 0; i < rot; ++i) {
       const long double ang = position * f[static_cast<std::size_t>(i % half)];
-      const long double rh = i < half ? -static_cast<long double>(x[static_cast<std::size_t>(i + half)]) : x[static_cast<std::size_t>(i - half)];
-      out[static_cast<std::size_t>(i)] = static_cast<double>(x[static_cast<std::size_t>(i)] * std::cos(ang) + rh * std::sin(ang));
+      const long double rh = i < half ? -static_cast<long double>(x[static_cast<std::size_t>(i + half)])
+                                      : x[static_cast<std::size_t>(i - half)];
+      out[static_cast<std::size_t>(i)] =
+          static_cast<double>(x[static_cast<std::size_t>(i)] * std::cos(ang) + rh * std::sin(ang));
     }
   } else {
     for (std::int64_t i = 0; i < half; ++i) {
@@ -103,12 +106,14 @@ TEST_CASE("DapQ pseudo-token content", "[dapq]") {
   REQUIRE(out[31] == 1004);
   const std::int32_t phrase[4] = {7, 8, 9, 10};
   REQUIRE(kvevict::dapq_pseudo_tokens_phrase(phrase, 4, 10, out.data()).ok());
-  REQUIRE(std::vector<std::int32_t>(out.begin(), out.begin() + 10) == std::vector<std::int32_t>{7, 8, 9, 10, 7, 8, 9, 10, 7, 8});
+  REQUIRE(std::vector<std::int32_t>(out.begin(), out.begin() + 10) ==
+          std::vector<std::int32_t>{7, 8, 9, 10, 7, 8, 9, 10, 7, 8});
   std::int64_t pos[3];
   kvevict::dapq_pseudo_positions(50, 3, pos);
   REQUIRE(pos[0] == 50);
   REQUIRE(pos[2] == 52);
-  REQUIRE(kvevict::dapq_pseudo_tokens_first_last(prompt.data(), 0, 8, 24, out.data()).code() == kvevict::errc::invalid_argument);
+  REQUIRE(kvevict::dapq_pseudo_tokens_first_last(prompt.data(), 0, 8, 24, out.data()).code() ==
+          kvevict::errc::invalid_argument);
 }
 
 TEST_CASE("RoPE rotation to position p equals the directly computed post-RoPE vector", "[dapq][rope]") {
@@ -121,13 +126,15 @@ TEST_CASE("RoPE rotation to position p equals the directly computed post-RoPE ve
       kvevict::rope_rotate(cfg, xf.data(), 1, static_cast<double>(p), got.data());
       const auto want = ref_rope(cfg, std::vector<double>(xf.begin(), xf.end()), p);
       for (std::int64_t i = 0; i < cfg.head_dim; ++i)
-        REQUIRE(static_cast<double>(got[static_cast<std::size_t>(i)]) == Approx(want[static_cast<std::size_t>(i)]).margin(2e-6));
+        REQUIRE(static_cast<double>(got[static_cast<std::size_t>(i)]) ==
+                Approx(want[static_cast<std::size_t>(i)]).margin(2e-6));
       // Composition: a post-RoPE vector at p moved by delta equals the vector rotated to p + delta.
       std::vector<float> moved(got.size());
       kvevict::rope_rotate(cfg, got.data(), 1, 32.0, moved.data());
       const auto direct = ref_rope(cfg, std::vector<double>(xf.begin(), xf.end()), p + 32);
       for (std::int64_t i = 0; i < cfg.head_dim; ++i)
-        REQUIRE(static_cast<double>(moved[static_cast<std::size_t>(i)]) == Approx(direct[static_cast<std::size_t>(i)]).margin(1e-5));
+        REQUIRE(static_cast<double>(moved[static_cast<std::size_t>(i)]) ==
+                Approx(direct[static_cast<std::size_t>(i)]).margin(1e-5));
     }
   }
   kvevict::rope_config bad;
@@ -148,7 +155,8 @@ TEST_CASE("DapQ scores prompt keys with pseudo queries at Lp .. Lp+N-1", "[dapq]
   // The reference sees the prompt's keys only.
   for (std::int64_t h = 0; h < hkv; ++h)
     for (std::int64_t j = 0; j < lp; ++j)
-      for (std::int64_t c = 0; c < d; ++c) p.k.push_back(all_keys[static_cast<std::size_t>((h * (lp + n) + j) * d + c)]);
+      for (std::int64_t c = 0; c < d; ++c)
+        p.k.push_back(all_keys[static_cast<std::size_t>((h * (lp + n) + j) * d + c)]);
   for (std::int64_t t = 0; t < n; ++t) p.qpos.push_back(lp + t);
   auto cache = test::make_cache<bf16>(test::layout::paged_hnd, hkv, lp + n, d, all_keys);
   auto queries = test::make_queries<bf16>(hq, n, d, p.q, p.qpos);
@@ -169,7 +177,9 @@ TEST_CASE("DapQ scores prompt keys with pseudo queries at Lp .. Lp+N-1", "[dapq]
   // Keep-lists cover prompt tokens only.
   kvevict::keep_list keep(hkv, 2 * 40);
   kvevict::workspace sws(kvevict::select_workspace_size(lp));
-  REQUIRE(kvevict::select(kvevict::const_score_view{scores.data(), hkv, lp, lp}, kvevict::budget::tokens(40), policy.selection(), keep, sws).ok());
+  REQUIRE(kvevict::select(kvevict::const_score_view{scores.data(), hkv, lp, lp}, kvevict::budget::tokens(40),
+                          policy.selection(), keep, sws)
+              .ok());
   for (std::int64_t h = 0; h < hkv; ++h)
     for (std::int64_t j : keep.head(h)) REQUIRE(j < lp);
   REQUIRE(kvevict::dapq<bf16>::next_position(lp) == lp);
@@ -184,7 +194,8 @@ TEST_CASE("DapQ re-rotation of the SnapKV window equals pseudo-query scoring", "
   for (const auto& rope_base : rope_variants()) {
     if (rope_base.head_dim != d) continue;
     const kvevict::rope_config rope = rope_base;
-    const auto pre = test::normal(static_cast<std::size_t>(hq * n * d), 71, 1.5);  // pre-RoPE queries of the last N prompt tokens
+    const auto pre =
+        test::normal(static_cast<std::size_t>(hq * n * d), 71, 1.5);  // pre-RoPE queries of the last N prompt tokens
     const auto keys = test::normal(static_cast<std::size_t>(hkv * lp * d), 72);
     auto cache = test::make_cache<float>(test::layout::contiguous, hkv, lp, d, keys);
     std::vector<std::int64_t> window_pos;

@@ -22,8 +22,8 @@ namespace {
 
 struct scenario {
   std::int64_t hkv = 2, group = 4, dim = 64, prompt = 97, window = 8, delay = 4;
-  std::vector<double> keys;                  // dense [Hkv][prompt + delay][d]
-  std::vector<double> prompt_q;              // dense [Hq][W][d]
+  std::vector<double> keys;                   // dense [Hkv][prompt + delay][d]
+  std::vector<double> prompt_q;               // dense [Hq][W][d]
   std::vector<std::vector<double>> decode_q;  // per step: dense [Hq][1][d]
   std::int64_t hq() const { return hkv * group; }
   std::int64_t total() const { return prompt + delay; }
@@ -36,7 +36,8 @@ scenario make_scenario(std::uint64_t seed, std::int64_t delay) {
   s.keys = test::rounded<T>(test::normal(static_cast<std::size_t>(s.hkv * s.total() * s.dim), seed));
   s.prompt_q = test::rounded<T>(test::normal(static_cast<std::size_t>(s.hq() * s.window * s.dim), seed + 1, 1.5));
   for (std::int64_t i = 0; i < delay; ++i)
-    s.decode_q.push_back(test::rounded<T>(test::normal(static_cast<std::size_t>(s.hq() * s.dim), seed + 2 + static_cast<std::uint64_t>(i), 1.5)));
+    s.decode_q.push_back(test::rounded<T>(
+        test::normal(static_cast<std::size_t>(s.hq() * s.dim), seed + 2 + static_cast<std::uint64_t>(i), 1.5)));
   return s;
 }
 
@@ -45,7 +46,8 @@ std::vector<double> first_keys(const scenario& s, std::int64_t n) {
   std::vector<double> out;
   for (std::int64_t h = 0; h < s.hkv; ++h)
     for (std::int64_t j = 0; j < n; ++j)
-      for (std::int64_t c = 0; c < s.dim; ++c) out.push_back(s.keys[static_cast<std::size_t>((h * s.total() + j) * s.dim + c)]);
+      for (std::int64_t c = 0; c < s.dim; ++c)
+        out.push_back(s.keys[static_cast<std::size_t>((h * s.total() + j) * s.dim + c)]);
   return out;
 }
 
@@ -72,7 +74,9 @@ std::vector<ref::vec> reference_scores(const scenario& s, double eta, std::int64
         ref::vec mean(static_cast<std::size_t>(candidates), 0.0);
         for (std::int64_t g = 0; g < s.group; ++g) {
           const auto a = ref::attention(p, rp, h * s.group + g);
-          for (std::int64_t j = 0; j < candidates; ++j) mean[static_cast<std::size_t>(j)] += a[static_cast<std::size_t>(t)][static_cast<std::size_t>(j)] / static_cast<double>(s.group);
+          for (std::int64_t j = 0; j < candidates; ++j)
+            mean[static_cast<std::size_t>(j)] +=
+                a[static_cast<std::size_t>(t)][static_cast<std::size_t>(j)] / static_cast<double>(s.group);
         }
         per_head.push_back(mean);
       }
@@ -82,7 +86,8 @@ std::vector<ref::vec> reference_scores(const scenario& s, double eta, std::int64
   std::vector<std::int64_t> pos;
   for (std::int64_t t = 0; t < s.window; ++t) pos.push_back(s.prompt - s.window + t);
   observe(s.prompt, s.prompt_q, s.window, pos);
-  for (std::int64_t i = 0; i < steps; ++i) observe(s.prompt + i + 1, s.decode_q[static_cast<std::size_t>(i)], 1, {s.prompt + i});
+  for (std::int64_t i = 0; i < steps; ++i)
+    observe(s.prompt + i + 1, s.decode_q[static_cast<std::size_t>(i)], 1, {s.prompt + i});
   const std::int64_t total = static_cast<std::int64_t>(rows.size());
   std::vector<ref::vec> out;
   ref::params pool;
@@ -94,7 +99,9 @@ std::vector<ref::vec> reference_scores(const scenario& s, double eta, std::int64
     for (std::int64_t t = 0; t < total; ++t) {
       const double w = std::pow(eta, static_cast<double>(total - 1 - t));
       z += w;
-      for (std::int64_t j = 0; j < candidates; ++j) acc[static_cast<std::size_t>(j)] += w * rows[static_cast<std::size_t>(t)][static_cast<std::size_t>(h)][static_cast<std::size_t>(j)];
+      for (std::int64_t j = 0; j < candidates; ++j)
+        acc[static_cast<std::size_t>(j)] +=
+            w * rows[static_cast<std::size_t>(t)][static_cast<std::size_t>(h)][static_cast<std::size_t>(j)];
     }
     for (double& v : acc) v /= z;
     ref::vec pooled = ref::pool_row(acc, pool);
@@ -118,7 +125,8 @@ struct engine {
     for (std::int64_t t = 0; t < s.window; ++t) pos.push_back(s.prompt - s.window + t);
     prompt_queries = test::make_queries<T>(s.hq(), s.window, s.dim, s.prompt_q, pos);
     for (std::int64_t i = 0; i < s.delay; ++i)
-      decode_queries.push_back(test::make_queries<T>(s.hq(), 1, s.dim, s.decode_q[static_cast<std::size_t>(i)], {s.prompt + i}));
+      decode_queries.push_back(
+          test::make_queries<T>(s.hq(), 1, s.dim, s.decode_q[static_cast<std::size_t>(i)], {s.prompt + i}));
   }
   kvevict::layer_inputs<T> prefill() const {
     kvevict::layer_inputs<T> in;
@@ -249,7 +257,9 @@ TEST_CASE("DeferKV never evicts the window or the decoded tokens", "[deferkv]") 
       REQUIRE(sp.protected_tail == s.window + 3);
       kvevict::keep_list keep(s.hkv, kvevict::select_capacity(s.hkv, l, kvevict::budget::tokens(budget), sp));
       kvevict::workspace sws(kvevict::select_workspace_size(l));
-      REQUIRE(kvevict::select(kvevict::const_score_view{out.data(), s.hkv, l, l}, kvevict::budget::tokens(budget), sp, keep, sws).ok());
+      REQUIRE(kvevict::select(kvevict::const_score_view{out.data(), s.hkv, l, l}, kvevict::budget::tokens(budget), sp,
+                              keep, sws)
+                  .ok());
       for (std::int64_t h = 0; h < s.hkv; ++h) {
         const auto kept = keep.head(h);
         for (std::int64_t j = s.prompt - s.window; j < l; ++j)
@@ -280,14 +290,15 @@ TEST_CASE("DeferKV lifecycle misuse is rejected and changes nothing", "[deferkv]
 
   expect(state.observe_decode(5, 0, e.decode(0), e.ws), kvevict::errc::invalid_state, "state");  // before prefill
   expect(state.scores(scores, e.ws), kvevict::errc::invalid_state, "state");                     // evict before ready
-  expect(state.observe_prefill(4, e.prefill(), e.ws), kvevict::errc::invalid_state, "layer");     // wrong layer
+  expect(state.observe_prefill(4, e.prefill(), e.ws), kvevict::errc::invalid_state, "layer");    // wrong layer
   REQUIRE(state.observe_prefill(5, e.prefill(), e.ws).ok());
   const float s00 = state.state_sum(0, 0);
   const double z = state.state_normaliser();
-  expect(state.observe_prefill(5, e.prefill(), e.ws), kvevict::errc::invalid_state, "state");     // twice
-  expect(state.observe_decode(5, 1, e.decode(1), e.ws), kvevict::errc::invalid_state, "step");    // step skipped
-  expect(state.observe_decode(5, 0, e.decode(1), e.ws), kvevict::errc::invalid_shape, "keys.num_tokens");  // wrong shape
-  expect(state.observe_decode(6, 0, e.decode(0), e.ws), kvevict::errc::invalid_state, "layer");   // wrong layer
+  expect(state.observe_prefill(5, e.prefill(), e.ws), kvevict::errc::invalid_state, "state");   // twice
+  expect(state.observe_decode(5, 1, e.decode(1), e.ws), kvevict::errc::invalid_state, "step");  // step skipped
+  expect(state.observe_decode(5, 0, e.decode(1), e.ws), kvevict::errc::invalid_shape,
+         "keys.num_tokens");                                                                     // wrong shape
+  expect(state.observe_decode(6, 0, e.decode(0), e.ws), kvevict::errc::invalid_state, "layer");  // wrong layer
   expect(state.mark_evicted(), kvevict::errc::invalid_state, "state");
   expect(state.scores(scores, e.ws), kvevict::errc::invalid_state, "state");
   REQUIRE(state.state_sum(0, 0) == s00);

@@ -61,9 +61,12 @@ std::uint16_t ref_round(double x, const std::vector<double>& values, double over
   const std::size_t lo = hi - 1;  // a >= values[0] == 0 always
   const double d_lo = a - values[lo], d_hi = values[hi] - a;
   std::size_t pick;
-  if (d_lo < d_hi) pick = lo;
-  else if (d_hi < d_lo) pick = hi;
-  else pick = (lo & 1) ? hi : lo;
+  if (d_lo < d_hi)
+    pick = lo;
+  else if (d_hi < d_lo)
+    pick = hi;
+  else
+    pick = (lo & 1) ? hi : lo;
   return sign | static_cast<std::uint16_t>(pick);
 }
 
@@ -106,9 +109,8 @@ TEST_CASE("fp16 narrowing rounds to nearest even", "[dtype]") {
       REQUIRE(((got & 0x8000) != 0) == std::signbit(f));
       return;
     }
-    const std::uint16_t want =
-        std::isinf(f) ? static_cast<std::uint16_t>((std::signbit(f) ? 0x8000 : 0) | 0x7c00)
-                      : ref_round(static_cast<double>(f), table, overflow, 0x7c00, 0x8000);
+    const std::uint16_t want = std::isinf(f) ? static_cast<std::uint16_t>((std::signbit(f) ? 0x8000 : 0) | 0x7c00)
+                                             : ref_round(static_cast<double>(f), table, overflow, 0x7c00, 0x8000);
     INFO("float bits 0x" << std::hex << float_to_bits(f));
     REQUIRE(got == want);
   };
@@ -120,8 +122,8 @@ TEST_CASE("fp16 narrowing rounds to nearest even", "[dtype]") {
     check(f);
     if ((b & 0x7fff) < 0x7c00) {
       if (!std::isnan(f)) REQUIRE(kvevict::fp16(f).bits == h);
-      const double next = (b & 0x7fff) + 1 < 0x7c00 ? ref_fp16_value(static_cast<std::uint16_t>((b & 0x7fff) + 1))
-                                                      : overflow;
+      const double next =
+          (b & 0x7fff) + 1 < 0x7c00 ? ref_fp16_value(static_cast<std::uint16_t>((b & 0x7fff) + 1)) : overflow;
       const double mid = (std::fabs(static_cast<double>(f)) + next) / 2;
       const float m = static_cast<float>((b & 0x8000) ? -mid : mid);  // exact in float
       REQUIRE(static_cast<double>(std::fabs(m)) == mid);

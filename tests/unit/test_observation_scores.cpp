@@ -113,8 +113,7 @@ using kvevict::pooling_kind;
 using kvevict::softmax_domain;
 using kvevict::window_aggregation;
 
-TEMPLATE_TEST_CASE("observation scores match the reference across shapes and layouts", "[scoring]", float, fp16,
-                   bf16) {
+TEMPLATE_TEST_CASE("observation scores match the reference across shapes and layouts", "[scoring]", float, fp16, bf16) {
   const shape shapes[] = {{2, 1, 64, 37, 8}, {2, 4, 64, 101, 16}, {1, 8, 128, 67, 5}, {2, 4, 128, 601, 12}};
   const config kvpress = make_config(softmax_domain::visible, window_aggregation::mean, gqa_reduction::mean,
                                      gqa_order::after_pooling, pooling_kind::avg, 5, true, 0);
@@ -210,7 +209,8 @@ TEST_CASE("engine-provided log-sum-exp gives the same scores in one sweep", "[sc
       for (std::int64_t j = 0; j <= pos[static_cast<std::size_t>(t)]; ++j) {
         double dot = 0;
         for (std::int64_t c = 0; c < d; ++c)
-          dot += qd[static_cast<std::size_t>((q * w + t) * d + c)] * kd[static_cast<std::size_t>(((q / g) * l + j) * d + c)];
+          dot += qd[static_cast<std::size_t>((q * w + t) * d + c)] *
+                 kd[static_cast<std::size_t>(((q / g) * l + j) * d + c)];
         logits.push_back(dot / 8.0);
         m = std::max(m, logits.back());
       }
@@ -231,8 +231,10 @@ TEST_CASE("engine-provided log-sum-exp gives the same scores in one sweep", "[sc
 
 TEST_CASE("observation scores reject bad arguments and write nothing", "[scoring][errors]") {
   const std::int64_t hkv = 2, hq = 8, d = 64, l = 40, w = 4;
-  auto keys = test::make_cache<float>(test::layout::contiguous, hkv, l, d, test::normal(static_cast<std::size_t>(hkv * l * d), 1));
-  auto queries = test::make_queries<float>(hq, w, d, test::normal(static_cast<std::size_t>(hq * w * d), 2), {36, 37, 38, 39});
+  auto keys = test::make_cache<float>(test::layout::contiguous, hkv, l, d,
+                                      test::normal(static_cast<std::size_t>(hkv * l * d), 1));
+  auto queries =
+      test::make_queries<float>(hq, w, d, test::normal(static_cast<std::size_t>(hq * w * d), 2), {36, 37, 38, 39});
   std::vector<float> out(static_cast<std::size_t>(hkv * l), 42.0f);
   kvevict::score_view scores{out.data(), hkv, l, l};
   kvevict::scoring_params params;

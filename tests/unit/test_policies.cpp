@@ -31,8 +31,7 @@ std::vector<float> score_with(const Policy& policy, const kvevict::layer_inputs<
                               const kvevict::layer_shape& shape) {
   std::vector<float> scores(static_cast<std::size_t>(shape.num_kv_heads * shape.num_tokens));
   kvevict::workspace ws(policy.workspace_size(shape));
-  const auto st =
-      policy.score(in, {scores.data(), shape.num_kv_heads, shape.num_tokens, shape.num_tokens}, ws);
+  const auto st = policy.score(in, {scores.data(), shape.num_kv_heads, shape.num_tokens, shape.num_tokens}, ws);
   INFO(st.message());
   REQUIRE(st.ok());
   return scores;
@@ -119,7 +118,8 @@ TEST_CASE("H2O: accumulated attention divided by the queries that see each key",
     const auto a = ref::attention(p, full, q);
     for (std::int64_t t = 0; t < l; ++t)
       for (std::int64_t j = 0; j < l; ++j)
-        rows[static_cast<std::size_t>((q * l + t) * l + j)] = static_cast<float>(a[static_cast<std::size_t>(t)][static_cast<std::size_t>(j)]);
+        rows[static_cast<std::size_t>((q * l + t) * l + j)] =
+            static_cast<float>(a[static_cast<std::size_t>(t)][static_cast<std::size_t>(j)]);
   }
   kvevict::layer_inputs<bf16> rin;
   rin.keys = keys.view;
@@ -162,12 +162,12 @@ TEST_CASE("ChunkKV keeps whole chunks, the same for every head", "[policies]") {
       for (std::int64_t j = c0; j < c1; ++j) s += snap[static_cast<std::size_t>(h)][static_cast<std::size_t>(j)];
     for (std::int64_t j = c0; j < c1; ++j) chunk_scores[static_cast<std::size_t>(j)] = s / static_cast<double>(c1 - c0);
   }
-  test::require_scores_close({scores.data(), hkv, l, l}, std::vector<ref::vec>(static_cast<std::size_t>(hkv), chunk_scores));
+  test::require_scores_close({scores.data(), hkv, l, l},
+                             std::vector<ref::vec>(static_cast<std::size_t>(hkv), chunk_scores));
   const auto keep = select_all(scores, hkv, l, kvevict::budget::tokens(16 + 50), policy.selection());
   REQUIRE(keep.head(0) == keep.head(1));
   REQUIRE(keep.head(1) == keep.head(2));
-  if (!test::near_tie_at(chunk_scores, c, 50))
-    REQUIRE(keep.head(0) == ref::keep(chunk_scores, 66, w, true));
+  if (!test::near_tie_at(chunk_scores, c, 50)) REQUIRE(keep.head(0) == ref::keep(chunk_scores, 66, w, true));
   // 50 candidates = two whole chunks + the first 10 tokens of the third-best chunk.
   REQUIRE(keep.size(0) == 66);
 }
@@ -218,7 +218,8 @@ TEST_CASE("AdaKV head budgets: total Hkv*B, floor respected, matches a reference
     std::exponential_distribution<float> e(1.0f);
     for (std::int64_t j = 0; j < tokens; ++j) {
       const float x = e(rng);
-      scores[static_cast<std::size_t>(h * tokens + j)] = j >= candidates ? INFINITY : std::pow(x, 1.0f + static_cast<float>(8 - h));
+      scores[static_cast<std::size_t>(h * tokens + j)] =
+          j >= candidates ? INFINITY : std::pow(x, 1.0f + static_cast<float>(8 - h));
     }
   }
   for (bool normalize : {false, true})
@@ -245,23 +246,29 @@ TEST_CASE("AdaKV head budgets: total Hkv*B, floor respected, matches a reference
               factor = top / total;
             }
             for (std::int64_t j = 0; j < candidates; ++j)
-              flat.push_back({static_cast<double>(static_cast<float>(row[static_cast<std::size_t>(j)] * factor)), h * candidates + j});
+              flat.push_back({static_cast<double>(static_cast<float>(row[static_cast<std::size_t>(j)] * factor)),
+                              h * candidates + j});
           }
           std::sort(flat.begin(), flat.end(), [](const auto& x, const auto& y) {
             return x.first != y.first ? x.first > y.first : x.second < y.second;
           });
           std::vector<std::int64_t> count(static_cast<std::size_t>(heads), 0);
-          for (std::int64_t i = 0; i < heads * b; ++i) ++count[static_cast<std::size_t>(flat[static_cast<std::size_t>(i)].second / candidates)];
+          for (std::int64_t i = 0; i < heads * b; ++i)
+            ++count[static_cast<std::size_t>(flat[static_cast<std::size_t>(i)].second / candidates)];
           for (std::int64_t h = 0; h < heads; ++h) {
-            const double x = static_cast<double>(count[static_cast<std::size_t>(h)]) * (1 - alpha) + std::floor(alpha * static_cast<double>(b));
-            want[static_cast<std::size_t>(h)] = std::min<std::int64_t>(candidates, static_cast<std::int64_t>(std::nearbyint(x)));
+            const double x = static_cast<double>(count[static_cast<std::size_t>(h)]) * (1 - alpha) +
+                             std::floor(alpha * static_cast<double>(b));
+            want[static_cast<std::size_t>(h)] =
+                std::min<std::int64_t>(candidates, static_cast<std::int64_t>(std::nearbyint(x)));
           }
         }
         INFO("B=" << b << " alpha=" << alpha << " normalize=" << normalize);
         REQUIRE(out == want);
         const std::int64_t total = std::accumulate(out.begin(), out.end(), std::int64_t{0});
         if (b < candidates) REQUIRE(std::llabs(total - heads * b) <= heads / 2);
-        for (std::int64_t v : out) REQUIRE(v >= std::min<std::int64_t>(candidates, static_cast<std::int64_t>(std::floor(alpha * static_cast<double>(b)))));
+        for (std::int64_t v : out)
+          REQUIRE(v >= std::min<std::int64_t>(candidates,
+                                              static_cast<std::int64_t>(std::floor(alpha * static_cast<double>(b)))));
       }
     }
 }

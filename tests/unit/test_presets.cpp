@@ -24,7 +24,8 @@ std::vector<float> run_preset(const kvevict::window_config& cfg) {
   const std::int64_t candidates = static_cast<std::int64_t>(w.size()), window = cfg.window;
   const std::int64_t tokens = candidates + window;
   std::vector<float> keys(static_cast<std::size_t>(tokens), -1000.0f);
-  for (std::int64_t j = 0; j < candidates; ++j) keys[static_cast<std::size_t>(j)] = static_cast<float>(std::log(w[static_cast<std::size_t>(j)]));
+  for (std::int64_t j = 0; j < candidates; ++j)
+    keys[static_cast<std::size_t>(j)] = static_cast<float>(std::log(w[static_cast<std::size_t>(j)]));
   std::vector<float> queries;
   std::vector<std::int64_t> positions;
   for (std::int64_t t = 0; t < window; ++t) positions.push_back(candidates + t);
@@ -62,8 +63,7 @@ TEST_CASE("preset kvpress_snapkv", "[scoring][presets]") {
   // Per head: avg-pool k = 5 of p (sums of up to 5 neighbours, divided by 5), then the mean
   // of the two heads. j = 0: ((1+2+1)/18 + (1+4+1)/38) / 5 / 2 = (4/18 + 6/38) / 10.
   require_values(run_preset(cfg), {0.0380116959, 0.102339181, 0.110526316, 0.110526316, 0.0970760234, 0.0970760234,
-                                   0.0730994152, 0.0730994152, 0.0730994152, 0.0730994152, 0.0649122807,
-                                   0.0245614035});
+                                   0.0730994152, 0.0730994152, 0.0730994152, 0.0730994152, 0.0649122807, 0.0245614035});
   REQUIRE(0.0380116959 == Approx((4.0 / 18 + 6.0 / 38) / 10));
 }
 

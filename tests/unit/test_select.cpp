@@ -22,9 +22,14 @@ std::vector<float> make_row(fill f, std::int64_t n, std::uint64_t seed) {
   for (std::int64_t j = 0; j < n; ++j) {
     float x = u(rng);
     switch (f) {
-      case fill::random: break;
-      case fill::heavy_ties: x = static_cast<float>(static_cast<int>((x + 1.0f) * 3.0f)); break;  // 0..6
-      case fill::all_equal: x = 0.25f; break;
+      case fill::random:
+        break;
+      case fill::heavy_ties:
+        x = static_cast<float>(static_cast<int>((x + 1.0f) * 3.0f));
+        break;  // 0..6
+      case fill::all_equal:
+        x = 0.25f;
+        break;
       case fill::specials: {
         const std::uint64_t r = rng() % 10;
         if (r == 0) x = std::numeric_limits<float>::quiet_NaN();
@@ -34,9 +39,15 @@ std::vector<float> make_row(fill f, std::int64_t n, std::uint64_t seed) {
         if (r == 4) x = 0.0f;
         break;
       }
-      case fill::sorted_up: x = static_cast<float>(j); break;
-      case fill::sorted_down: x = static_cast<float>(n - j); break;
-      case fill::negatives: x = -std::fabs(x) - 1.0f; break;
+      case fill::sorted_up:
+        x = static_cast<float>(j);
+        break;
+      case fill::sorted_down:
+        x = static_cast<float>(n - j);
+        break;
+      case fill::negatives:
+        x = -std::fabs(x) - 1.0f;
+        break;
     }
     v[static_cast<std::size_t>(j)] = x;
   }
@@ -163,8 +174,8 @@ TEST_CASE("select rejects bad arguments without writing", "[selection][errors]")
     REQUIRE(st.code() == kvevict::errc::workspace_too_small);
   }
   SECTION("negative protected tail") {
-    const auto st = kvevict::select(scores, kvevict::budget::tokens(10), {-1, kvevict::protected_mode::inside_budget},
-                                    view, ws);
+    const auto st =
+        kvevict::select(scores, kvevict::budget::tokens(10), {-1, kvevict::protected_mode::inside_budget}, view, ws);
     REQUIRE(std::string(st.argument()) == "params.protected_tail");
   }
   REQUIRE(view.offsets[1] == 99);  // nothing written

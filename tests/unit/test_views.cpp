@@ -58,10 +58,13 @@ TEST_CASE("paged NHD and HND (FlashInfer, vLLM)", "[views]") {
       std::vector<std::int32_t> table;
       for (std::int64_t i = 0; i < used; ++i) table.push_back(static_cast<std::int32_t>((i * 7 + 2) % pool_blocks));
       std::vector<bf16> pool(static_cast<std::size_t>(pool_blocks * bs * s.heads * s.dim));
-      const auto nhd = kvevict::flashinfer_paged_nhd(pool.data(), pool_blocks, bs, s.heads, s.dim, table.data(), s.tokens);
-      const auto hnd = kvevict::flashinfer_paged_hnd(pool.data(), pool_blocks, bs, s.heads, s.dim, table.data(), s.tokens);
+      const auto nhd =
+          kvevict::flashinfer_paged_nhd(pool.data(), pool_blocks, bs, s.heads, s.dim, table.data(), s.tokens);
+      const auto hnd =
+          kvevict::flashinfer_paged_hnd(pool.data(), pool_blocks, bs, s.heads, s.dim, table.data(), s.tokens);
       const auto vllm = kvevict::vllm_paged(pool.data(), pool_blocks, bs, s.heads, s.dim, table.data(), s.tokens);
-      const auto vllm_hnd = kvevict::vllm_paged_hnd(pool.data(), pool_blocks, bs, s.heads, s.dim, table.data(), s.tokens);
+      const auto vllm_hnd =
+          kvevict::vllm_paged_hnd(pool.data(), pool_blocks, bs, s.heads, s.dim, table.data(), s.tokens);
       REQUIRE(nhd.num_used_blocks() == used);
       for (std::int64_t h = 0; h < s.heads; ++h)
         for (std::int64_t j = 0; j < s.tokens; ++j)

@@ -34,8 +34,8 @@ struct adakv_params {
 
 namespace detail {
 struct adakv_layout {
-  float* flat = nullptr;            ///< [Hkv * C]
-  std::int64_t* picked = nullptr;   ///< [Hkv * B] (at most Hkv * C)
+  float* flat = nullptr;           ///< [Hkv * C]
+  std::int64_t* picked = nullptr;  ///< [Hkv * B] (at most Hkv * C)
   topk_scratch topk;
 };
 inline void carve_adakv_layout(arena& a, std::int64_t heads, std::int64_t candidates, adakv_layout* out) noexcept {

@@ -27,7 +27,8 @@ inline status pyramidkv_layer_budgets(std::int64_t capacity, std::int64_t window
                                       std::int64_t num_tokens, std::int64_t* out, double beta = 20.0) {
   static constexpr const char* fn = "kvevict::pyramidkv_layer_budgets";
   if (window < 0)
-    return status::error(errc::invalid_argument, fn, "window", "expected >= 0, got %lld", static_cast<long long>(window));
+    return status::error(errc::invalid_argument, fn, "window", "expected >= 0, got %lld",
+                         static_cast<long long>(window));
   if (capacity < window)
     return status::error(errc::invalid_argument, fn, "capacity", "expected >= window = %lld, got %lld",
                          static_cast<long long>(window), static_cast<long long>(capacity));

@@ -42,8 +42,8 @@ struct observation_problem {
   softmax_domain domain = softmax_domain::visible;
   const std::int64_t* query_positions = nullptr;  ///< [W]
   const std::int64_t* key_positions = nullptr;    ///< [L], or null for "key j is at position j"
-  bool key_positions_sorted = true;                ///< non-decreasing (true when null)
-  const float* lse = nullptr;                      ///< [Hq, W] natural-log LSE, or null
+  bool key_positions_sorted = true;               ///< non-decreasing (true when null)
+  const float* lse = nullptr;                     ///< [Hq, W] natural-log LSE, or null
   std::int64_t lse_head_stride = 0;
   const float* weights = nullptr;  ///< [W] per-observation weights of the sum, or null (all 1)
   bool max_over_window = false;    ///< max_t instead of the weighted sum
@@ -136,8 +136,10 @@ KVEVICT_ALWAYS_INLINE void accumulate_row(const observation_problem& p, float* r
     for (std::int64_t c = 0; c < live; ++c) acc[c] = nan_max(acc[c], row[c]);
   } else {
     Eigen::Map<array> out(acc, live);
-    if (weight == 1.0f) out += prob;
-    else out += weight * prob;
+    if (weight == 1.0f)
+      out += prob;
+    else
+      out += weight * prob;
   }
 }
 
@@ -195,8 +197,7 @@ void observe_head(const query_view<const QT>& queries, const cache_view<const KT
     for (std::int64_t r = 0; r < rows; ++r) {
       const float lse = finish_lse(s.row_max[r], s.row_lse[r]);
       if (lse == neg_inf || p.candidates == 0) continue;
-      accumulate_row(p, s.cached + r * end, p.candidates, lse, weight_of(r),
-                     s.acc + (r / p.window) * p.candidates);
+      accumulate_row(p, s.cached + r * end, p.candidates, lse, weight_of(r), s.acc + (r / p.window) * p.candidates);
     }
     return;
   }

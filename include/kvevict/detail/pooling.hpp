@@ -54,8 +54,8 @@ inline void pool_row(const float* KVEVICT_RESTRICT x, std::int64_t n, const pool
 }
 
 /// out[j] = reduce(out[j], x[j]) for the GQA reductions (mean accumulates a sum).
-inline void reduce_into(float* KVEVICT_RESTRICT out, const float* KVEVICT_RESTRICT x, std::int64_t n,
-                        gqa_reduction r, bool first) noexcept {
+inline void reduce_into(float* KVEVICT_RESTRICT out, const float* KVEVICT_RESTRICT x, std::int64_t n, gqa_reduction r,
+                        bool first) noexcept {
   if (first) {
     std::memcpy(out, x, static_cast<std::size_t>(n) * sizeof(float));
     return;

@@ -88,8 +88,7 @@ inline std::int64_t filter_at_least(const float* x, std::int64_t n, std::uint32_
 }
 
 /// Writes the ascending offsets of the top k of x[0, n) to out (0 < k < n < 2^32).
-inline void top_k_ascending(const float* x, std::int64_t n, std::int64_t k, std::int64_t* out,
-                            const topk_scratch& s) {
+inline void top_k_ascending(const float* x, std::int64_t n, std::int64_t k, std::int64_t* out, const topk_scratch& s) {
   std::int64_t m = 0;
   if (n >= topk_direct_below) {
     // Sample, and take a threshold at a rank with a generous margin above k/n.

@@ -22,9 +22,7 @@ namespace detail {
 /// "arg.field" for error messages.
 struct field_name {
   char text[status::max_argument];
-  field_name(const char* arg, const char* field) noexcept {
-    std::snprintf(text, sizeof(text), "%s.%s", arg, field);
-  }
+  field_name(const char* arg, const char* field) noexcept { std::snprintf(text, sizeof(text), "%s.%s", arg, field); }
   operator const char*() const noexcept { return text; }
 };
 
@@ -81,6 +79,7 @@ status validate_cache_view(const cache_view<T>& v, const char* fn, const char* a
                          static_cast<long long>(value));
   }
   if (v.data == nullptr) return status::error(errc::null_pointer, fn, field_name(arg, "data"), "expected non-null");
+  if (v.num_tokens == 0) return status();  // no element is addressed (an empty HF cache has head_stride 0)
   if (!v.is_paged()) {
     strided_dim dims[3] = {{v.num_heads, v.head_stride, "head_stride"},
                            {v.num_tokens, v.token_stride, "token_stride"},
@@ -97,10 +96,10 @@ status validate_cache_view(const cache_view<T>& v, const char* fn, const char* a
   if (v.block_stride < 0)
     return status::error(errc::invalid_stride, fn, field_name(arg, "block_stride"), "expected >= 0, got %lld",
                          static_cast<long long>(v.block_stride));
-  strided_dim dims[3] = {{v.num_heads, v.head_stride, "head_stride"},
-                         {std::min(v.block_size, std::max<std::int64_t>(v.num_tokens, 1)), v.token_stride,
-                          "token_stride"},
-                         {v.head_dim, v.dim_stride, "dim_stride"}};
+  strided_dim dims[3] = {
+      {v.num_heads, v.head_stride, "head_stride"},
+      {std::min(v.block_size, std::max<std::int64_t>(v.num_tokens, 1)), v.token_stride, "token_stride"},
+      {v.head_dim, v.dim_stride, "dim_stride"}};
   std::int64_t block_span = 0;
   KVEVICT_RETURN_IF_ERROR(check_box(fn, arg, dims, 3, &block_span));
   if (v.num_pool_blocks > 1 && v.block_stride < block_span)
@@ -108,7 +107,8 @@ status validate_cache_view(const cache_view<T>& v, const char* fn, const char* a
                          "expected >= %lld (the extent of one block) so that blocks do not overlap, got %lld",
                          static_cast<long long>(block_span), static_cast<long long>(v.block_stride));
   std::int64_t pool_span = 0;
-  if (!checked_mul(v.num_pool_blocks - 1, v.block_stride, &pool_span) || !checked_add(pool_span, block_span, &pool_span))
+  if (!checked_mul(v.num_pool_blocks - 1, v.block_stride, &pool_span) ||
+      !checked_add(pool_span, block_span, &pool_span))
     return status::error(errc::overflow, fn, arg, "the block pool spans more than 2^63 elements");
   const std::int64_t used = v.num_used_blocks();
   for (std::int64_t b = 0; b < used; ++b) {

@@ -41,7 +41,7 @@ struct dapq_config {
   std::int64_t last = 24;           ///< n: trailing prompt tokens (m + n = N)
   /// Scoring of the pseudo window over prompt keys (no prompt tail is protected by default:
   /// the window is the pseudo tokens, which are all evicted).
-  scoring_params scoring = {softmax_domain::visible, window_aggregation::mean, gqa_reduction::mean,
+  scoring_params scoring = {softmax_domain::visible,   window_aggregation::mean,     gqa_reduction::mean,
                             gqa_order::before_pooling, {pooling_kind::max, 7, true}, 0};
   protected_mode protect = protected_mode::inside_budget;
 };
@@ -51,10 +51,13 @@ struct dapq_config {
 inline status dapq_pseudo_tokens_first_last(const std::int32_t* prompt, std::int64_t prompt_tokens, std::int64_t first,
                                             std::int64_t last, std::int32_t* out) {
   static constexpr const char* fn = "kvevict::dapq_pseudo_tokens_first_last";
-  if (prompt_tokens < 1) return status::error(errc::invalid_argument, fn, "prompt_tokens", "expected >= 1, got %lld", static_cast<long long>(prompt_tokens));
+  if (prompt_tokens < 1)
+    return status::error(errc::invalid_argument, fn, "prompt_tokens", "expected >= 1, got %lld",
+                         static_cast<long long>(prompt_tokens));
   if (prompt == nullptr) return status::error(errc::null_pointer, fn, "prompt", "expected non-null");
   if (first < 0 || last < 0 || first + last < 1)
-    return status::error(errc::invalid_argument, fn, "first", "expected first, last >= 0 with first + last >= 1, got %lld + %lld",
+    return status::error(errc::invalid_argument, fn, "first",
+                         "expected first, last >= 0 with first + last >= 1, got %lld + %lld",
                          static_cast<long long>(first), static_cast<long long>(last));
   if (out == nullptr) return status::error(errc::null_pointer, fn, "out", "expected [first + last] ids");
   for (std::int64_t i = 0; i < first; ++i) out[i] = prompt[i < prompt_tokens ? i : prompt_tokens - 1];
@@ -71,7 +74,8 @@ inline status dapq_pseudo_tokens_phrase(const std::int32_t* phrase, std::int64_t
   static constexpr const char* fn = "kvevict::dapq_pseudo_tokens_phrase";
   if (phrase_tokens < 1 || phrase == nullptr)
     return status::error(errc::invalid_argument, fn, "phrase", "expected a non-empty phrase");
-  if (count < 1) return status::error(errc::invalid_argument, fn, "count", "expected >= 1, got %lld", static_cast<long long>(count));
+  if (count < 1)
+    return status::error(errc::invalid_argument, fn, "count", "expected >= 1, got %lld", static_cast<long long>(count));
   if (out == nullptr) return status::error(errc::null_pointer, fn, "out", "expected [count] ids");
   for (std::int64_t i = 0; i < count; ++i) out[i] = phrase[i % phrase_tokens];
   return status();
@@ -98,8 +102,7 @@ status rotate_queries(const char* fn, const query_view<QT>& in, const rope_confi
   if (q.head_dim > 1024)
     return status::error(errc::unsupported, fn, "queries.head_dim", "expected at most 1024, got %lld",
                          static_cast<long long>(q.head_dim));
-  for (std::int64_t t = 0; t < q.num_queries; ++t)
-    out_positions[t] = absolute ? offset + t : q.positions[t] + offset;
+  for (std::int64_t t = 0; t < q.num_queries; ++t) out_positions[t] = absolute ? offset + t : q.positions[t] + offset;
   for (std::int64_t h = 0; h < q.num_heads; ++h)
     for (std::int64_t t = 0; t < q.num_queries; ++t) {
       const double angle_position = absolute ? static_cast<double>(offset + t) : static_cast<double>(offset);
@@ -107,7 +110,8 @@ status rotate_queries(const char* fn, const query_view<QT>& in, const rope_confi
       OutT* dst = out + (h * q.num_queries + t) * q.head_dim;
       for (std::int64_t c = 0; c < q.head_dim; ++c) dst[c] = from_float<OutT>(row[c]);
     }
-  if (out_view != nullptr) *out_view = contiguous_queries<const OutT>(out, q.num_heads, q.num_queries, q.head_dim, out_positions);
+  if (out_view != nullptr)
+    *out_view = contiguous_queries<const OutT>(out, q.num_heads, q.num_queries, q.head_dim, out_positions);
   return status();
 }
 }  // namespace detail

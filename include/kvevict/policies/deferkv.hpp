@@ -46,11 +46,11 @@
 KVEVICT_NAMESPACE_BEGIN
 
 struct deferkv_config {
-  std::int64_t window = 32;         ///< W prompt queries observed at the end of prefill (protected)
-  std::int64_t delay = 1;           ///< d decode steps observed before eviction (the paper's 1..4)
-  double eta = 0.9;                 ///< temporal discount in (0, 1] (kvevict's default; see docs)
-  bool decode_feedback = true;      ///< false: ready at the end of prefill (the paper's ablation)
-  bool temporal_weighting = true;   ///< false: every observation weighs 1 (the paper's ablation)
+  std::int64_t window = 32;        ///< W prompt queries observed at the end of prefill (protected)
+  std::int64_t delay = 1;          ///< d decode steps observed before eviction (the paper's 1..4)
+  double eta = 0.9;                ///< temporal discount in (0, 1] (kvevict's default; see docs)
+  bool decode_feedback = true;     ///< false: ready at the end of prefill (the paper's ablation)
+  bool temporal_weighting = true;  ///< false: every observation weighs 1 (the paper's ablation)
   softmax_domain domain = softmax_domain::visible;
   gqa_reduction gqa = gqa_reduction::mean;  ///< mean or sum: the state is per KV head
   pooling pool = {pooling_kind::max, 7, true};
@@ -161,7 +161,8 @@ class deferkv_state {
     if (in.keys.num_tokens != prompt_tokens_ + step + 1)
       return status::error(errc::invalid_shape, fn, "keys.num_tokens",
                            "expected prompt + decoded tokens = %lld, got %lld (wrong layer or step?)",
-                           static_cast<long long>(prompt_tokens_ + step + 1), static_cast<long long>(in.keys.num_tokens));
+                           static_cast<long long>(prompt_tokens_ + step + 1),
+                           static_cast<long long>(in.keys.num_tokens));
     const float one = 1.0f;
     KVEVICT_RETURN_IF_ERROR(observe(fn, in, prompt_tokens_, prompt_tokens_, &one, /*first=*/false, ws, exec));
     z_ = config_.effective_eta() * z_ + 1.0;
@@ -225,7 +226,9 @@ class deferkv_state {
   }
 
   /// Read access to the running state S[h][j] (candidates of head h) and Z, for tests/tools.
-  float state_sum(std::int64_t h, std::int64_t j) const noexcept { return sums_[static_cast<std::size_t>(h * tokens_capacity_ + j)]; }
+  float state_sum(std::int64_t h, std::int64_t j) const noexcept {
+    return sums_[static_cast<std::size_t>(h * tokens_capacity_ + j)];
+  }
   double state_normaliser() const noexcept { return z_; }
 
  private:
@@ -319,23 +322,24 @@ class deferkv_state {
       float decay;
       bool first;
     } ctx{&in, &p, &layout, sums_.data(), tokens_capacity_, static_cast<float>(config_.effective_eta()), first};
-    exec.run(in.keys.num_heads,
-             [](void* arg, std::int64_t h, int worker) {
-               const auto& c = *static_cast<const task_context*>(arg);
-               const detail::observation_scratch& s = c.layout->workers[worker];
-               detail::observe_head(c.in->queries, c.in->keys, h, *c.p, s);
-               float* tmp = c.layout->tmp[worker];
-               const std::int64_t n = c.p->candidates;
-               for (std::int64_t g = 0; g < c.p->group; ++g)
-                 detail::reduce_into(tmp, s.acc + g * n, n, gqa_reduction::sum, g == 0);
-               float* state = c.sums + h * c.stride;
-               if (c.first) {
-                 for (std::int64_t j = 0; j < n; ++j) state[j] = tmp[j];
-               } else {
-                 for (std::int64_t j = 0; j < n; ++j) state[j] = c.decay * state[j] + tmp[j];
-               }
-             },
-             &ctx);
+    exec.run(
+        in.keys.num_heads,
+        [](void* arg, std::int64_t h, int worker) {
+          const auto& c = *static_cast<const task_context*>(arg);
+          const detail::observation_scratch& s = c.layout->workers[worker];
+          detail::observe_head(c.in->queries, c.in->keys, h, *c.p, s);
+          float* tmp = c.layout->tmp[worker];
+          const std::int64_t n = c.p->candidates;
+          for (std::int64_t g = 0; g < c.p->group; ++g)
+            detail::reduce_into(tmp, s.acc + g * n, n, gqa_reduction::sum, g == 0);
+          float* state = c.sums + h * c.stride;
+          if (c.first) {
+            for (std::int64_t j = 0; j < n; ++j) state[j] = tmp[j];
+          } else {
+            for (std::int64_t j = 0; j < n; ++j) state[j] = c.decay * state[j] + tmp[j];
+          }
+        },
+        &ctx);
     return status();
   }
 

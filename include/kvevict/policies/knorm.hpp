@@ -51,8 +51,7 @@ class knorm {
       return status::error(errc::invalid_argument, fn, "config.protected_tail", "expected >= 0, got %lld",
                            static_cast<long long>(config_.protected_tail));
     KVEVICT_RETURN_IF_ERROR(detail::validate_cache_view(in.keys, fn, "keys"));
-    KVEVICT_RETURN_IF_ERROR(
-        detail::validate_matrix_view(scores, in.keys.num_heads, in.keys.num_tokens, fn, "scores"));
+    KVEVICT_RETURN_IF_ERROR(detail::validate_matrix_view(scores, in.keys.num_heads, in.keys.num_tokens, fn, "scores"));
     detail::arena a(ws);
     float* row_buf = a.take<float>(in.keys.head_dim);
     if (a.overflowed())

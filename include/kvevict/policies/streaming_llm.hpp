@@ -50,8 +50,7 @@ class streaming_llm {
     if (in.keys.num_tokens > (std::int64_t{1} << 24))
       return status::error(errc::overflow, fn, "keys.num_tokens", "expected at most 2^24 tokens, got %lld",
                            static_cast<long long>(in.keys.num_tokens));
-    KVEVICT_RETURN_IF_ERROR(
-        detail::validate_matrix_view(scores, in.keys.num_heads, in.keys.num_tokens, fn, "scores"));
+    KVEVICT_RETURN_IF_ERROR(detail::validate_matrix_view(scores, in.keys.num_heads, in.keys.num_tokens, fn, "scores"));
     for (std::int64_t h = 0; h < in.keys.num_heads; ++h) {
       float* row = scores.row(h);
       for (std::int64_t j = 0; j < in.keys.num_tokens; ++j)

@@ -56,9 +56,8 @@ inline status validate_rope_config(const rope_config& c, const char* fn) noexcep
                          static_cast<long long>(c.head_dim), static_cast<long long>(r));
   if (!(c.theta > 1.0) || std::isinf(c.theta))
     return status::error(errc::invalid_argument, fn, "rope.theta", "expected a finite base > 1, got %g", c.theta);
-  if (c.llama3.enabled &&
-      (!(c.llama3.factor >= 1.0) || !(c.llama3.high_freq_factor > c.llama3.low_freq_factor) ||
-       !(c.llama3.low_freq_factor > 0.0) || !(c.llama3.original_max_position > 0.0)))
+  if (c.llama3.enabled && (!(c.llama3.factor >= 1.0) || !(c.llama3.high_freq_factor > c.llama3.low_freq_factor) ||
+                           !(c.llama3.low_freq_factor > 0.0) || !(c.llama3.original_max_position > 0.0)))
     return status::error(errc::invalid_argument, fn, "rope.llama3",
                          "expected factor >= 1, 0 < low_freq_factor < high_freq_factor, original_max_position > 0");
   return status();

@@ -60,7 +60,8 @@ inline status attention_scores(const attention_view& attention, std::int64_t num
                                const float* weights = nullptr) {
   static constexpr const char* fn = "kvevict::attention_scores";
   if (attention.num_heads < 1 || attention.num_queries < 1 || attention.num_tokens < 0)
-    return status::error(errc::invalid_shape, fn, "attention", "expected Hq >= 1, W >= 1, L >= 0, got [%lld, %lld, %lld]",
+    return status::error(errc::invalid_shape, fn, "attention",
+                         "expected Hq >= 1, W >= 1, L >= 0, got [%lld, %lld, %lld]",
                          static_cast<long long>(attention.num_heads), static_cast<long long>(attention.num_queries),
                          static_cast<long long>(attention.num_tokens));
   if (attention.data == nullptr) return status::error(errc::null_pointer, fn, "attention.data", "expected non-null");

@@ -92,7 +92,7 @@ inline bool is_non_decreasing(const std::int64_t* v, std::int64_t n) noexcept {
 
 /// Per-call shared scratch plus one set per worker, carved in a fixed order.
 struct observation_layout {
-  float* counts = nullptr;            ///< [C] observations seeing each key (visible_mean)
+  float* counts = nullptr;             ///< [C] observations seeing each key (visible_mean)
   std::int64_t* sorted_pos = nullptr;  ///< [W]
   observation_scratch* workers = nullptr;
   float** tmp = nullptr;  ///< per worker [C]
@@ -227,15 +227,16 @@ status observation_scores(query_view<QT> queries_in, cache_view<KT> keys_in, con
     const detail::window_normaliser* norm;
     score_view scores;
   } ctx{&queries, &keys, &p, &layout, &params, &norm, scores};
-  exec.run(keys.num_heads,
-           [](void* arg, std::int64_t h, int worker) {
-             const auto& c = *static_cast<const task_context*>(arg);
-             const detail::observation_scratch& s = c.layout->workers[worker];
-             detail::observe_head(*c.queries, *c.keys, h, *c.p, s);
-             detail::finalize_head(s.acc, c.p->group, c.p->candidates, c.p->tokens, *c.params, *c.norm,
-                                   c.layout->tmp[worker], c.scores.row(h));
-           },
-           &ctx);
+  exec.run(
+      keys.num_heads,
+      [](void* arg, std::int64_t h, int worker) {
+        const auto& c = *static_cast<const task_context*>(arg);
+        const detail::observation_scratch& s = c.layout->workers[worker];
+        detail::observe_head(*c.queries, *c.keys, h, *c.p, s);
+        detail::finalize_head(s.acc, c.p->group, c.p->candidates, c.p->tokens, *c.params, *c.norm,
+                              c.layout->tmp[worker], c.scores.row(h));
+      },
+      &ctx);
   return status();
 }
 

@@ -23,8 +23,9 @@ struct budget {
 
   /// Tokens to keep out of `num_tokens` (may exceed num_tokens; selection clamps).
   constexpr std::int64_t resolve(std::int64_t num_tokens) const noexcept {
-    return type == kind::tokens ? count
-                                : static_cast<std::int64_t>(static_cast<double>(num_tokens) * (1.0 - compression_ratio));
+    return type == kind::tokens
+               ? count
+               : static_cast<std::int64_t>(static_cast<double>(num_tokens) * (1.0 - compression_ratio));
   }
 };
 

@@ -99,23 +99,24 @@ inline status select_impl(const const_score_view& scores, const std::int64_t* he
     keep_list_view out;
     topk_scratch* scratch;
   } ctx{scores, head_budgets, uniform, params, out, scratch};
-  exec.run(heads,
-           [](void* arg, std::int64_t h, int worker) {
-             const auto& c = *static_cast<const task_context*>(arg);
-             const std::int64_t n = c.scores.cols;
-             const std::int64_t b = c.head_budgets != nullptr ? c.head_budgets[h] : c.uniform;
-             const std::int64_t protect = c.params.protected_tail < n ? c.params.protected_tail : n;
-             const std::int64_t candidates = n - protect;
-             const std::int64_t k = candidates_kept(b, n, c.params);
-             std::int64_t* dst = c.out.indices + c.out.offsets[h];
-             if (k >= candidates) {
-               for (std::int64_t j = 0; j < candidates; ++j) dst[j] = j;
-             } else if (k > 0) {
-               top_k_ascending(c.scores.row(h), candidates, k, dst, c.scratch[worker]);
-             }
-             for (std::int64_t j = 0; j < protect; ++j) dst[k + j] = candidates + j;
-           },
-           &ctx);
+  exec.run(
+      heads,
+      [](void* arg, std::int64_t h, int worker) {
+        const auto& c = *static_cast<const task_context*>(arg);
+        const std::int64_t n = c.scores.cols;
+        const std::int64_t b = c.head_budgets != nullptr ? c.head_budgets[h] : c.uniform;
+        const std::int64_t protect = c.params.protected_tail < n ? c.params.protected_tail : n;
+        const std::int64_t candidates = n - protect;
+        const std::int64_t k = candidates_kept(b, n, c.params);
+        std::int64_t* dst = c.out.indices + c.out.offsets[h];
+        if (k >= candidates) {
+          for (std::int64_t j = 0; j < candidates; ++j) dst[j] = j;
+        } else if (k > 0) {
+          top_k_ascending(c.scores.row(h), candidates, k, dst, c.scratch[worker]);
+        }
+        for (std::int64_t j = 0; j < protect; ++j) dst[k + j] = candidates + j;
+      },
+      &ctx);
   return status();
 }
 }  // namespace detail

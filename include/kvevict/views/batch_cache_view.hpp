@@ -38,8 +38,8 @@ struct batch_cache_view {
     cache_view<T> v = layout;
     v.num_tokens = seq_lens[s];
     if (block_tables != nullptr) {
-      v.block_table = block_tables + (block_indptr != nullptr ? static_cast<std::int64_t>(block_indptr[s])
-                                                              : s * block_table_stride);
+      v.block_table = block_tables +
+                      (block_indptr != nullptr ? static_cast<std::int64_t>(block_indptr[s]) : s * block_table_stride);
     } else {
       v.data = layout.data + s * seq_stride;
     }

@@ -28,7 +28,7 @@ struct cache_view {
   using element_type = T;
   using value_type = std::remove_cv_t<T>;
 
-  T* data = nullptr;          ///< element (0,0,0), or the pool base when paged
+  T* data = nullptr;            ///< element (0,0,0), or the pool base when paged
   std::int64_t num_heads = 0;   ///< Hkv
   std::int64_t num_tokens = 0;  ///< L: tokens currently in this sequence's cache
   std::int64_t head_dim = 0;    ///< d
@@ -54,8 +54,8 @@ struct cache_view {
     if (block_table != nullptr) {
       const std::int64_t block = j / block_size;
       const std::int64_t in_block = j - block * block_size;
-      return static_cast<std::int64_t>(block_table[block]) * block_stride + in_block * token_stride +
-             h * head_stride + c * dim_stride;
+      return static_cast<std::int64_t>(block_table[block]) * block_stride + in_block * token_stride + h * head_stride +
+             c * dim_stride;
     }
     return h * head_stride + j * token_stride + c * dim_stride;
   }
@@ -65,9 +65,7 @@ struct cache_view {
   }
 
   /// Pointer to channel 0 of token j of head h; channels follow at dim_stride.
-  KVEVICT_HOST_DEVICE T* row(std::int64_t h, std::int64_t j) const noexcept {
-    return data + offset(h, j, 0);
-  }
+  KVEVICT_HOST_DEVICE T* row(std::int64_t h, std::int64_t j) const noexcept { return data + offset(h, j, 0); }
 
   /// The same memory seen through the first `n` tokens (n <= num_tokens is the caller's
   /// promise; validation checks it where it matters).
