@@ -1,0 +1,331 @@
+// GPU benchmarks of kvevict::cuda at the reference shape of DESIGN.md section 10
+// (Llama-3.1-8B layer: Hq = 32, Hkv = 8, d = 128, L = 32K, W = 32, B = 2048, bf16).
+// Prints a markdown report: each kernel's median time over repetitions (cudaEvents),
+// achieved bandwidth against the K-read lower bound (K read once at the measured
+// device-to-device copy bandwidth), and selection over a whole model's rows in one launch.
+// Timings are measurements, never assertions. Usage: kvevict_cuda_bench [--quick] [--tokens L]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kvevict/cuda.cuh"
+
+namespace {
+
+#define BENCH_CHECK(expr)                                                                         \
+  do {                                                                                            \
+    const cudaError_t e_ = (expr);                                                                \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+void require_ok(const kvevict::status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "kvevict error: %s\n", s.message());
+    std::exit(1);
+  }
+}
+
+/// Deterministic pseudo-random values in [-1, 1) from an index (splitmix64).
+__device__ __forceinline__ float hash_unit(std::uint64_t i, std::uint64_t seed) {
+  std::uint64_t z = i + seed * 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+template <class T>
+__global__ void fill_kernel(T* p, std::int64_t n, std::uint64_t seed, float scale) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    p[i] = T(hash_unit(static_cast<std::uint64_t>(i), seed) * scale);
+}
+
+template <class T>
+T* device_random(std::int64_t n, std::uint64_t seed, float scale = 1.0f) {
+  T* p = nullptr;
+  BENCH_CHECK(cudaMalloc(&p, static_cast<std::size_t>(n) * sizeof(T)));
+  fill_kernel<T><<<1024, 256>>>(p, n, seed, scale);
+  BENCH_CHECK(cudaGetLastError());
+  return p;
+}
+
+template <class T>
+T* device_copy(const std::vector<T>& v) {
+  T* p = nullptr;
+  BENCH_CHECK(cudaMalloc(&p, std::max<std::size_t>(v.size(), 1) * sizeof(T)));
+  BENCH_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+void* device_bytes(std::size_t n) {
+  void* p = nullptr;
+  BENCH_CHECK(cudaMalloc(&p, std::max<std::size_t>(n, 1)));
+  return p;
+}
+
+/// Median time in microseconds of `reps` runs of fn (after warm-up), each timed with events.
+template <class Fn>
+double median_us(Fn&& fn, int reps) {
+  for (int i = 0; i < 3; ++i) fn();
+  BENCH_CHECK(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  BENCH_CHECK(cudaEventCreate(&a));
+  BENCH_CHECK(cudaEventCreate(&b));
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    BENCH_CHECK(cudaEventRecord(a));
+    fn();
+    BENCH_CHECK(cudaEventRecord(b));
+    BENCH_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    BENCH_CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(static_cast<double>(ms) * 1000.0);
+  }
+  BENCH_CHECK(cudaEventDestroy(a));
+  BENCH_CHECK(cudaEventDestroy(b));
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+/// A machine-readable line for scripts/gpu-check ("@@ key value"; not part of the markdown).
+void result(const char* key, double value) {
+  std::printf("@@ %s %.3f\n", key, value);
+}
+
+struct machine {
+  double peak_gbs = 0;  // from the memory clock and bus width attributes
+  double copy_gbs = 0;  // measured: device-to-device copy, bytes read + written per second
+};
+
+machine measure_machine(int reps) {
+  machine m;
+  int dev = 0, clock_khz = 0, bus_bits = 0;
+  BENCH_CHECK(cudaGetDevice(&dev));
+  if (cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, dev) == cudaSuccess)
+    m.peak_gbs = 2.0 * clock_khz * 1e3 * (bus_bits / 8.0) / 1e9;
+  const std::size_t bytes = std::size_t{1} << 30;
+  void* a = device_bytes(bytes);
+  void* b = device_bytes(bytes);
+  const double us = median_us([&] { BENCH_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }, reps);
+  m.copy_gbs = 2.0 * static_cast<double>(bytes) / (us * 1e-6) / 1e9;
+  BENCH_CHECK(cudaFree(a));
+  BENCH_CHECK(cudaFree(b));
+  return m;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  std::int64_t L = 32768;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    if (std::strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) L = std::atoll(argv[++i]);
+  }
+  const int reps = quick ? 5 : 20;
+  const std::int64_t hq = 32, hkv = 8, d = 128, W = 32, B = 2048, layers = 32;
+  using kvevict::bf16;
+
+  cudaDeviceProp prop{};
+  int dev = 0;
+  BENCH_CHECK(cudaGetDevice(&dev));
+  BENCH_CHECK(cudaGetDeviceProperties(&prop, dev));
+  const machine mach = measure_machine(reps);
+  std::printf("### kvevict::cuda on %s (sm_%d%d, %d SMs)\n\n", prop.name, prop.major, prop.minor,
+              prop.multiProcessorCount);
+  std::printf(
+      "Shape: Hq=%lld Hkv=%lld d=%lld L=%lld W=%lld B=%lld, bf16 K/V, float32 scores. "
+      "Median of %d runs.\n\n",
+      static_cast<long long>(hq), static_cast<long long>(hkv), static_cast<long long>(d), static_cast<long long>(L),
+      static_cast<long long>(W), static_cast<long long>(B), reps);
+  std::printf(
+      "HBM: %.0f GB/s theoretical (clock x bus width), %.0f GB/s measured device-to-device copy "
+      "(read + write).\n\n",
+      mach.peak_gbs, mach.copy_gbs);
+
+  const std::int64_t k_elems = hkv * L * d;
+  const double k_bytes = static_cast<double>(k_elems) * sizeof(bf16);
+  const double k_bound_us = k_bytes / (mach.copy_gbs * 1e9) * 1e6;  // K read once
+  bf16* keys = device_random<bf16>(k_elems, 1);
+  bf16* values = device_random<bf16>(k_elems, 2);
+  bf16* queries = device_random<bf16>(hq * W * d, 3, 2.0f);
+  std::vector<std::int64_t> qpos_h;
+  for (std::int64_t t = 0; t < W; ++t) qpos_h.push_back(L - W + t);
+  std::int64_t* qpos = device_copy(qpos_h);
+  const auto kview = kvevict::hf_contiguous(keys, hkv, L, d);
+  const auto vview = kvevict::hf_contiguous(values, hkv, L, d);
+  const auto qview = kvevict::contiguous_queries(queries, hq, W, d, qpos);
+  float* scores = nullptr;
+  BENCH_CHECK(cudaMalloc(&scores, static_cast<std::size_t>(hkv * L) * sizeof(float)));
+  const kvevict::score_view sview{scores, hkv, L, L};
+  kvevict::scoring_params params;  // kvpress_snapkv conventions
+  params.protected_tail = W;
+  kvevict::cuda::launch_options opt;
+
+  std::printf("| operation | time (us) | achieved | reference |\n|---|---:|---:|---|\n");
+
+  // Fused observation scoring, two passes (no engine LSE).
+  {
+    const kvevict::layer_shape shape{hq, hkv, d, L, W};
+    const std::size_t wsb = kvevict::cuda::observation_scores_workspace_size(shape, params);
+    void* ws = device_bytes(wsb);
+    const double us = median_us(
+        [&] {
+          require_ok(kvevict::cuda::observation_scores(qview, kview, params, sview, {ws, wsb}, {}, opt));
+        },
+        reps);
+    const double flops = 2.0 * 2.0 * static_cast<double>(hq * W) * static_cast<double>(L) * static_cast<double>(d);
+    std::printf(
+        "| observation_scores, 2 passes (G*W=%lld rows/KV head) | %.1f | %.0f GB/s of K (2 reads), %.1f TFLOP/s "
+        "| K-read bound %.1f us (x%.1f) |\n",
+        static_cast<long long>(hq / hkv * W), us, 2.0 * k_bytes / (us * 1e-6) / 1e9, flops / (us * 1e-6) / 1e12,
+        k_bound_us, us / k_bound_us);
+    result("obs_2pass_us", us);
+    // Engine LSE: one pass.
+    std::vector<float> lse_h(static_cast<std::size_t>(hq * W), 10.0f);
+    float* lse = device_copy(lse_h);
+    const std::size_t wsb1 = kvevict::cuda::observation_scores_workspace_size(shape, params, true);
+    kvevict::cuda::observation_inputs in;
+    in.lse = lse;
+    const double us1 = median_us(
+        [&] {
+          require_ok(kvevict::cuda::observation_scores(qview, kview, params, sview, {ws, wsb1}, in, opt));
+        },
+        reps);
+    std::printf(
+        "| observation_scores, engine LSE (1 pass) | %.1f | %.0f GB/s of K, %.1f TFLOP/s | K-read bound %.1f us "
+        "(x%.1f) |\n",
+        us1, k_bytes / (us1 * 1e-6) / 1e9, flops / 2.0 / (us1 * 1e-6) / 1e12, k_bound_us, us1 / k_bound_us);
+    result("obs_1pass_us", us1);
+    BENCH_CHECK(cudaFree(lse));
+    BENCH_CHECK(cudaFree(ws));
+  }
+
+  // DeferKV decode step (W = 1): bandwidth-bound.
+  {
+    std::vector<std::int64_t> dpos_h{L + 1};
+    std::int64_t* dpos = device_copy(dpos_h);
+    const auto dq = kvevict::contiguous_queries(queries, hq, 1, d, dpos);
+    float* state = nullptr;
+    BENCH_CHECK(cudaMalloc(&state, static_cast<std::size_t>(hkv * L) * sizeof(float)));
+    BENCH_CHECK(cudaMemset(state, 0, static_cast<std::size_t>(hkv * L) * sizeof(float)));
+    kvevict::cuda::decode_params dp;
+    dp.eta = 0.9f;
+    const kvevict::layer_shape shape{hq, hkv, d, L, 1};
+    const std::size_t wsb = kvevict::cuda::decode_observation_workspace_size(shape, dp);
+    void* ws = device_bytes(wsb);
+    const kvevict::score_view st{state, hkv, L, L};
+    const double us = median_us(
+        [&] {
+          require_ok(kvevict::cuda::decode_observation(dq, kview, dp, st, {ws, wsb}, {}, opt));
+        },
+        reps);
+    const double moved = k_bytes + 2.0 * static_cast<double>(hq * L) * 4.0 + 2.0 * static_cast<double>(hkv * L) * 4.0;
+    std::printf(
+        "| decode_observation (DeferKV step), 2 passes | %.1f | %.0f GB/s of K, %.0f GB/s all traffic | "
+        "K-read bound %.1f us (x%.2f) |\n",
+        us, k_bytes / (us * 1e-6) / 1e9, moved / (us * 1e-6) / 1e9, k_bound_us, us / k_bound_us);
+    result("decode_2pass_us", us);
+    result("decode_2pass_k_gbs", k_bytes / (us * 1e-6) / 1e9);
+    std::vector<float> lse_h(static_cast<std::size_t>(hq), 10.0f);
+    float* lse = device_copy(lse_h);
+    kvevict::cuda::decode_inputs din;
+    din.lse = lse;
+    const double us1 =
+        median_us([&] { require_ok(kvevict::cuda::decode_observation(dq, kview, dp, st, {}, din, opt)); }, reps);
+    std::printf("| decode_observation, engine LSE (1 pass) | %.1f | %.0f GB/s of K | K-read bound %.1f us (x%.2f) |\n",
+                us1, k_bytes / (us1 * 1e-6) / 1e9, k_bound_us, us1 / k_bound_us);
+    result("decode_1pass_us", us1);
+    result("decode_1pass_k_gbs", k_bytes / (us1 * 1e-6) / 1e9);
+    BENCH_CHECK(cudaFree(lse));
+    BENCH_CHECK(cudaFree(ws));
+    BENCH_CHECK(cudaFree(state));
+    BENCH_CHECK(cudaFree(dpos));
+  }
+
+  // Selection: one layer's [Hkv, L], and a whole model's rows in one launch.
+  for (std::int64_t rows : {hkv, layers * hkv}) {
+    float* s = device_random<float>(rows * L, 7);
+    std::int64_t* offsets = nullptr;
+    std::int64_t* indices = nullptr;
+    const kvevict::selection_params sp{W, kvevict::protected_mode::inside_budget};
+    const std::int64_t cap = rows * kvevict::tokens_kept(B, L, sp);
+    BENCH_CHECK(cudaMalloc(&offsets, static_cast<std::size_t>(rows + 1) * sizeof(std::int64_t)));
+    BENCH_CHECK(cudaMalloc(&indices, static_cast<std::size_t>(cap) * sizeof(std::int64_t)));
+    const std::size_t wsb = kvevict::cuda::select_workspace_size(rows);
+    void* ws = device_bytes(wsb);
+    const double us = median_us(
+        [&] {
+          require_ok(kvevict::cuda::select({s, rows, L, L}, kvevict::budget::tokens(B), sp,
+                                           {rows, offsets, indices, cap}, {ws, wsb}, opt));
+        },
+        reps);
+    std::printf("| select top-%lld, %lld rows x %lld (one launch) | %.1f | %.2f ns/element | %s |\n",
+                static_cast<long long>(B), static_cast<long long>(rows), static_cast<long long>(L), us,
+                us * 1e3 / static_cast<double>(rows * L), rows == hkv ? "one layer" : "32 layers x 8 KV heads");
+    result(rows == hkv ? "select_layer_us" : "select_model_us", us);
+    BENCH_CHECK(cudaFree(ws));
+    BENCH_CHECK(cudaFree(indices));
+    BENCH_CHECK(cudaFree(offsets));
+    BENCH_CHECK(cudaFree(s));
+  }
+
+  // Compaction of K and V by a keep-list of B tokens per head (random, ascending).
+  {
+    std::mt19937_64 rng(5);
+    std::vector<std::int64_t> off{0}, idx;
+    for (std::int64_t h = 0; h < hkv; ++h) {
+      std::vector<std::int64_t> all(static_cast<std::size_t>(L - W));
+      for (std::int64_t j = 0; j < L - W; ++j) all[static_cast<std::size_t>(j)] = j;
+      std::shuffle(all.begin(), all.end(), rng);
+      all.resize(static_cast<std::size_t>(B - W));
+      std::sort(all.begin(), all.end());
+      for (std::int64_t j = L - W; j < L; ++j) all.push_back(j);
+      idx.insert(idx.end(), all.begin(), all.end());
+      off.push_back(static_cast<std::int64_t>(idx.size()));
+    }
+    std::int64_t* doff = device_copy(off);
+    std::int64_t* didx = device_copy(idx);
+    const std::int64_t cap = static_cast<std::int64_t>(idx.size());
+    const std::size_t wsb = kvevict::cuda::compact_workspace_size(kview, vview, cap);
+    void* ws = device_bytes(wsb);
+    const kvevict::const_keep_list_view keep{hkv, doff, didx, cap};
+    const double us = median_us(
+        [&] {
+          require_ok(kvevict::cuda::compact(kview, vview, keep, {ws, wsb}, {}, opt));
+        },
+        reps);
+    const double moved = 2.0 * 2.0 * static_cast<double>(cap) * static_cast<double>(d) * sizeof(bf16);  // K+V, r+w
+    std::printf(
+        "| compact K and V, %lld of %lld tokens per head (staged: 2x the copy) | %.1f | %.0f GB/s of kept rows "
+        "(read + write) | device copy %.0f GB/s |\n",
+        static_cast<long long>(B), static_cast<long long>(L), us, 2.0 * moved / (us * 1e-6) / 1e9, mach.copy_gbs);
+    result("compact_us", us);
+    BENCH_CHECK(cudaFree(ws));
+    BENCH_CHECK(cudaFree(didx));
+    BENCH_CHECK(cudaFree(doff));
+  }
+  std::printf("\nK-read lower bound: %.1f MiB of K read once at the measured copy bandwidth.\n",
+              k_bytes / (1024.0 * 1024.0));
+  result("copy_gbs", mach.copy_gbs);
+  result("peak_gbs", mach.peak_gbs);
+  result("k_bound_us", k_bound_us);
+  BENCH_CHECK(cudaFree(scores));
+  BENCH_CHECK(cudaFree(qpos));
+  BENCH_CHECK(cudaFree(queries));
+  BENCH_CHECK(cudaFree(values));
+  BENCH_CHECK(cudaFree(keys));
+  return 0;
+}

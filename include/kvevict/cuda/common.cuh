@@ -1,0 +1,296 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_CUDA_COMMON_CUH
+#define KVEVICT_CUDA_COMMON_CUH
+
+// Shared pieces of the CUDA header: launch options (stream, device flag word), CUDA errors
+// as kvevict::status, host-side validation of views whose memory lives on the device, and
+// small device helpers. Never includes Eigen or a header that does.
+//
+// Validation split. The host checks everything it can see without reading device memory:
+// shapes, strides (overlap and 2^63 span, via the CPU's check_box), parameters, null
+// pointers, 32-bit index limits, grid limits, workspace size and, unless turned off, that
+// every pointer is device-accessible (cudaPointerGetAttributes; it neither synchronises nor
+// launches). Block-table entries, positions, keep-list contents and per-row descriptors live
+// in device memory: the kernels check them and report through launch_options::device_flags
+// (see device_flags.hpp for what each bit means and how the kernels proceed).
+
+#if !defined(__CUDACC__)
+#error "kvevict/cuda/*.cuh holds CUDA kernels: compile this translation unit with nvcc (a .cu file)"
+#endif
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <type_traits>
+
+#include "kvevict/config.hpp"
+#include "kvevict/cuda/detail/tiling.hpp"
+#include "kvevict/cuda/device_flags.hpp"
+#include "kvevict/detail/validate.hpp"
+#include "kvevict/dtype.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/matrix_view.hpp"
+#include "kvevict/views/query_view.hpp"
+#include "kvevict/workspace.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace cuda {
+
+/// Where and how a CUDA operation runs. Every operation only enqueues work on `stream`
+/// (kernels, cudaMemsetAsync) and returns; nothing synchronises, nothing allocates.
+struct launch_options {
+  cudaStream_t stream = nullptr;
+  /// Optional device word (one uint32 the caller zeroes and owns): kernels OR
+  /// device_flag bits into it for problems only the device can see. Null: not reported
+  /// (the kernels still handle them as documented).
+  std::uint32_t* device_flags = nullptr;
+  /// Check with cudaPointerGetAttributes that the pointers the kernels dereference are
+  /// device-accessible (device, managed or mapped host memory). A host pointer passed by
+  /// mistake would otherwise fault inside a kernel and poison the CUDA context. About a
+  /// microsecond per pointer; engines that know their pointers may turn it off.
+  bool check_pointers = true;
+};
+
+namespace detail {
+
+/// A status for a failed CUDA runtime call.
+inline status cuda_status(cudaError_t err, const char* fn, const char* what) noexcept {
+  if (err == cudaSuccess) return status();
+  return status::error(errc::device_error, fn, what, "CUDA error %d (%s): %s", static_cast<int>(err),
+                       cudaGetErrorName(err), cudaGetErrorString(err));
+}
+
+/// After a kernel launch: launch-configuration errors (too much shared memory, a bad grid)
+/// come back from cudaGetLastError without synchronising.
+inline status launch_status(const char* fn, const char* kernel) noexcept {
+  return cuda_status(cudaGetLastError(), fn, kernel);
+}
+
+/// `ptr` must be dereferenceable by kernels. Null pointers are reported by the callers'
+/// shape checks, so they pass here.
+inline status check_device_pointer(const void* ptr, const launch_options& opt, const char* fn,
+                                   const char* arg) noexcept {
+  if (!opt.check_pointers || ptr == nullptr) return status();
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the non-sticky error so the caller's next call is unaffected
+    return cuda_status(err, fn, arg);
+  }
+  if (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) return status();
+  if (attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr) return status();
+  return status::error(errc::invalid_argument, fn, arg,
+                       "expected device-accessible memory (device, managed or mapped host), got an unregistered "
+                       "host pointer");
+}
+
+/// Shared memory a kernel may use per block on the current device (opt-in maximum).
+inline status max_shared_bytes(std::size_t* out, const char* fn) noexcept {
+  int device = 0;
+  KVEVICT_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), fn, "cudaGetDevice"));
+  int bytes = 0;
+  KVEVICT_RETURN_IF_ERROR(cuda_status(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                                      fn, "cudaDeviceGetAttribute"));
+  *out = static_cast<std::size_t>(bytes);
+  return status();
+}
+
+/// Raises a kernel's dynamic shared memory limit when it needs more than the default 48 KiB.
+template <class Kernel>
+status allow_shared_bytes(Kernel kernel, std::size_t bytes, const char* fn) noexcept {
+  if (bytes <= 48 * 1024) return status();
+  std::size_t limit = 0;
+  KVEVICT_RETURN_IF_ERROR(max_shared_bytes(&limit, fn));
+  if (bytes > limit)
+    return status::error(errc::unsupported, fn, "shape",
+                         "the kernel needs %zu bytes of shared memory per block for this head_dim, group and window "
+                         "(or pooling kernel), the device offers %zu",
+                         bytes, limit);
+  return cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+                     fn, "cudaFuncSetAttribute");
+}
+
+/// cache_view checks of the CPU's validate_cache_view that need no device memory: the block
+/// table itself (ids in range, no repeats) is checked on the device.
+template <class T>
+status validate_device_cache_view(const cache_view<T>& v, const launch_options& opt, const char* fn,
+                                  const char* arg) noexcept {
+  using kvevict::detail::field_name;
+  if (!v.is_paged()) {
+    // The strided checks read no element memory: reuse the CPU validator as is.
+    KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_cache_view(v, fn, arg));
+  } else {
+    if (v.num_heads < 1)
+      return status::error(errc::invalid_shape, fn, field_name(arg, "num_heads"), "expected >= 1, got %lld",
+                           static_cast<long long>(v.num_heads));
+    if (v.head_dim < 1)
+      return status::error(errc::invalid_shape, fn, field_name(arg, "head_dim"), "expected >= 1, got %lld",
+                           static_cast<long long>(v.head_dim));
+    if (v.num_tokens < 0)
+      return status::error(errc::invalid_shape, fn, field_name(arg, "num_tokens"), "expected >= 0, got %lld",
+                           static_cast<long long>(v.num_tokens));
+    if (v.head_stride < 0 || v.token_stride < 0 || v.dim_stride < 0)
+      return status::error(errc::invalid_stride, fn, arg, "expected non-negative strides, got (%lld, %lld, %lld)",
+                           static_cast<long long>(v.head_stride), static_cast<long long>(v.token_stride),
+                           static_cast<long long>(v.dim_stride));
+    if (v.data == nullptr) return status::error(errc::null_pointer, fn, field_name(arg, "data"), "expected non-null");
+    // As the CPU validator: an empty cache addresses no element, whatever its geometry.
+    if (v.num_tokens == 0) return check_device_pointer(v.data, opt, fn, field_name(arg, "data"));
+    if (v.block_size < 1)
+      return status::error(errc::invalid_shape, fn, field_name(arg, "block_size"), "expected >= 1, got %lld",
+                           static_cast<long long>(v.block_size));
+    if (v.num_pool_blocks < 1)
+      return status::error(errc::invalid_shape, fn, field_name(arg, "num_pool_blocks"), "expected >= 1, got %lld",
+                           static_cast<long long>(v.num_pool_blocks));
+    if (v.block_stride < 0)
+      return status::error(errc::invalid_stride, fn, field_name(arg, "block_stride"), "expected >= 0, got %lld",
+                           static_cast<long long>(v.block_stride));
+    const std::int64_t tokens_in_block =
+        v.block_size < (v.num_tokens > 1 ? v.num_tokens : 1) ? v.block_size : (v.num_tokens > 1 ? v.num_tokens : 1);
+    kvevict::detail::strided_dim dims[3] = {{v.num_heads, v.head_stride, "head_stride"},
+                                            {tokens_in_block, v.token_stride, "token_stride"},
+                                            {v.head_dim, v.dim_stride, "dim_stride"}};
+    std::int64_t block_span = 0;
+    KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_box(fn, arg, dims, 3, &block_span));
+    if (v.num_pool_blocks > 1 && v.block_stride < block_span)
+      return status::error(errc::invalid_stride, fn, field_name(arg, "block_stride"),
+                           "expected >= %lld (the extent of one block) so that blocks do not overlap, got %lld",
+                           static_cast<long long>(block_span), static_cast<long long>(v.block_stride));
+    std::int64_t pool_span = 0;
+    if (!kvevict::detail::checked_mul(v.num_pool_blocks - 1, v.block_stride, &pool_span) ||
+        !kvevict::detail::checked_add(pool_span, block_span, &pool_span))
+      return status::error(errc::overflow, fn, arg, "the block pool spans more than 2^63 elements");
+    KVEVICT_RETURN_IF_ERROR(check_device_pointer(v.block_table, opt, fn, field_name(arg, "block_table")));
+  }
+  KVEVICT_RETURN_IF_ERROR(check_device_pointer(v.data, opt, fn, field_name(arg, "data")));
+  return status();
+}
+
+/// query_view checks of the CPU's validate_query_view except the positions' values, which
+/// live on the device (a negative one raises flag_negative_position).
+template <class T>
+status validate_device_query_view(const query_view<T>& q, const launch_options& opt, const char* fn,
+                                  const char* arg) noexcept {
+  using kvevict::detail::field_name;
+  if (q.num_heads < 1)
+    return status::error(errc::invalid_shape, fn, field_name(arg, "num_heads"), "expected >= 1, got %lld",
+                         static_cast<long long>(q.num_heads));
+  if (q.num_queries < 1)
+    return status::error(errc::invalid_shape, fn, field_name(arg, "num_queries"), "expected >= 1, got %lld",
+                         static_cast<long long>(q.num_queries));
+  if (q.head_dim < 1)
+    return status::error(errc::invalid_shape, fn, field_name(arg, "head_dim"), "expected >= 1, got %lld",
+                         static_cast<long long>(q.head_dim));
+  if (q.head_stride < 0 || q.query_stride < 0 || q.dim_stride < 0)
+    return status::error(errc::invalid_stride, fn, arg, "expected non-negative strides, got (%lld, %lld, %lld)",
+                         static_cast<long long>(q.head_stride), static_cast<long long>(q.query_stride),
+                         static_cast<long long>(q.dim_stride));
+  if (q.data == nullptr) return status::error(errc::null_pointer, fn, field_name(arg, "data"), "expected non-null");
+  if (q.positions == nullptr)
+    return status::error(errc::null_pointer, fn, field_name(arg, "positions"),
+                         "expected the absolute position of each of the %lld observations",
+                         static_cast<long long>(q.num_queries));
+  kvevict::detail::strided_dim dims[3] = {{q.num_heads, q.head_stride, "head_stride"},
+                                          {q.num_queries, q.query_stride, "query_stride"},
+                                          {q.head_dim, q.dim_stride, "dim_stride"}};
+  std::int64_t span = 0;
+  KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_box(fn, arg, dims, 3, &span));
+  KVEVICT_RETURN_IF_ERROR(check_device_pointer(q.data, opt, fn, field_name(arg, "data")));
+  return check_device_pointer(q.positions, opt, fn, field_name(arg, "positions"));
+}
+
+/// The workspace must hold what the size query returned, and be device memory.
+inline status check_workspace(const kvevict::detail::arena& a, workspace_span ws, const launch_options& opt,
+                              const char* fn, const char* query) noexcept {
+  if (a.overflowed())
+    return status::error(errc::workspace_too_small, fn, "ws", "expected at least %zu bytes (%s), got %zu", a.used(),
+                         query, ws.size);
+  return check_device_pointer(ws.data, opt, fn, "ws.data");
+}
+
+// ---- device helpers -------------------------------------------------------------------
+
+constexpr unsigned full_warp = 0xffffffffu;
+
+/// Raises `bits` in the caller's flag word and, when given, in an internal status word.
+__device__ inline void raise_flag(std::uint32_t* flags, std::uint32_t bits) {
+  if (flags != nullptr) atomicOr(flags, bits);
+}
+
+/// Loads one storage element as float32 (exact widening).
+__device__ __forceinline__ float load_float(const float* p) {
+  return __ldg(p);
+}
+__device__ __forceinline__ float load_float(const fp16* p) {
+  return kvevict::detail::fp16_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(p)));
+}
+__device__ __forceinline__ float load_float(const bf16* p) {
+  return kvevict::detail::bf16_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(p)));
+}
+
+/// Widens the 16 bytes at p (4 floats or 8 16-bit elements) into out[0 .. 16 / sizeof(T)).
+__device__ __forceinline__ void load_vector(const float* p, float* out) {
+  const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+  out[0] = v.x;
+  out[1] = v.y;
+  out[2] = v.z;
+  out[3] = v.w;
+}
+template <class T>
+__device__ __forceinline__ void load_vector(const T* p, float* out) {
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const auto lo = static_cast<std::uint16_t>(words[i] & 0xffffu);
+    const auto hi = static_cast<std::uint16_t>(words[i] >> 16);
+    if (std::is_same<T, bf16>::value) {
+      out[2 * i] = kvevict::detail::bf16_bits_to_float(lo);
+      out[2 * i + 1] = kvevict::detail::bf16_bits_to_float(hi);
+    } else {
+      out[2 * i] = kvevict::detail::fp16_bits_to_float(lo);
+      out[2 * i + 1] = kvevict::detail::fp16_bits_to_float(hi);
+    }
+  }
+}
+
+/// Butterfly reductions over groups of `width` consecutive lanes (width a power of two <= 32).
+/// Every lane of the group ends with the result; the order of operations is fixed.
+__device__ __forceinline__ float group_max(float v, int width) {
+  for (int o = width / 2; o > 0; o /= 2) {
+    const float other = __shfl_xor_sync(full_warp, v, o);
+    v = other > v ? other : v;
+  }
+  return v;
+}
+__device__ __forceinline__ float group_sum(float v, int width) {
+  for (int o = width / 2; o > 0; o /= 2) v += __shfl_xor_sync(full_warp, v, o);
+  return v;
+}
+
+/// Row-start offset (elements from view.data) of token j of head h, or -1 when the block
+/// table names a block outside the pool (flagged).
+template <class T>
+__device__ __forceinline__ std::int64_t checked_row_offset(const cache_view<T>& v, std::int64_t h, std::int64_t j,
+                                                           std::uint32_t* flags) {
+  if (v.block_table != nullptr) {
+    const std::int64_t block = j / v.block_size;
+    const std::int32_t id = __ldg(v.block_table + block);
+    if (id < 0 || id >= v.num_pool_blocks) {
+      raise_flag(flags, flag_block_id_out_of_range);
+      return -1;
+    }
+    return static_cast<std::int64_t>(id) * v.block_stride + (j - block * v.block_size) * v.token_stride +
+           h * v.head_stride;
+  }
+  return h * v.head_stride + j * v.token_stride;
+}
+
+}  // namespace detail
+}  // namespace cuda
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_CUDA_COMMON_CUH

@@ -1,0 +1,303 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_CUDA_COMPACT_CUH
+#define KVEVICT_CUDA_COMPACT_CUH
+
+// In-place compaction of one layer's K and V caches on the GPU (DESIGN.md section 7):
+// afterwards head h's row i holds what its row keep[h][i] held, for contiguous, strided
+// (including llama.cpp's transposed V) and paged layouts; rows at or beyond a head's new
+// length keep their old contents. Element copies only, no conversion.
+//
+// The in-place hazard and how it is avoided (detail/compact_logic.hpp): a destination row
+// can be another kept entry's source row, so the copy is staged. Kernels, in stream order:
+//   1. validate: keep-list structure (CSR offsets, indices strictly ascending in [0, L)),
+//      block ids in range, no physical block reached twice (a bitmap per pool in the
+//      workspace). Problems go to a private status word and to launch_options::device_flags.
+//   2. gather: if the status word is clear, every moving entry's source row -> workspace.
+//   3. scatter: if clear, staged rows -> destination rows; head lengths and positions out.
+// So on any device-detected problem nothing in the cache changes. Kernels of one stream run
+// in order, which is the barrier between reading all sources and writing any destination.
+//
+// Rows are copied as bytes through a type-erased view: contiguous rows a warp per row with
+// the widest aligned unit (16/8/4/2 bytes); channel-strided rows (transposed V) a thread per
+// (channel, entry), entries fastest, so a warp reads consecutive tokens of one channel.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "kvevict/config.hpp"
+#include "kvevict/cuda/common.cuh"
+#include "kvevict/cuda/detail/compact_logic.hpp"
+#include "kvevict/cuda/detail/tiling.hpp"
+#include "kvevict/cuda/detail/workspace_plan.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/selection/keep_list.hpp"
+#include "kvevict/views/cache_view.hpp"
+#include "kvevict/workspace.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace cuda {
+
+/// Optional device outputs of `compact` (and its input of original key positions).
+struct compact_outputs {
+  std::int64_t* head_lengths = nullptr;         ///< [Hkv] out: keep.size(h)
+  std::int64_t* positions = nullptr;            ///< [keep.capacity] out, aligned with keep.indices
+  const std::int64_t* key_positions = nullptr;  ///< [L] original positions, or null: position j
+};
+
+namespace detail {
+
+constexpr int compact_threads = 256;
+
+struct compact_args {
+  byte_view k, v;
+  const std::int64_t* offsets = nullptr;
+  const std::int64_t* indices = nullptr;
+  std::int64_t num_heads = 0;
+  std::int64_t capacity = 0;
+  compact_workspace ws;
+  bool v_same_table = false;  // V's block ids are K's: checking K covers V
+  bool shared_pool = false;   // K and V in one pool: their ids share one bitmap
+  compact_outputs out;
+  std::uint32_t* flags = nullptr;
+};
+
+__device__ __forceinline__ void compact_fail(const compact_args& a, std::uint32_t bits) {
+  atomicOr(a.ws.status, bits);
+  raise_flag(a.flags, bits);
+}
+
+__device__ __forceinline__ void check_table(const compact_args& a, const byte_view& v, std::uint32_t* bitmap,
+                                            std::int64_t gtid, std::int64_t nthreads) {
+  if (v.block_table == nullptr || v.num_tokens == 0) return;  // an empty view may have any geometry
+  const std::int64_t used = ceil_div(v.num_tokens, v.block_size);
+  for (std::int64_t b = gtid; b < used; b += nthreads) {
+    const std::int32_t id = v.block_table[b];
+    if (id < 0 || id >= v.num_pool_blocks) {
+      compact_fail(a, flag_block_id_out_of_range);
+      continue;
+    }
+    const std::uint32_t bit = bitmap_bit(id);
+    if (atomicOr(bitmap + bitmap_word(id), bit) & bit) compact_fail(a, flag_duplicate_block);
+  }
+}
+
+template <int Unused = 0>
+__global__ void __launch_bounds__(compact_threads) compact_validate_kernel(compact_args a) {
+  const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t h = gtid; h < a.num_heads; h += nthreads)
+    if (!offsets_ok(a.offsets, h, a.capacity)) compact_fail(a, flag_invalid_keep_list);
+  std::int64_t total = a.offsets[a.num_heads];
+  total = total < 0 ? 0 : (total > a.capacity ? a.capacity : total);
+  for (std::int64_t e = gtid; e < total; e += nthreads) {
+    const std::int64_t h = head_of_entry(a.offsets, a.num_heads, e);
+    const bool first = e == a.offsets[h];
+    if (!entry_ok(a.indices[e], first ? -1 : a.indices[e - 1], first, a.k.num_tokens))
+      compact_fail(a, flag_invalid_keep_list);
+  }
+  check_table(a, a.k, a.ws.key_bitmap, gtid, nthreads);
+  if (!a.v_same_table) check_table(a, a.v, a.shared_pool ? a.ws.key_bitmap : a.ws.value_bitmap, gtid, nthreads);
+}
+
+/// Copies row_bytes bytes from src to dst with one warp, `unit` bytes per lane and copy.
+__device__ __forceinline__ void warp_copy(unsigned char* dst, const unsigned char* src, std::int64_t row_bytes,
+                                          int unit, int lane) {
+  switch (unit) {
+    case 16:
+      for (std::int64_t o = lane * 16; o < row_bytes; o += 32 * 16)
+        *reinterpret_cast<uint4*>(dst + o) = *reinterpret_cast<const uint4*>(src + o);
+      break;
+    case 8:
+      for (std::int64_t o = lane * 8; o < row_bytes; o += 32 * 8)
+        *reinterpret_cast<uint2*>(dst + o) = *reinterpret_cast<const uint2*>(src + o);
+      break;
+    case 4:
+      for (std::int64_t o = lane * 4; o < row_bytes; o += 32 * 4)
+        *reinterpret_cast<unsigned*>(dst + o) = *reinterpret_cast<const unsigned*>(src + o);
+      break;
+    default:
+      for (std::int64_t o = lane * 2; o < row_bytes; o += 32 * 2)
+        *reinterpret_cast<unsigned short*>(dst + o) = *reinterpret_cast<const unsigned short*>(src + o);
+      break;
+  }
+}
+
+__device__ __forceinline__ void copy_element(unsigned char* dst, const unsigned char* src, std::int64_t bytes) {
+  if (bytes == 4) {
+    *reinterpret_cast<unsigned*>(dst) = *reinterpret_cast<const unsigned*>(src);
+  } else {
+    *reinterpret_cast<unsigned short*>(dst) = *reinterpret_cast<const unsigned short*>(src);
+  }
+}
+
+/// Moves one view's moving entries between the cache and the staging area. Gather: cache
+/// row (h, keep[e]) -> stage[e]; scatter: stage[e] -> cache row (h, i).
+__device__ __forceinline__ void move_view(const compact_args& a, const byte_view& v, unsigned char* stage,
+                                          std::int64_t total, bool gather) {
+  const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  if (v.unit != 0) {
+    const int lane = static_cast<int>(threadIdx.x) & 31;
+    for (std::int64_t e = gtid >> 5; e < total; e += nthreads >> 5) {  // a warp per entry
+      const std::int64_t h = head_of_entry(a.offsets, a.num_heads, e);
+      const std::int64_t i = e - a.offsets[h], src = a.indices[e];
+      if (!entry_moves(src, i)) continue;
+      unsigned char* row = v.data + v.row_offset(h, gather ? src : i);
+      unsigned char* staged = stage + e * v.row_bytes;
+      if (gather) {
+        warp_copy(staged, row, v.row_bytes, v.unit, lane);
+      } else {
+        warp_copy(row, staged, v.row_bytes, v.unit, lane);
+      }
+    }
+    return;
+  }
+  // Channel-strided rows: a thread per (channel, entry), entries fastest. total * head_dim
+  // < 2^31 is checked on the host, so 32-bit division is exact.
+  const auto t32 = static_cast<unsigned>(total);
+  for (std::int64_t x = gtid; x < total * v.head_dim; x += nthreads) {
+    const auto c = static_cast<unsigned>(x) / t32, e = static_cast<unsigned>(x) % t32;
+    const std::int64_t h = head_of_entry(a.offsets, a.num_heads, e);
+    const std::int64_t i = e - a.offsets[h], src = a.indices[e];
+    if (!entry_moves(src, i)) continue;
+    unsigned char* cell = v.data + v.row_offset(h, gather ? src : i) + c * v.dim_stride;
+    unsigned char* staged = stage + e * v.row_bytes + c * v.element_bytes;
+    if (gather) {
+      copy_element(staged, cell, v.element_bytes);
+    } else {
+      copy_element(cell, staged, v.element_bytes);
+    }
+  }
+}
+
+template <int Unused = 0>
+__global__ void __launch_bounds__(compact_threads) compact_move_kernel(compact_args a, bool gather) {
+  if (*a.ws.status != 0) return;
+  const std::int64_t total = a.offsets[a.num_heads];
+  move_view(a, a.k, a.ws.staged_keys, total, gather);
+  move_view(a, a.v, a.ws.staged_values, total, gather);
+  if (gather) return;
+  const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  if (a.out.head_lengths != nullptr)
+    for (std::int64_t h = gtid; h < a.num_heads; h += nthreads) a.out.head_lengths[h] = a.offsets[h + 1] - a.offsets[h];
+  if (a.out.positions != nullptr)
+    for (std::int64_t e = gtid; e < total; e += nthreads)
+      a.out.positions[e] = a.out.key_positions != nullptr ? a.out.key_positions[a.indices[e]] : a.indices[e];
+}
+
+}  // namespace detail
+
+/// Bytes of device workspace `compact` needs: the staged rows of keep_capacity entries of K
+/// and of V (capacity * (dk * sizeof(KT) + dv * sizeof(VT))), a status word and, for paged
+/// views, a bitmap of the pool's blocks.
+template <class KT, class VT>
+std::size_t compact_workspace_size(const cache_view<KT>& keys, const cache_view<VT>& values,
+                                   std::int64_t keep_capacity) noexcept {
+  kvevict::detail::arena a;
+  detail::compact_workspace w;
+  detail::carve_compact_workspace(a, detail::make_compact_dims(keys, values, keep_capacity), &w);
+  return a.used();
+}
+
+/// Compacts one layer's K and V caches in place by a device keep-list.
+///
+///   keys:   [Hkv, L, dk] device cache_view (any layout, mutable)
+///   values: [Hkv, L, dv] device cache_view (same Hkv and L; own layout and type)
+///   keep:   CSR keep-list, offsets [Hkv + 1] and indices [capacity] in device memory;
+///           num_heads and capacity are host-known. Contents are checked on the device.
+///   ws:     device memory, >= compact_workspace_size(keys, values, keep.capacity)
+///   out:    optional device outputs: head lengths [Hkv], positions [capacity]
+///
+/// Enqueues a memset and three kernels on opt.stream; no synchronisation, no allocation. A
+/// bad keep-list, a block id out of range or a block reached twice sets the matching
+/// device flag and leaves the cache and the outputs untouched. K and V must not share
+/// elements (the same base pointer is rejected on the host; blocks shared through one
+/// pool are caught on the device).
+template <class KT, class VT>
+status compact(cache_view<KT> keys, cache_view<VT> values, const_keep_list_view keep, workspace_span ws,
+               const compact_outputs& out = {}, const launch_options& opt = {}) {
+  static_assert(!std::is_const<KT>::value && !std::is_const<VT>::value,
+                "kvevict::cuda::compact writes the cache: pass views of mutable elements");
+  static constexpr const char* fn = "kvevict::cuda::compact";
+  KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(keys, opt, fn, "keys"));
+  KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(values, opt, fn, "values"));
+  if (values.num_heads != keys.num_heads)
+    return status::error(errc::invalid_shape, fn, "values.num_heads", "expected keys.num_heads = %lld, got %lld",
+                         static_cast<long long>(keys.num_heads), static_cast<long long>(values.num_heads));
+  if (values.num_tokens != keys.num_tokens)
+    return status::error(errc::invalid_shape, fn, "values.num_tokens", "expected keys.num_tokens = %lld, got %lld",
+                         static_cast<long long>(keys.num_tokens), static_cast<long long>(values.num_tokens));
+  if (!keys.is_paged() && !values.is_paged() && keys.num_tokens > 0 &&
+      static_cast<const void*>(keys.data) == static_cast<const void*>(values.data))
+    return status::error(errc::invalid_argument, fn, "values.data",
+                         "expected a V cache distinct from the K cache, got the same base pointer");
+  if (keep.num_heads != keys.num_heads)
+    return status::error(errc::invalid_shape, fn, "keep.num_heads", "expected %lld, got %lld",
+                         static_cast<long long>(keys.num_heads), static_cast<long long>(keep.num_heads));
+  if (keep.offsets == nullptr) return status::error(errc::null_pointer, fn, "keep.offsets", "expected non-null");
+  if (keep.capacity < 0)
+    return status::error(errc::invalid_shape, fn, "keep.capacity", "expected >= 0, got %lld",
+                         static_cast<long long>(keep.capacity));
+  if (keep.capacity > 0 && keep.indices == nullptr)
+    return status::error(errc::null_pointer, fn, "keep.indices", "expected non-null");
+  const std::int64_t widest = keys.head_dim > values.head_dim ? keys.head_dim : values.head_dim;
+  if (!detail::fits_int32(keys.num_tokens) || keep.capacity > detail::int32_limit / widest - 1)
+    return status::error(errc::overflow, fn, "keep.capacity",
+                         "expected capacity * head_dim < 2^31 on the GPU, got %lld * %lld",
+                         static_cast<long long>(keep.capacity), static_cast<long long>(widest));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(keep.offsets, opt, fn, "keep.offsets"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(keep.indices, opt, fn, "keep.indices"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(out.head_lengths, opt, fn, "out.head_lengths"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(out.positions, opt, fn, "out.positions"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(out.key_positions, opt, fn, "out.key_positions"));
+
+  const detail::compact_dims dims = detail::make_compact_dims(keys, values, keep.capacity);
+  kvevict::detail::arena arena(ws);
+  detail::compact_args a;
+  detail::carve_compact_workspace(arena, dims, &a.ws);
+  KVEVICT_RETURN_IF_ERROR(detail::check_workspace(arena, ws, opt, fn, "compact_workspace_size"));
+  a.k = detail::make_byte_view(keys);
+  a.v = detail::make_byte_view(values);
+  a.offsets = keep.offsets;
+  a.indices = keep.indices;
+  a.num_heads = keep.num_heads;
+  a.capacity = keep.capacity;
+  const detail::kv_tables rel = detail::relate_tables(keys, values);
+  a.v_same_table = rel.same_table;
+  a.shared_pool = rel.shared_pool;
+  a.out = out;
+  a.flags = opt.device_flags;
+
+  // Clear the status word and the bitmaps (the staged rows need no clearing).
+  KVEVICT_RETURN_IF_ERROR(
+      detail::cuda_status(cudaMemsetAsync(a.ws.status, 0, sizeof(std::uint32_t), opt.stream), fn, "cudaMemsetAsync"));
+  if (a.ws.key_bitmap != nullptr)
+    KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
+        cudaMemsetAsync(a.ws.key_bitmap, 0, static_cast<std::size_t>(detail::bitmap_words(dims.key_bitmap_ids)) * 4,
+                        opt.stream),
+        fn, "cudaMemsetAsync"));
+  if (a.ws.value_bitmap != nullptr)
+    KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
+        cudaMemsetAsync(a.ws.value_bitmap, 0, static_cast<std::size_t>(detail::bitmap_words(dims.value_bitmap_ids)) * 4,
+                        opt.stream),
+        fn, "cudaMemsetAsync"));
+
+  const std::int64_t blocks_needed = detail::stride_grid(
+      keep.capacity * (widest > 32 ? widest : 32) + keys.num_heads + keys.num_tokens, detail::compact_threads, 8192);
+  const unsigned grid = static_cast<unsigned>(blocks_needed);
+  detail::compact_validate_kernel<><<<grid, detail::compact_threads, 0, opt.stream>>>(a);
+  KVEVICT_RETURN_IF_ERROR(detail::launch_status(fn, "compact_validate_kernel"));
+  detail::compact_move_kernel<><<<grid, detail::compact_threads, 0, opt.stream>>>(a, true);
+  KVEVICT_RETURN_IF_ERROR(detail::launch_status(fn, "compact_move_kernel<gather>"));
+  detail::compact_move_kernel<><<<grid, detail::compact_threads, 0, opt.stream>>>(a, false);
+  return detail::launch_status(fn, "compact_move_kernel<scatter>");
+}
+
+}  // namespace cuda
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_CUDA_COMPACT_CUH

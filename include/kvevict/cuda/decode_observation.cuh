@@ -1,0 +1,379 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_CUDA_DECODE_OBSERVATION_CUH
+#define KVEVICT_CUDA_DECODE_OBSERVATION_CUH
+
+// DeferKV's decode observation on the GPU: one query per query head (W = 1) folded into the
+// running state of a layer,
+//
+//   state[h, j] <- eta * state[h, j] + reduce_g A[g, j]          for candidates j < C
+//
+// where A[g, .] is query head (h, g)'s softmax over its domain and reduce is the sum over
+// the G heads (gqa_reduction::mean and ::sum; mean's 1/G is applied at finalisation) or
+// their NaN-propagating max. eta == 0 overwrites the state (it may hold anything then).
+// Scores come from the state with finalize_state_scores (scale 1/Z). This is the library's
+// own definition of DeferKV's running state (DESIGN.md section 5).
+//
+// One query per head makes this bandwidth-bound: the kernels stream K once.
+//   1. logits: grid (key tiles of 256, Hkv). Half a warp per key: 16 lanes split the head
+//      dimension, 16-byte vector loads when the rows allow (tiling.hpp vector_width), and a
+//      butterfly sum gives the key's G logits (the group's queries sit in shared memory).
+//      With an engine LSE this kernel also applies the softmax and updates the state: one
+//      pass. Without it, it writes the masked logits [Hq, L] (4 bytes per query head and
+//      key, against 2*d bytes of K per KV head and key) and per-tile softmax partials.
+//   2. update (two-pass only): each block folds the G rows' partials into their LSEs (fixed
+//      order), turns its keys' logits into probabilities and updates the state.
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "kvevict/config.hpp"
+#include "kvevict/cuda/common.cuh"
+#include "kvevict/cuda/detail/score_logic.hpp"
+#include "kvevict/cuda/detail/tiling.hpp"
+#include "kvevict/cuda/detail/workspace_plan.hpp"
+#include "kvevict/cuda/finalize.cuh"
+#include "kvevict/error.hpp"
+#include "kvevict/scoring/params.hpp"
+#include "kvevict/shape.hpp"
+#include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/matrix_view.hpp"
+#include "kvevict/views/query_view.hpp"
+#include "kvevict/workspace.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace cuda {
+
+/// Parameters of one decode observation step.
+struct decode_params {
+  float eta = 1.0f;  ///< decay of the state, in [0, 1]; 0 overwrites it
+  gqa_reduction gqa = gqa_reduction::mean;
+  softmax_domain domain = softmax_domain::visible;
+  std::int64_t protected_tail = 0;  ///< P: the state covers candidates [0, L - P)
+};
+
+/// Optional device inputs of a decode step.
+struct decode_inputs {
+  const std::int64_t* key_positions = nullptr;  ///< [L], or null: key j at position j
+  /// [Hq] natural-log LSE of each query head's decode query (flash-decoding returns it);
+  /// softmax_domain::visible only. Makes the step a single pass over K.
+  const float* lse = nullptr;
+  std::int64_t lse_head_stride = 0;  ///< elements between query heads; 0 means 1
+};
+
+namespace detail {
+
+constexpr int decode_threads = 256;
+/// Query heads a half-warp accumulates per sweep over a key row (larger groups re-read the
+/// row from L1).
+constexpr int decode_group_chunk = 8;
+
+template <class QT, class KT>
+struct decode_args {
+  query_view<const QT> q;
+  cache_view<const KT> k;
+  const std::int64_t* key_positions = nullptr;
+  const float* engine_lse = nullptr;
+  std::int64_t engine_lse_stride = 1;
+  float* logits = nullptr;              // [Hq, softmax_end]
+  softmax_partial* partials = nullptr;  // [Hq, tiles]
+  float* state = nullptr;
+  std::int64_t state_stride = 0;
+  float eta = 1.0f;
+  gqa_reduction gqa = gqa_reduction::mean;
+  std::uint32_t* flags = nullptr;
+  float scale = 1.0f;
+  int group = 1, dim = 1, tokens = 0, candidates = 0, softmax_end = 0, tiles = 0;
+};
+
+inline std::size_t decode_shared_bytes(std::int64_t dim, std::int64_t group) noexcept {
+  return static_cast<std::size_t>(group * (dim + decode_tile_keys)) * sizeof(float);
+}
+
+/// state <- eta * state + v (eta == 0 overwrites).
+__device__ __forceinline__ void update_state(float* s, float eta, float v) {
+  *s = decayed(*s, eta, v);
+}
+
+template <class QT, class KT, int Vec, bool OnePass>
+__global__ void __launch_bounds__(decode_threads) decode_logits_kernel(decode_args<QT, KT> a) {
+  constexpr int TK = static_cast<int>(decode_tile_keys);
+  extern __shared__ float4 decode_smem_raw[];
+  const int d = a.dim, G = a.group;
+  float* qs = reinterpret_cast<float*>(decode_smem_raw);  // [G][d], scaled
+  float* ls = qs + G * d;                                 // [G][TK] masked logits
+  const int tid = static_cast<int>(threadIdx.x);
+  const int h = static_cast<int>(blockIdx.y);
+  const int end = OnePass ? a.candidates : a.softmax_end;
+  const int j0 = static_cast<int>(blockIdx.x) * TK;
+  const int nk = end - j0 < TK ? end - j0 : TK;
+  const std::int64_t pos = a.q.positions[0];
+  if (pos < 0 && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0) raise_flag(a.flags, flag_negative_position);
+
+  for (int e = tid; e < G * d; e += decode_threads) {
+    const int g = e / d, c = e - g * d;
+    qs[e] = load_float(a.q.data + a.q.offset(static_cast<std::int64_t>(h) * G + g, 0, c)) * a.scale;
+  }
+  __syncthreads();
+
+  const int half = tid >> 4, l16 = tid & 15;
+  // TK is a multiple of 16, so both halves of a warp run the same number of iterations and
+  // the shuffles below always see all 32 lanes.
+  for (int i = half; i < TK; i += decode_threads / 16) {
+    const bool valid = i < nk;
+    const std::int64_t j = static_cast<std::int64_t>(j0) + i;
+    const std::int64_t off = valid ? checked_row_offset(a.k, h, j, l16 == 0 ? a.flags : nullptr) : -1;
+    bool visible = false;
+    if (valid) visible = (a.key_positions != nullptr ? a.key_positions[j] : j) <= pos;
+    for (int g0 = 0; g0 < G; g0 += decode_group_chunk) {
+      float dot[decode_group_chunk];
+#pragma unroll
+      for (int g = 0; g < decode_group_chunk; ++g) dot[g] = 0.0f;
+      if (off >= 0) {
+        for (int c0 = l16 * Vec; c0 < d; c0 += 16 * Vec) {
+          float kv[Vec];
+          if constexpr (Vec > 1) {
+            load_vector(a.k.data + off + c0, kv);
+          } else {
+            kv[0] = load_float(a.k.data + off + static_cast<std::int64_t>(c0) * a.k.dim_stride);
+          }
+#pragma unroll
+          for (int g = 0; g < decode_group_chunk; ++g) {
+            if (g0 + g < G) {
+              const float* qrow = qs + (g0 + g) * d + c0;
+#pragma unroll
+              for (int v = 0; v < Vec; ++v) dot[g] = fmaf(qrow[v], kv[v], dot[g]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < decode_group_chunk; ++g) dot[g] = group_sum(dot[g], 16);
+      if (l16 == 0 && valid) {
+#pragma unroll
+        for (int g = 0; g < decode_group_chunk; ++g)
+          if (g0 + g < G) ls[(g0 + g) * TK + i] = off < 0 ? neg_infinity() : masked_logit(dot[g], visible);
+      }
+    }
+  }
+  __syncthreads();
+
+  if (OnePass) {
+    for (int i = tid; i < nk; i += decode_threads) {
+      const std::int64_t j = static_cast<std::int64_t>(j0) + i;
+      float v = 0.0f;
+      for (int g = 0; g < G; ++g) {
+        const float lse = a.engine_lse[(static_cast<std::int64_t>(h) * G + g) * a.engine_lse_stride];
+        v = gqa_step(v, attention_prob(ls[g * TK + i], lse), a.gqa, g == 0);
+      }
+      update_state(a.state + h * a.state_stride + j, a.eta, v);
+    }
+    return;
+  }
+  // Two-pass: per query head, this tile's softmax partial (one warp per head) and the logits.
+  const int warp = tid >> 5, lane = tid & 31;
+  for (int g = warp; g < G; g += decode_threads / 32) {
+    float m = neg_infinity();
+    for (int i = lane; i < nk; i += 32) m = ls[g * TK + i] > m ? ls[g * TK + i] : m;
+    m = group_max(m, 32);
+    float s = 0.0f;
+    for (int i = lane; i < nk; i += 32) s += softmax_term(ls[g * TK + i], m);
+    s = group_sum(s, 32);
+    const std::int64_t qh = static_cast<std::int64_t>(h) * G + g;
+    if (lane == 0) {
+      softmax_partial p;
+      p.max = m;
+      p.sum = s;
+      a.partials[qh * a.tiles + blockIdx.x] = p;
+    }
+    for (int i = lane; i < nk; i += 32) a.logits[qh * a.softmax_end + j0 + i] = ls[g * TK + i];
+  }
+}
+
+template <class QT, class KT>
+__global__ void __launch_bounds__(decode_threads) decode_update_kernel(decode_args<QT, KT> a) {
+  constexpr int TK = static_cast<int>(decode_tile_keys);
+  extern __shared__ float4 decode_smem_raw[];
+  float* lse = reinterpret_cast<float*>(decode_smem_raw);  // [G]
+  const int tid = static_cast<int>(threadIdx.x);
+  const int h = static_cast<int>(blockIdx.y), G = a.group;
+  const int warp = tid >> 5, lane = tid & 31;
+  for (int g = warp; g < G; g += decode_threads / 32) {
+    const std::int64_t qh = static_cast<std::int64_t>(h) * G + g;
+    softmax_partial p;
+    for (int i = lane; i < a.tiles; i += 32) p = combine(p, a.partials[qh * a.tiles + i]);
+    for (int o = 16; o > 0; o /= 2) {
+      softmax_partial other;
+      other.max = __shfl_xor_sync(full_warp, p.max, o);
+      other.sum = __shfl_xor_sync(full_warp, p.sum, o);
+      p = combine(p, other);
+    }
+    if (lane == 0) lse[g] = partial_lse(p);
+  }
+  __syncthreads();
+  const int j0 = static_cast<int>(blockIdx.x) * TK;
+  const int nk = a.candidates - j0 < TK ? a.candidates - j0 : TK;
+  for (int i = tid; i < nk; i += decode_threads) {
+    const std::int64_t j = static_cast<std::int64_t>(j0) + i;
+    float v = 0.0f;
+    for (int g = 0; g < G; ++g) {
+      const std::int64_t qh = static_cast<std::int64_t>(h) * G + g;
+      v = gqa_step(v, attention_prob(a.logits[qh * a.softmax_end + j], lse[g]), a.gqa, g == 0);
+    }
+    update_state(a.state + h * a.state_stride + j, a.eta, v);
+  }
+}
+
+template <class QT, class KT, int Vec>
+status launch_decode(const decode_args<QT, KT>& a, bool one_pass, unsigned hkv, cudaStream_t stream, const char* fn) {
+  const std::size_t smem = decode_shared_bytes(a.dim, a.group);
+  const unsigned tiles_c = static_cast<unsigned>(num_tiles(a.candidates, decode_tile_keys));
+  if (one_pass) {
+    if (tiles_c == 0) return status();
+    KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(decode_logits_kernel<QT, KT, Vec, true>, smem, fn));
+    decode_logits_kernel<QT, KT, Vec, true><<<dim3(tiles_c, hkv), decode_threads, smem, stream>>>(a);
+    return launch_status(fn, "decode_logits_kernel<one pass>");
+  }
+  if (a.tiles == 0 || tiles_c == 0) return status();
+  KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(decode_logits_kernel<QT, KT, Vec, false>, smem, fn));
+  decode_logits_kernel<QT, KT, Vec, false>
+      <<<dim3(static_cast<unsigned>(a.tiles), hkv), decode_threads, smem, stream>>>(a);
+  KVEVICT_RETURN_IF_ERROR(launch_status(fn, "decode_logits_kernel"));
+  const std::size_t smem2 = static_cast<std::size_t>(a.group) * sizeof(float);
+  KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(decode_update_kernel<QT, KT>, smem2, fn));
+  decode_update_kernel<QT, KT><<<dim3(tiles_c, hkv), decode_threads, smem2, stream>>>(a);
+  return launch_status(fn, "decode_update_kernel");
+}
+
+}  // namespace detail
+
+/// Bytes of device workspace `decode_observation` needs (0 with an engine LSE): the masked
+/// logits [Hq, L'] and tile partials [Hq, ceil(L' / 256)], L' = L (visible domain) or C.
+inline std::size_t decode_observation_workspace_size(const layer_shape& shape, const decode_params& p,
+                                                     bool engine_lse = false) noexcept {
+  scoring_params sp;
+  sp.domain = p.domain;
+  sp.protected_tail = p.protected_tail;
+  const detail::obs_dims d = detail::make_obs_dims(shape.num_kv_heads, shape.num_query_heads, 1, shape.num_tokens, sp);
+  if (engine_lse) return 0;
+  kvevict::detail::arena a;
+  detail::decode_workspace w;
+  detail::carve_decode_workspace(a, d, false, &w);
+  return a.used();
+}
+
+/// Folds one decode step's attention into a layer's DeferKV running state.
+///
+///   queries: [Hq, 1, d] post-RoPE decode queries (device; positions[0] is the step's position)
+///   keys:    [Hkv, L, d] (device cache_view, any layout)
+///   p:       eta in [0, 1], GQA reduction, softmax domain, protected tail P
+///   state:   [Hkv, C] float32 device, C = max(0, L - P), updated in place
+///   ws:      device memory, >= decode_observation_workspace_size(shape, p, in.lse != null)
+///   in:      optional device key positions and engine LSE [Hq]
+///
+/// Enqueues one or two kernels on opt.stream; no synchronisation, no allocation.
+template <class QT, class KT>
+status decode_observation(query_view<QT> queries_in, cache_view<KT> keys_in, const decode_params& p, score_view state,
+                          workspace_span ws, const decode_inputs& in = {}, const launch_options& opt = {}) {
+  static constexpr const char* fn = "kvevict::cuda::decode_observation";
+  using Q = std::remove_cv_t<QT>;
+  using K = std::remove_cv_t<KT>;
+  const query_view<const Q> queries = queries_in;
+  const cache_view<const K> keys = keys_in;
+  KVEVICT_RETURN_IF_ERROR(detail::validate_device_query_view(queries, opt, fn, "queries"));
+  KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(keys, opt, fn, "keys"));
+  if (queries.num_queries != 1)
+    return status::error(errc::invalid_shape, fn, "queries.num_queries", "expected 1 decode query per head, got %lld",
+                         static_cast<long long>(queries.num_queries));
+  if (queries.head_dim != keys.head_dim)
+    return status::error(errc::invalid_shape, fn, "queries.head_dim", "expected keys.head_dim = %lld, got %lld",
+                         static_cast<long long>(keys.head_dim), static_cast<long long>(queries.head_dim));
+  if (queries.num_heads % keys.num_heads != 0)
+    return status::error(errc::invalid_shape, fn, "queries.num_heads",
+                         "expected a multiple of keys.num_heads = %lld (GQA), got %lld",
+                         static_cast<long long>(keys.num_heads), static_cast<long long>(queries.num_heads));
+  if (!(p.eta >= 0.0f && p.eta <= 1.0f))
+    return status::error(errc::invalid_argument, fn, "p.eta", "expected eta in [0, 1], got %g",
+                         static_cast<double>(p.eta));
+  if (static_cast<unsigned>(p.gqa) > 2u)
+    return status::error(errc::invalid_argument, fn, "p.gqa", "expected a gqa_reduction value, got %d",
+                         static_cast<int>(p.gqa));
+  if (static_cast<unsigned>(p.domain) > 1u)
+    return status::error(errc::invalid_argument, fn, "p.domain", "expected a softmax_domain value, got %d",
+                         static_cast<int>(p.domain));
+  if (p.protected_tail < 0)
+    return status::error(errc::invalid_argument, fn, "p.protected_tail", "expected >= 0, got %lld",
+                         static_cast<long long>(p.protected_tail));
+  scoring_params sp;
+  sp.domain = p.domain;
+  sp.protected_tail = p.protected_tail;
+  const detail::obs_dims dims = detail::make_obs_dims(keys.num_heads, queries.num_heads, 1, keys.num_tokens, sp);
+  KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_matrix_view(state, keys.num_heads, dims.candidates, fn, "state"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(state.data, opt, fn, "state.data"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(in.key_positions, opt, fn, "inputs.key_positions"));
+  const std::int64_t lse_stride = in.lse_head_stride != 0 ? in.lse_head_stride : 1;
+  if (in.lse != nullptr) {
+    if (p.domain != softmax_domain::visible)
+      return status::error(errc::unsupported, fn, "inputs.lse",
+                           "an engine log-sum-exp covers every visible key; it cannot be used with "
+                           "softmax_domain::candidates");
+    if (lse_stride < 1)
+      return status::error(errc::invalid_stride, fn, "inputs.lse_head_stride", "expected >= 1, got %lld",
+                           static_cast<long long>(lse_stride));
+    KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(in.lse, opt, fn, "inputs.lse"));
+  }
+  if (!detail::fits_int32(dims.tokens, 2 * detail::decode_tile_keys) ||
+      !detail::fits_int32(queries.num_heads * dims.softmax_end()))
+    return status::error(errc::overflow, fn, "keys.num_tokens",
+                         "expected L < 2^31 - 512 and Hq * L < 2^31 on the GPU, got L = %lld",
+                         static_cast<long long>(dims.tokens));
+  if (!detail::grid_fits(1, keys.num_heads))
+    return status::error(errc::overflow, fn, "keys.num_heads", "expected Hkv <= 65535 on the GPU, got %lld",
+                         static_cast<long long>(keys.num_heads));
+  if (keys.head_dim > 8192)
+    return status::error(errc::unsupported, fn, "keys.head_dim", "expected head_dim <= 8192 on the GPU, got %lld",
+                         static_cast<long long>(keys.head_dim));
+
+  const bool one_pass = in.lse != nullptr;
+  kvevict::detail::arena arena(ws);
+  detail::decode_workspace w;
+  detail::carve_decode_workspace(arena, dims, one_pass, &w);
+  if (!one_pass)
+    KVEVICT_RETURN_IF_ERROR(detail::check_workspace(arena, ws, opt, fn, "decode_observation_workspace_size"));
+
+  detail::decode_args<Q, K> a;
+  a.q = queries;
+  a.k = keys;
+  a.key_positions = in.key_positions;
+  a.engine_lse = in.lse;
+  a.engine_lse_stride = lse_stride;
+  a.logits = w.logits;
+  a.partials = w.partials;
+  a.state = state.data;
+  a.state_stride = state.row_stride;
+  a.eta = p.eta;
+  a.gqa = p.gqa;
+  a.flags = opt.device_flags;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(keys.head_dim));
+  a.group = static_cast<int>(dims.group);
+  a.dim = static_cast<int>(keys.head_dim);
+  a.tokens = static_cast<int>(dims.tokens);
+  a.candidates = static_cast<int>(dims.candidates);
+  a.softmax_end = static_cast<int>(dims.softmax_end());
+  a.tiles = static_cast<int>(detail::decode_tiles(dims));
+  const unsigned hkv = static_cast<unsigned>(keys.num_heads);
+  const std::int64_t vec = detail::vector_width(
+      reinterpret_cast<std::uintptr_t>(keys.data), static_cast<std::int64_t>(sizeof(K)), keys.head_dim, keys.dim_stride,
+      keys.head_stride, keys.token_stride, keys.is_paged() ? keys.block_stride : 0);
+  if (vec == 16 / static_cast<std::int64_t>(sizeof(K)))
+    return detail::launch_decode<Q, K, static_cast<int>(16 / sizeof(K))>(a, one_pass, hkv, opt.stream, fn);
+  return detail::launch_decode<Q, K, 1>(a, one_pass, hkv, opt.stream, fn);
+}
+
+}  // namespace cuda
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_CUDA_DECODE_OBSERVATION_CUH

@@ -1,0 +1,147 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_CUDA_DETAIL_WORKSPACE_PLAN_HPP
+#define KVEVICT_CUDA_DETAIL_WORKSPACE_PLAN_HPP
+
+// How each CUDA operation carves the caller's device workspace. Carving is pointer
+// arithmetic on the host (kvevict::detail::arena never dereferences), so a measuring arena
+// gives the size query and a real one gives the run: one sequence, no drift. Host-only and
+// CUDA-free, so the CPU tests check sizes and disjointness.
+
+#include <cstdint>
+
+#include "kvevict/config.hpp"
+#include "kvevict/cuda/detail/compact_logic.hpp"
+#include "kvevict/cuda/detail/score_logic.hpp"
+#include "kvevict/cuda/detail/tiling.hpp"
+#include "kvevict/cuda/select_row.hpp"
+#include "kvevict/scoring/params.hpp"
+#include "kvevict/workspace.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace cuda {
+namespace detail {
+
+/// Keys per block of the fused observation kernels (the K tile held in shared memory).
+constexpr std::int64_t obs_tile_keys = 64;
+/// Observation rows (query head x observation) per register tile of the fused kernels.
+constexpr std::int64_t obs_tile_rows = 64;
+/// Head-dim chunk of the query tile staged in shared memory.
+constexpr std::int64_t obs_tile_dims = 32;
+/// Keys per block of the decode (W = 1) streaming kernels.
+constexpr std::int64_t decode_tile_keys = 256;
+/// Keys per block of the finalisation kernel.
+constexpr std::int64_t finalize_tile_keys = 256;
+
+/// Sizes of one observation-scoring problem (section 4), as the kernels see them.
+struct obs_dims {
+  std::int64_t kv_heads = 0;    ///< Hkv
+  std::int64_t group = 1;       ///< G
+  std::int64_t window = 1;      ///< W
+  std::int64_t tokens = 0;      ///< L
+  std::int64_t candidates = 0;  ///< C = max(0, L - P)
+  bool visible_domain = true;   ///< softmax over every visible key (else over candidates)
+
+  std::int64_t rows() const noexcept { return group * window; }  ///< R per KV head
+  std::int64_t softmax_end() const noexcept { return visible_domain ? tokens : candidates; }
+  std::int64_t stat_tiles() const noexcept { return num_tiles(softmax_end(), obs_tile_keys); }
+};
+
+inline obs_dims make_obs_dims(std::int64_t hkv, std::int64_t hq, std::int64_t window, std::int64_t tokens,
+                              const scoring_params& params) noexcept {
+  obs_dims d;
+  d.kv_heads = hkv;
+  d.group = hkv > 0 && hq >= hkv ? hq / hkv : 1;
+  d.window = window;
+  d.tokens = tokens;
+  d.candidates = tokens > params.protected_tail ? tokens - params.protected_tail : 0;
+  d.visible_domain = params.domain == softmax_domain::visible;
+  return d;
+}
+
+struct obs_workspace {
+  softmax_partial* partials = nullptr;  ///< [Hkv * R, stat_tiles] (two-pass only)
+  float* row_lse = nullptr;             ///< [Hkv * R] (two-pass only)
+  float* acc = nullptr;                 ///< [Hq, C] window-aggregated rows per query head
+};
+
+inline void carve_obs_workspace(kvevict::detail::arena& a, const obs_dims& d, bool engine_lse,
+                                obs_workspace* out) noexcept {
+  const std::int64_t rows = d.kv_heads * d.rows();
+  out->partials = engine_lse ? nullptr : a.take<softmax_partial>(rows * d.stat_tiles());
+  out->row_lse = engine_lse ? nullptr : a.take<float>(rows);
+  out->acc = a.take<float>(d.kv_heads * d.group * d.candidates);
+}
+
+struct decode_workspace {
+  float* logits = nullptr;              ///< [Hq, softmax_end] masked logits (two-pass only)
+  softmax_partial* partials = nullptr;  ///< [Hq, tiles] (two-pass only)
+};
+
+inline std::int64_t decode_tiles(const obs_dims& d) noexcept {
+  return num_tiles(d.softmax_end(), decode_tile_keys);
+}
+
+inline void carve_decode_workspace(kvevict::detail::arena& a, const obs_dims& d, bool engine_lse,
+                                   decode_workspace* out) noexcept {
+  const std::int64_t hq = d.kv_heads * d.group;
+  out->logits = engine_lse ? nullptr : a.take<float>(hq * d.softmax_end());
+  out->partials = engine_lse ? nullptr : a.take<softmax_partial>(hq * decode_tiles(d));
+}
+
+/// Compaction: a private status word, the staged rows of K and V, and (paged caches) one
+/// bitmap per block pool for the duplicate-block check.
+struct compact_dims {
+  std::int64_t capacity = 0;          ///< keep-list entries (keep.capacity)
+  std::int64_t key_row_bytes = 0;     ///< dk * sizeof(KT)
+  std::int64_t value_row_bytes = 0;   ///< dv * sizeof(VT)
+  std::int64_t key_bitmap_ids = 0;    ///< pool blocks of K when paged, else 0
+  std::int64_t value_bitmap_ids = 0;  ///< pool blocks of V when paged with its own pool, else 0
+};
+
+/// Sizes of one compaction's workspace for these views and keep-list capacity.
+template <class KT, class VT>
+compact_dims make_compact_dims(const cache_view<KT>& keys, const cache_view<VT>& values,
+                               std::int64_t capacity) noexcept {
+  const kv_tables rel = relate_tables(keys, values);
+  compact_dims d;
+  d.capacity = capacity < 0 ? 0 : capacity;
+  d.key_row_bytes = keys.head_dim * static_cast<std::int64_t>(sizeof(KT));
+  d.value_row_bytes = values.head_dim * static_cast<std::int64_t>(sizeof(VT));
+  d.key_bitmap_ids = keys.is_paged() ? keys.num_pool_blocks : 0;
+  d.value_bitmap_ids = values.is_paged() && !rel.same_table && !rel.shared_pool ? values.num_pool_blocks : 0;
+  return d;
+}
+
+struct compact_workspace {
+  std::uint32_t* status = nullptr;
+  unsigned char* staged_keys = nullptr;    ///< [capacity, key_row_bytes]
+  unsigned char* staged_values = nullptr;  ///< [capacity, value_row_bytes]
+  std::uint32_t* key_bitmap = nullptr;
+  std::uint32_t* value_bitmap = nullptr;
+};
+
+inline void carve_compact_workspace(kvevict::detail::arena& a, const compact_dims& d, compact_workspace* out) noexcept {
+  out->status = a.take<std::uint32_t>(1);
+  out->staged_keys = a.take<unsigned char>(d.capacity * d.key_row_bytes);
+  out->staged_values = a.take<unsigned char>(d.capacity * d.value_row_bytes);
+  out->key_bitmap = d.key_bitmap_ids > 0 ? a.take<std::uint32_t>(bitmap_words(d.key_bitmap_ids)) : nullptr;
+  out->value_bitmap = d.value_bitmap_ids > 0 ? a.take<std::uint32_t>(bitmap_words(d.value_bitmap_ids)) : nullptr;
+}
+
+/// Selection of one scores matrix: the row descriptors built on the device, and a status
+/// word for the capacity check of per-row budgets.
+struct select_workspace {
+  select_row* rows = nullptr;
+  std::uint32_t* status = nullptr;
+};
+
+inline void carve_select_workspace(kvevict::detail::arena& a, std::int64_t num_rows, select_workspace* out) noexcept {
+  out->rows = a.take<select_row>(num_rows);
+  out->status = a.take<std::uint32_t>(1);
+}
+
+}  // namespace detail
+}  // namespace cuda
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_CUDA_DETAIL_WORKSPACE_PLAN_HPP

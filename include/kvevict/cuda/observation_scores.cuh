@@ -1,0 +1,529 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_CUDA_OBSERVATION_SCORES_CUH
+#define KVEVICT_CUDA_OBSERVATION_SCORES_CUH
+
+// Fused observation scoring on the GPU (DESIGN.md section 4): the same scores as
+// kvevict::observation_scores, never materialising the [Hq, W, L] attention.
+//
+// Kernels, in stream order:
+//   1. stats (skipped when the engine passes its log-sum-exp): grid (key tiles, Hkv). A block
+//      holds one tile of 64 keys of KV head h in shared memory, widened to float32, and
+//      computes the logits of all R = G*W observation rows of h's group against it, 64 rows
+//      at a time in a 64x64 register tile (queries staged 32 channels at a time). So each K
+//      tile is read from memory once per KV head for all G*W queries. Per row it writes the
+//      tile's softmax partial (max, sum of exp(x - max)).
+//   2. combine: one warp per row folds that row's tile partials, in a fixed order, into its
+//      log-sum-exp.
+//   3. accumulate: grid (candidate tiles, Hkv). Recomputes each tile's logits the same way,
+//      turns them into probabilities with the row's lse, and aggregates over the window in
+//      ascending t, per query head, in shared memory; writes acc[Hq, C].
+//   4. finalize (finalize.cuh): window normalisation, GQA reduction, pooling, +inf tail.
+// Every reduction has a fixed order (no floating-point atomics): results are deterministic.
+// They match the CPU to float32 rounding (the dot products and exp differ in summation order
+// and implementation), and the finalisation matches it operation for operation.
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "kvevict/config.hpp"
+#include "kvevict/cuda/common.cuh"
+#include "kvevict/cuda/detail/score_logic.hpp"
+#include "kvevict/cuda/detail/tiling.hpp"
+#include "kvevict/cuda/detail/workspace_plan.hpp"
+#include "kvevict/cuda/finalize.cuh"
+#include "kvevict/error.hpp"
+#include "kvevict/scoring/params.hpp"
+#include "kvevict/shape.hpp"
+#include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/matrix_view.hpp"
+#include "kvevict/views/query_view.hpp"
+#include "kvevict/workspace.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace cuda {
+
+/// Optional device inputs of GPU observation scoring (all device pointers).
+struct observation_inputs {
+  /// [L] absolute position of every key; null means key j is at position j. Any order.
+  const std::int64_t* key_positions = nullptr;
+  /// [W] weight of each observation, for window_aggregation::weighted. Checked on the device
+  /// (flag_invalid_weights): finite, >= 0, positive sum.
+  const float* weights = nullptr;
+  /// [Hq, W] natural-log log-sum-exp of each query's scaled logits over every key it sees
+  /// (flash attention's LSE; multiply base-2 LSEs by ln 2). softmax_domain::visible only.
+  /// Skips the stats and combine kernels (one pass over K instead of two).
+  const float* lse = nullptr;
+  std::int64_t lse_head_stride = 0;  ///< elements between query heads of `lse`; 0 means W
+};
+
+namespace detail {
+
+constexpr int obs_threads = 256;
+
+template <class QT, class KT>
+struct obs_args {
+  query_view<const QT> q;
+  cache_view<const KT> k;
+  const std::int64_t* key_positions = nullptr;
+  const float* weights = nullptr;
+  const float* engine_lse = nullptr;
+  std::int64_t engine_lse_stride = 0;
+  softmax_partial* partials = nullptr;  // [Hkv * R, stat_tiles]
+  const float* row_lse = nullptr;       // [Hkv * R]
+  float* acc = nullptr;                 // [Hq, C]
+  std::uint32_t* flags = nullptr;
+  float scale = 1.0f;
+  int group = 1, window = 1, dim = 1, rows = 1;
+  int tokens = 0, candidates = 0, softmax_end = 0, stat_tiles = 0;
+  bool max_window = false;
+};
+
+/// Shared memory of the tile kernel, in carving order: query positions [W] and key
+/// positions and row offsets [64] (int64), the K tile [64][d + 1], the union of the query
+/// chunk [64][33] and the probability tile [64][65], then (accumulate) acc [G][64] and
+/// weights [W]. The +1 pads make the row-strided reads of the register tile conflict-free.
+inline std::size_t obs_shared_bytes(std::int64_t dim, std::int64_t group, std::int64_t window,
+                                    bool accumulate) noexcept {
+  const std::int64_t tk = obs_tile_keys, rt = obs_tile_rows, dc = obs_tile_dims;
+  std::int64_t bytes = (window + 2 * tk) * 8;
+  bytes += tk * (dim + 1) * 4;
+  const std::int64_t qchunk = rt * (dc + 1), ptile = rt * (tk + 1);
+  bytes += (accumulate ? (qchunk > ptile ? qchunk : ptile) : qchunk) * 4;
+  if (accumulate) bytes += (group * tk + window) * 4;
+  return static_cast<std::size_t>(bytes);
+}
+
+template <class QT, class KT, bool Accumulate>
+__global__ void __launch_bounds__(obs_threads) obs_tile_kernel(obs_args<QT, KT> a) {
+  constexpr int TK = static_cast<int>(obs_tile_keys);
+  constexpr int RT = static_cast<int>(obs_tile_rows);
+  constexpr int DC = static_cast<int>(obs_tile_dims);
+  extern __shared__ float4 obs_smem_raw[];
+  const int d = a.dim, W = a.window, G = a.group, R = a.rows;
+  std::int64_t* qpos = reinterpret_cast<std::int64_t*>(obs_smem_raw);
+  std::int64_t* kpos = qpos + W;
+  std::int64_t* rowoff = kpos + TK;
+  float* ks = reinterpret_cast<float*>(rowoff + TK);                                   // [TK][d + 1]
+  float* qs = ks + TK * (d + 1);                                                       // [RT][DC + 1], aliased by ps
+  float* ps = qs;                                                                      // [RT][TK + 1]
+  float* accs = qs + (RT * (TK + 1) > RT * (DC + 1) ? RT * (TK + 1) : RT * (DC + 1));  // [G][TK]
+  float* wts = accs + G * TK;                                                          // [W]
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int tx = tid & 15, ty = tid >> 4;
+  const int h = static_cast<int>(blockIdx.y);
+  const int end = Accumulate ? a.candidates : a.softmax_end;
+  const int j0 = static_cast<int>(blockIdx.x) * TK;
+  const int nk = end - j0 < TK ? end - j0 : TK;
+
+  for (int t = tid; t < W; t += obs_threads) {
+    const std::int64_t p = a.q.positions[t];
+    if (p < 0 && blockIdx.x == 0 && blockIdx.y == 0) raise_flag(a.flags, flag_negative_position);
+    qpos[t] = p;
+    if (Accumulate) wts[t] = a.weights != nullptr ? a.weights[t] : 1.0f;
+  }
+  for (int i = tid; i < TK; i += obs_threads) {
+    if (i < nk) {
+      const std::int64_t j = j0 + i;
+      kpos[i] = a.key_positions != nullptr ? a.key_positions[j] : j;
+      rowoff[i] = checked_row_offset(a.k, h, j, a.flags);
+    } else {
+      kpos[i] = 0;
+      rowoff[i] = -1;
+    }
+  }
+  if (Accumulate)
+    for (int i = tid; i < G * TK; i += obs_threads) accs[i] = 0.0f;
+  __syncthreads();
+  // The K tile, widened once. A key behind a bad block id reads as NaN: its logits are NaN,
+  // which the mask turns into "no attention", as for any NaN key.
+  for (int e = tid; e < TK * d; e += obs_threads) {
+    const int i = e / d, c = e - i * d;
+    float v = 0.0f;
+    if (i < nk) {
+      const std::int64_t off = rowoff[i];
+      v = off < 0 ? __int_as_float(0x7fc00000) : load_float(a.k.data + off + c * a.k.dim_stride);
+    }
+    ks[i * (d + 1) + c] = v;
+  }
+  __syncthreads();
+
+  for (int r0 = 0; r0 < R; r0 += RT) {
+    float logit[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) logit[i][k] = 0.0f;
+    for (int c0 = 0; c0 < d; c0 += DC) {
+      const int dc = d - c0 < DC ? d - c0 : DC;
+      for (int e = tid; e < RT * DC; e += obs_threads) {
+        const int rr = e / DC, cc = e - rr * DC;
+        const int r = r0 + rr;
+        float v = 0.0f;
+        if (r < R && cc < dc) {
+          const int g = r / W, t = r - g * W;
+          v = load_float(a.q.data + a.q.offset(static_cast<std::int64_t>(h) * G + g, t, c0 + cc)) * a.scale;
+        }
+        qs[rr * (DC + 1) + cc] = v;
+      }
+      __syncthreads();
+#pragma unroll 4
+      for (int cc = 0; cc < dc; ++cc) {
+        float qv[4], kv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) qv[i] = qs[(ty + 16 * i) * (DC + 1) + cc];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) kv[k] = ks[(tx + 16 * k) * (d + 1) + c0 + cc];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int k = 0; k < 4; ++k) logit[i][k] = fmaf(qv[i], kv[k], logit[i][k]);
+      }
+      __syncthreads();
+    }
+
+    if (!Accumulate) {
+      // Softmax partial of this tile per row: max, then sum of exp(x - max), each reduced
+      // over the 16 lanes that share a row (a fixed butterfly: deterministic).
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = r0 + ty + 16 * i;
+        const bool row_ok = r < R;
+        const std::int64_t pos = row_ok ? qpos[r % W] : 0;
+        float x[4];
+        float m = neg_infinity();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int key = tx + 16 * k;
+          const bool visible = row_ok && key < nk && kpos[key] <= pos;
+          x[k] = masked_logit(logit[i][k], visible);
+          m = x[k] > m ? x[k] : m;
+        }
+        m = group_max(m, 16);
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) s += softmax_term(x[k], m);
+        s = group_sum(s, 16);
+        if (tx == 0 && row_ok) {
+          softmax_partial p;
+          p.max = m;
+          p.sum = s;
+          a.partials[(static_cast<std::int64_t>(h) * R + r) * a.stat_tiles + blockIdx.x] = p;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int rr = ty + 16 * i;
+        const int r = r0 + rr;
+        const bool row_ok = r < R;
+        float lse = neg_infinity();
+        std::int64_t pos = 0;
+        if (row_ok) {
+          const int g = r / W, t = r - g * W;
+          pos = qpos[t];
+          lse = a.engine_lse != nullptr ? a.engine_lse[(static_cast<std::int64_t>(h) * G + g) * a.engine_lse_stride + t]
+                                        : a.row_lse[static_cast<std::int64_t>(h) * R + r];
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int key = tx + 16 * k;
+          const bool visible = row_ok && key < nk && kpos[key] <= pos;
+          ps[rr * (TK + 1) + key] = visible ? attention_prob(masked_logit(logit[i][k], true), lse) : 0.0f;
+        }
+      }
+      __syncthreads();
+      // Window aggregation: each (query head, key) pair of this chunk belongs to one thread,
+      // which walks the chunk's observations of that head in ascending t, continuing the
+      // running value of earlier chunks: the CPU's order.
+      const int r_end = r0 + RT < R ? r0 + RT : R;
+      const int g_lo = r0 / W, g_hi = (r_end - 1) / W;
+      const int pairs = (g_hi - g_lo + 1) * TK;
+      for (int e = tid; e < pairs; e += obs_threads) {
+        const int g = g_lo + e / TK, key = e % TK;
+        if (key >= nk) continue;
+        const int rb = g * W > r0 ? g * W : r0;
+        const int re = (g + 1) * W < r_end ? (g + 1) * W : r_end;
+        float v = accs[g * TK + key];
+        for (int r = rb; r < re; ++r) v = window_step(v, ps[(r - r0) * (TK + 1) + key], wts[r - g * W], a.max_window);
+        accs[g * TK + key] = v;
+      }
+      __syncthreads();
+    }
+  }
+
+  if (Accumulate) {
+    for (int e = tid; e < G * TK; e += obs_threads) {
+      const int g = e / TK, key = e % TK;
+      if (key < nk) a.acc[(static_cast<std::int64_t>(h) * G + g) * a.candidates + j0 + key] = accs[e];
+    }
+  }
+}
+
+/// One warp per observation row: folds the row's tile partials (lanes stride over tiles,
+/// then a butterfly; combine is commutative, so every lane ends with the same bits).
+template <int Unused = 0>
+__global__ void __launch_bounds__(256)
+    obs_combine_kernel(const softmax_partial* partials, int tiles, std::int64_t rows, float* row_lse) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (row >= rows) return;  // whole warps leave together
+  softmax_partial p;
+  for (int i = lane; i < tiles; i += 32) p = combine(p, partials[row * tiles + i]);
+  for (int o = 16; o > 0; o /= 2) {
+    softmax_partial other;
+    other.max = __shfl_xor_sync(full_warp, p.max, o);
+    other.sum = __shfl_xor_sync(full_warp, p.sum, o);
+    p = combine(p, other);
+  }
+  if (lane == 0) row_lse[row] = partial_lse(p);
+}
+
+/// Shapes and 32-bit limits checked before anything is launched.
+inline status check_obs_limits(const obs_dims& d, std::int64_t dim, const char* fn) noexcept {
+  if (!fits_int32(d.tokens, 2 * obs_tile_keys))
+    return status::error(errc::overflow, fn, "keys.num_tokens", "expected < 2^31 - 128 tokens on the GPU, got %lld",
+                         static_cast<long long>(d.tokens));
+  if (!fits_int32(d.rows(), obs_tile_rows) || !fits_int32(d.kv_heads * d.rows()))
+    return status::error(errc::overflow, fn, "queries", "expected Hq * W < 2^31 observation rows, got %lld",
+                         static_cast<long long>(d.kv_heads * d.rows()));
+  if (!grid_fits(num_tiles(d.tokens, obs_tile_keys), d.kv_heads))
+    return status::error(errc::overflow, fn, "keys.num_heads", "expected Hkv <= 65535 on the GPU, got %lld",
+                         static_cast<long long>(d.kv_heads));
+  if (dim > 4096)
+    return status::error(errc::unsupported, fn, "keys.head_dim", "expected head_dim <= 4096 on the GPU, got %lld",
+                         static_cast<long long>(dim));
+  return status();
+}
+
+/// Folds the per-query-head aggregated rows into a running per-KV-head state:
+/// state[h, j] <- eta * state[h, j] + reduce_g acc[h * G + g, j] (sum for mean/sum, max).
+template <int Unused = 0>
+__global__ void __launch_bounds__(256)
+    obs_state_kernel(const float* acc, std::int64_t candidates, int group, gqa_reduction r, float* state,
+                     std::int64_t state_stride, float eta, std::int64_t kv_heads) {
+  const std::int64_t n = kv_heads * candidates;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t h = i / candidates, j = i - h * candidates;
+    float v = 0.0f;
+    for (int g = 0; g < group; ++g) v = gqa_step(v, acc[(h * group + g) * candidates + j], r, g == 0);
+    float* s = state + h * state_stride + j;
+    *s = decayed(*s, eta, v);
+  }
+}
+
+/// Everything observation_scores and observation_state share: host validation of the
+/// inputs, workspace carving, kernel arguments, then the stats/combine/accumulate kernels
+/// that leave acc [Hq, C] in the workspace.
+template <class Q, class K>
+struct obs_plan {
+  obs_args<Q, K> args;
+  obs_dims dims;
+  obs_workspace ws;
+};
+
+template <class Q, class K>
+status obs_prepare(const query_view<const Q>& queries, const cache_view<const K>& keys, const scoring_params& params,
+                   workspace_span ws, const observation_inputs& in, const launch_options& opt, const char* fn,
+                   obs_plan<Q, K>* plan) {
+  KVEVICT_RETURN_IF_ERROR(validate_device_query_view(queries, opt, fn, "queries"));
+  KVEVICT_RETURN_IF_ERROR(validate_device_cache_view(keys, opt, fn, "keys"));
+  if (queries.head_dim != keys.head_dim)
+    return status::error(errc::invalid_shape, fn, "queries.head_dim", "expected keys.head_dim = %lld, got %lld",
+                         static_cast<long long>(keys.head_dim), static_cast<long long>(queries.head_dim));
+  if (queries.num_heads % keys.num_heads != 0)
+    return status::error(errc::invalid_shape, fn, "queries.num_heads",
+                         "expected a multiple of keys.num_heads = %lld (GQA), got %lld",
+                         static_cast<long long>(keys.num_heads), static_cast<long long>(queries.num_heads));
+  KVEVICT_RETURN_IF_ERROR(validate_scoring_params(params, fn));
+  KVEVICT_RETURN_IF_ERROR(check_pooling_fits(params.pool, fn));
+  if (params.window == window_aggregation::weighted) {
+    if (in.weights == nullptr)
+      return status::error(errc::null_pointer, fn, "inputs.weights", "window_aggregation::weighted needs %lld weights",
+                           static_cast<long long>(queries.num_queries));
+    KVEVICT_RETURN_IF_ERROR(check_device_pointer(in.weights, opt, fn, "inputs.weights"));
+  }
+  KVEVICT_RETURN_IF_ERROR(check_device_pointer(in.key_positions, opt, fn, "inputs.key_positions"));
+  const std::int64_t lse_stride = in.lse_head_stride != 0 ? in.lse_head_stride : queries.num_queries;
+  if (in.lse != nullptr) {
+    if (params.domain != softmax_domain::visible)
+      return status::error(errc::unsupported, fn, "inputs.lse",
+                           "an engine log-sum-exp covers every visible key; it cannot be used with "
+                           "softmax_domain::candidates");
+    if (lse_stride < queries.num_queries)
+      return status::error(errc::invalid_stride, fn, "inputs.lse_head_stride", "expected >= W = %lld, got %lld",
+                           static_cast<long long>(queries.num_queries), static_cast<long long>(lse_stride));
+    KVEVICT_RETURN_IF_ERROR(check_device_pointer(in.lse, opt, fn, "inputs.lse"));
+  }
+  plan->dims = make_obs_dims(keys.num_heads, queries.num_heads, queries.num_queries, keys.num_tokens, params);
+  const obs_dims& dims = plan->dims;
+  KVEVICT_RETURN_IF_ERROR(check_obs_limits(dims, keys.head_dim, fn));
+  kvevict::detail::arena arena(ws);
+  carve_obs_workspace(arena, dims, in.lse != nullptr, &plan->ws);
+  KVEVICT_RETURN_IF_ERROR(check_workspace(arena, ws, opt, fn, "observation_scores_workspace_size"));
+
+  obs_args<Q, K>& a = plan->args;
+  a.q = queries;
+  a.k = keys;
+  a.key_positions = in.key_positions;
+  a.weights = params.window == window_aggregation::weighted ? in.weights : nullptr;
+  a.engine_lse = in.lse;
+  a.engine_lse_stride = lse_stride;
+  a.partials = plan->ws.partials;
+  a.row_lse = plan->ws.row_lse;
+  a.acc = plan->ws.acc;
+  a.flags = opt.device_flags;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(keys.head_dim));
+  a.group = static_cast<int>(dims.group);
+  a.window = static_cast<int>(dims.window);
+  a.dim = static_cast<int>(keys.head_dim);
+  a.rows = static_cast<int>(dims.rows());
+  a.tokens = static_cast<int>(dims.tokens);
+  a.candidates = static_cast<int>(dims.candidates);
+  a.softmax_end = static_cast<int>(dims.softmax_end());
+  a.stat_tiles = static_cast<int>(dims.stat_tiles());
+  a.max_window = params.window == window_aggregation::max;
+  return status();
+}
+
+template <class Q, class K>
+status obs_run_passes(const obs_plan<Q, K>& plan, std::int64_t dim, const launch_options& opt, const char* fn) {
+  const obs_args<Q, K>& a = plan.args;
+  const obs_dims& dims = plan.dims;
+  if (dims.candidates == 0) return status();
+  const unsigned hkv = static_cast<unsigned>(dims.kv_heads);
+  if (a.engine_lse == nullptr && a.softmax_end > 0) {
+    const std::size_t smem = obs_shared_bytes(dim, dims.group, dims.window, false);
+    KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(obs_tile_kernel<Q, K, false>, smem, fn));
+    obs_tile_kernel<Q, K, false><<<dim3(static_cast<unsigned>(a.stat_tiles), hkv), obs_threads, smem, opt.stream>>>(a);
+    KVEVICT_RETURN_IF_ERROR(launch_status(fn, "obs_tile_kernel<stats>"));
+    const std::int64_t rows = dims.kv_heads * dims.rows();
+    obs_combine_kernel<><<<static_cast<unsigned>(ceil_div(rows, 8)), 256, 0, opt.stream>>>(a.partials, a.stat_tiles,
+                                                                                           rows, plan.ws.row_lse);
+    KVEVICT_RETURN_IF_ERROR(launch_status(fn, "obs_combine_kernel"));
+  }
+  const std::size_t smem = obs_shared_bytes(dim, dims.group, dims.window, true);
+  KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(obs_tile_kernel<Q, K, true>, smem, fn));
+  obs_tile_kernel<Q, K, true>
+      <<<dim3(static_cast<unsigned>(num_tiles(dims.candidates, obs_tile_keys)), hkv), obs_threads, smem, opt.stream>>>(
+          a);
+  return launch_status(fn, "obs_tile_kernel<accumulate>");
+}
+
+}  // namespace detail
+
+/// Bytes of device workspace `observation_scores` and `observation_state` need for a layer of
+/// this shape (upper bounds on L and W are fine): acc [Hq, C] floats, plus, without an engine
+/// LSE, the tile partials [Hq * W, ceil(L / 64)] and the row LSEs [Hq * W].
+inline std::size_t observation_scores_workspace_size(const layer_shape& shape, const scoring_params& params,
+                                                     bool engine_lse = false) noexcept {
+  kvevict::detail::arena a;
+  detail::obs_workspace w;
+  detail::carve_obs_workspace(
+      a, detail::make_obs_dims(shape.num_kv_heads, shape.num_query_heads, shape.num_queries, shape.num_tokens, params),
+      engine_lse, &w);
+  return a.used();
+}
+
+/// Scores every key of one layer by the attention the observation queries pay it, on the GPU.
+///
+///   queries: [Hq, W, d] post-RoPE (query_view of device memory; positions [W] on the device)
+///   keys:    [Hkv, L, d] (cache_view of device memory, any layout; a paged view's block
+///            table on the device)
+///   params:  as for kvevict::observation_scores
+///   scores:  [Hkv, L] float32 device (out): candidates [0, L - P) scored, the tail +inf
+///   ws:      device memory, >= observation_scores_workspace_size(shape, params, in.lse != null)
+///   in:      optional device inputs (key positions, window weights, engine LSE)
+///   opt:     stream, device flag word, pointer checks
+///
+/// Enqueues up to four kernels on opt.stream and returns; no synchronisation, no allocation.
+/// Hq must be a multiple of Hkv. Device-side checks: block ids (bad ones read as NaN keys),
+/// negative positions, weights (see device_flags.hpp). On a host-side error nothing is
+/// launched.
+template <class QT, class KT>
+status observation_scores(query_view<QT> queries_in, cache_view<KT> keys_in, const scoring_params& params,
+                          score_view scores, workspace_span ws, const observation_inputs& in = {},
+                          const launch_options& opt = {}) {
+  static constexpr const char* fn = "kvevict::cuda::observation_scores";
+  using Q = std::remove_cv_t<QT>;
+  using K = std::remove_cv_t<KT>;
+  const query_view<const Q> queries = queries_in;
+  const cache_view<const K> keys = keys_in;
+  detail::obs_plan<Q, K> plan;
+  KVEVICT_RETURN_IF_ERROR(detail::obs_prepare(queries, keys, params, ws, in, opt, fn, &plan));
+  KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_matrix_view(scores, keys.num_heads, keys.num_tokens, fn, "scores"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(scores.data, opt, fn, "scores.data"));
+  const detail::obs_dims& dims = plan.dims;
+  if (dims.tokens == 0) return status();
+  KVEVICT_RETURN_IF_ERROR(detail::obs_run_passes(plan, keys.head_dim, opt, fn));
+
+  detail::finalize_args f;
+  f.acc = plan.ws.acc;
+  f.acc_stride = dims.candidates;
+  f.rows_per_head = static_cast<int>(dims.group);
+  f.group = static_cast<int>(dims.group);
+  f.candidates = static_cast<int>(dims.candidates);
+  f.tokens = static_cast<int>(dims.tokens);
+  f.params = params;
+  f.scale = params.window == window_aggregation::mean ? 1.0f / static_cast<float>(dims.window) : 1.0f;
+  f.weights = params.window == window_aggregation::weighted ? in.weights : nullptr;
+  f.per_key = params.window == window_aggregation::visible_mean;
+  f.query_positions = queries.positions;
+  f.key_positions = in.key_positions;
+  f.window = static_cast<int>(dims.window);
+  f.scores = scores.data;
+  f.score_stride = scores.row_stride;
+  f.flags = opt.device_flags;
+  return detail::launch_finalize(f, keys.num_heads, opt.stream, fn);
+}
+
+/// The window's attention folded into a running, un-normalised state per KV head, for
+/// DeferKV's prefill observation on the GPU (then decode_observation for the decode steps and
+/// finalize_state_scores with scale 1/Z):
+///
+///   state[h, j] <- eta * state[h, j] + reduce_g sum_t w_t * A[g, t, j]      j < C = L - P
+///
+/// with w_t = in.weights[t] (window_aggregation::weighted, used as given, not normalised:
+/// the caller keeps Z = sum of weights) or 1 (window_aggregation::sum); reduce_g is the sum
+/// (gqa_reduction::mean or ::sum; mean's 1/G is applied at finalisation) or the max.
+/// window_aggregation::max folds max_t A instead of the sum. eta == 0 overwrites the state.
+///
+///   state: [Hkv, C] float32 device, in/out. Other arguments as for observation_scores;
+///          params.pool and params.order are not used (finalisation applies them).
+template <class QT, class KT>
+status observation_state(query_view<QT> queries_in, cache_view<KT> keys_in, const scoring_params& params, float eta,
+                         score_view state, workspace_span ws, const observation_inputs& in = {},
+                         const launch_options& opt = {}) {
+  static constexpr const char* fn = "kvevict::cuda::observation_state";
+  using Q = std::remove_cv_t<QT>;
+  using K = std::remove_cv_t<KT>;
+  const query_view<const Q> queries = queries_in;
+  const cache_view<const K> keys = keys_in;
+  if (params.window == window_aggregation::mean || params.window == window_aggregation::visible_mean)
+    return status::error(errc::invalid_argument, fn, "params.window",
+                         "the state is un-normalised: expected sum, weighted or max (normalise at finalisation)");
+  if (!(eta >= 0.0f && eta <= 1.0f))
+    return status::error(errc::invalid_argument, fn, "eta", "expected eta in [0, 1], got %g", static_cast<double>(eta));
+  detail::obs_plan<Q, K> plan;
+  KVEVICT_RETURN_IF_ERROR(detail::obs_prepare(queries, keys, params, ws, in, opt, fn, &plan));
+  const detail::obs_dims& dims = plan.dims;
+  KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_matrix_view(state, keys.num_heads, dims.candidates, fn, "state"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(state.data, opt, fn, "state.data"));
+  if (dims.candidates == 0) return status();
+  KVEVICT_RETURN_IF_ERROR(detail::obs_run_passes(plan, keys.head_dim, opt, fn));
+  const std::int64_t n = dims.kv_heads * dims.candidates;
+  detail::obs_state_kernel<><<<static_cast<unsigned>(detail::stride_grid(n, 256, 4096)), 256, 0, opt.stream>>>(
+      plan.ws.acc, dims.candidates, static_cast<int>(dims.group), params.gqa, state.data, state.row_stride, eta,
+      dims.kv_heads);
+  return detail::launch_status(fn, "obs_state_kernel");
+}
+
+}  // namespace cuda
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_CUDA_OBSERVATION_SCORES_CUH

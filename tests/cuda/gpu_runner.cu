@@ -1,0 +1,435 @@
+// GPU side of the CUDA tests (see gpu_runner.hpp): mirrors host views to the device, runs
+// kvevict::cuda on a non-default stream with a device flag word, and copies results back.
+// Tests may allocate; the library calls under test never do.
+#include "gpu_runner.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <utility>
+
+#include "kvevict/cuda.cuh"
+
+namespace gpu {
+namespace {
+
+using kvevict::errc;
+using kvevict::status;
+
+/// Device allocations of one test call, freed on scope exit. Buffers are deduplicated by
+/// host address so that views sharing memory on the host share it on the device.
+class mirror {
+ public:
+  mirror() { ok_ = cudaStreamCreate(&stream_) == cudaSuccess; }
+  mirror(const mirror&) = delete;
+  mirror& operator=(const mirror&) = delete;
+  ~mirror() {
+    for (void* p : allocs_) cudaFree(p);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  void* alloc_bytes(std::size_t bytes) {
+    void* p = nullptr;
+    if (cudaMalloc(&p, bytes == 0 ? 1 : bytes) != cudaSuccess) {
+      ok_ = false;
+      return nullptr;
+    }
+    allocs_.push_back(p);
+    return p;
+  }
+  template <class T>
+  T* alloc(std::size_t count) {
+    return static_cast<T*>(alloc_bytes(count * sizeof(T)));
+  }
+  /// Device copy of a host buffer (the same device buffer for the same host address).
+  void* put(host_buffer b) {
+    if (b.data == nullptr) return nullptr;
+    for (const auto& e : map_)
+      if (e.first == b.data) return e.second;
+    void* d = alloc_bytes(b.bytes);
+    if (d != nullptr && b.bytes > 0) check(cudaMemcpy(d, b.data, b.bytes, cudaMemcpyHostToDevice));
+    map_.emplace_back(b.data, d);
+    return d;
+  }
+  template <class T>
+  T* put_vector(const std::vector<T>& v) {
+    return v.empty() ? nullptr : static_cast<T*>(put(buffer_of(v)));
+  }
+  /// `host_ptr`, pointing into host buffer b, as a pointer into b's device copy.
+  template <class T>
+  T* rebase(const T* host_ptr, host_buffer b) {
+    auto* base = static_cast<unsigned char*>(put(b));
+    const std::ptrdiff_t off =
+        reinterpret_cast<const unsigned char*>(host_ptr) - static_cast<const unsigned char*>(b.data);
+    return reinterpret_cast<T*>(base + off);
+  }
+  template <class T>
+  void fill(T* d, std::size_t count, T value) {
+    std::vector<T> h(count, value);
+    if (count > 0) check(cudaMemcpy(d, h.data(), count * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  template <class T>
+  std::vector<T> get(const T* d, std::size_t count) {
+    std::vector<T> h(count);
+    if (count > 0) check(cudaMemcpy(h.data(), d, count * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+  std::uint32_t* flags() {
+    if (flags_ == nullptr) {
+      flags_ = alloc<std::uint32_t>(1);
+      if (flags_ != nullptr) check(cudaMemset(flags_, 0, 4));
+    }
+    return flags_;
+  }
+  kvevict::cuda::launch_options options(bool check_pointers = true) {
+    kvevict::cuda::launch_options o;
+    o.stream = stream_;
+    o.device_flags = flags();
+    o.check_pointers = check_pointers;
+    return o;
+  }
+  /// Waits for the stream; a failure anywhere becomes a device_error status.
+  status finish(const status& st) {
+    check(cudaStreamSynchronize(stream_));
+    check(cudaGetLastError());
+    if (!ok_)
+      return status::error(errc::device_error, "gpu_runner", "cuda", "%s", last_error_ ? last_error_ : "allocation");
+    return st;
+  }
+  std::uint32_t read_flags() { return flags_ == nullptr ? 0u : get(flags_, 1)[0]; }
+
+ private:
+  void check(cudaError_t e) {
+    if (e != cudaSuccess) {
+      ok_ = false;
+      last_error_ = cudaGetErrorString(e);
+    }
+  }
+  cudaStream_t stream_ = nullptr;
+  std::vector<void*> allocs_;
+  std::vector<std::pair<const void*, void*>> map_;
+  std::uint32_t* flags_ = nullptr;
+  bool ok_ = true;
+  const char* last_error_ = nullptr;
+};
+
+template <class T>
+kvevict::cache_view<T> device_view(mirror& m, const kvevict::cache_view<T>& v, host_buffer buf,
+                                   const std::vector<std::int32_t>& table) {
+  kvevict::cache_view<T> d = v;
+  d.data = m.rebase(v.data, buf);
+  if (v.is_paged()) d.block_table = m.rebase(v.block_table, buffer_of(table));
+  return d;
+}
+
+template <class T>
+kvevict::query_view<const T> device_queries(mirror& m, const kvevict::query_view<const T>& q, host_buffer buf) {
+  kvevict::query_view<const T> d = q;
+  d.data = m.rebase(q.data, buf);
+  host_buffer pos;
+  pos.data = q.positions;
+  pos.bytes = static_cast<std::size_t>(q.num_queries) * sizeof(std::int64_t);
+  d.positions = static_cast<const std::int64_t*>(m.put(pos));
+  return d;
+}
+
+}  // namespace
+
+bool available(std::string* why) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0) {
+    if (why != nullptr) *why = e != cudaSuccess ? cudaGetErrorString(e) : "no CUDA device";
+    return false;
+  }
+  return true;
+}
+
+std::string device_name() {
+  cudaDeviceProp p{};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&p, dev) != cudaSuccess) return "?";
+  return p.name;
+}
+
+template <class QT, class KT>
+scores_result observation_scores(const kvevict::query_view<const QT>& q, host_buffer qbuf,
+                                 const kvevict::cache_view<const KT>& k, host_buffer kbuf,
+                                 const std::vector<std::int32_t>& table, const kvevict::scoring_params& params,
+                                 const obs_inputs& in) {
+  scores_result r;
+  mirror m;
+  const auto dq = device_queries(m, q, qbuf);
+  const auto dk = device_view(m, k, kbuf, table);
+  const std::size_t n = static_cast<std::size_t>(k.num_heads * k.num_tokens);
+  float* scores = m.alloc<float>(n);
+  m.fill(scores, n, 12345.0f);  // unwritten entries show up
+  kvevict::cuda::observation_inputs din;
+  din.key_positions = m.put_vector(in.key_positions);
+  din.weights = m.put_vector(in.weights);
+  din.lse = m.put_vector(in.lse);
+  din.lse_head_stride = in.lse_head_stride;
+  const kvevict::layer_shape shape{q.num_heads, k.num_heads, k.head_dim, k.num_tokens, q.num_queries};
+  const std::size_t bytes = kvevict::cuda::observation_scores_workspace_size(shape, params, !in.lse.empty());
+  void* ws = m.alloc_bytes(bytes);
+  r.st = m.finish(kvevict::cuda::observation_scores(dq, dk, params, {scores, k.num_heads, k.num_tokens, k.num_tokens},
+                                                    {ws, bytes}, din, m.options(in.check_pointers)));
+  r.scores = m.get(scores, n);
+  r.flags = m.read_flags();
+  return r;
+}
+
+template <class QT, class KT>
+state_result observation_state(const kvevict::query_view<const QT>& q, host_buffer qbuf,
+                               const kvevict::cache_view<const KT>& k, host_buffer kbuf,
+                               const std::vector<std::int32_t>& table, const kvevict::scoring_params& params, float eta,
+                               const std::vector<float>& state, const obs_inputs& in) {
+  state_result r;
+  mirror m;
+  const auto dq = device_queries(m, q, qbuf);
+  const auto dk = device_view(m, k, kbuf, table);
+  const std::int64_t c = std::max<std::int64_t>(0, k.num_tokens - params.protected_tail);
+  float* dstate = m.alloc<float>(state.size());
+  if (!state.empty()) cudaMemcpy(dstate, state.data(), state.size() * sizeof(float), cudaMemcpyHostToDevice);
+  kvevict::cuda::observation_inputs din;
+  din.key_positions = m.put_vector(in.key_positions);
+  din.weights = m.put_vector(in.weights);
+  din.lse = m.put_vector(in.lse);
+  din.lse_head_stride = in.lse_head_stride;
+  const kvevict::layer_shape shape{q.num_heads, k.num_heads, k.head_dim, k.num_tokens, q.num_queries};
+  const std::size_t bytes = kvevict::cuda::observation_scores_workspace_size(shape, params, !in.lse.empty());
+  void* ws = m.alloc_bytes(bytes);
+  r.st = m.finish(kvevict::cuda::observation_state(dq, dk, params, eta, {dstate, k.num_heads, c, c}, {ws, bytes}, din,
+                                                   m.options()));
+  r.state = m.get(dstate, state.size());
+  r.flags = m.read_flags();
+  return r;
+}
+
+template <class QT, class KT>
+state_result decode_observation(const kvevict::query_view<const QT>& q, host_buffer qbuf,
+                                const kvevict::cache_view<const KT>& k, host_buffer kbuf,
+                                const std::vector<std::int32_t>& table, const decode_step& step,
+                                const std::vector<float>& state) {
+  state_result r;
+  mirror m;
+  const auto dq = device_queries(m, q, qbuf);
+  const auto dk = device_view(m, k, kbuf, table);
+  const std::int64_t c = std::max<std::int64_t>(0, k.num_tokens - step.protected_tail);
+  float* dstate = m.alloc<float>(state.size());
+  if (!state.empty()) cudaMemcpy(dstate, state.data(), state.size() * sizeof(float), cudaMemcpyHostToDevice);
+  kvevict::cuda::decode_params p;
+  p.eta = step.eta;
+  p.gqa = step.gqa;
+  p.domain = step.domain;
+  p.protected_tail = step.protected_tail;
+  kvevict::cuda::decode_inputs din;
+  din.lse = m.put_vector(step.lse);
+  din.key_positions = m.put_vector(step.key_positions);
+  const kvevict::layer_shape shape{q.num_heads, k.num_heads, k.head_dim, k.num_tokens, 1};
+  const std::size_t bytes = kvevict::cuda::decode_observation_workspace_size(shape, p, !step.lse.empty());
+  void* ws = m.alloc_bytes(bytes);
+  r.st = m.finish(
+      kvevict::cuda::decode_observation(dq, dk, p, {dstate, k.num_heads, c, c}, {ws, bytes}, din, m.options()));
+  r.state = m.get(dstate, state.size());
+  r.flags = m.read_flags();
+  return r;
+}
+
+scores_result finalize_state(const std::vector<float>& state, std::int64_t kv_heads, std::int64_t tokens,
+                             std::int64_t group, float scale, const kvevict::scoring_params& params) {
+  scores_result r;
+  mirror m;
+  const std::int64_t c = std::max<std::int64_t>(0, tokens - params.protected_tail);
+  const float* dstate = m.put_vector(state);
+  if (dstate == nullptr) dstate = m.alloc<float>(1);
+  const std::size_t n = static_cast<std::size_t>(kv_heads * tokens);
+  float* scores = m.alloc<float>(n);
+  m.fill(scores, n, 12345.0f);
+  r.st = m.finish(kvevict::cuda::finalize_state_scores({dstate, kv_heads, c, c}, group, scale, params,
+                                                       {scores, kv_heads, tokens, tokens}, m.options()));
+  r.scores = m.get(scores, n);
+  r.flags = m.read_flags();
+  return r;
+}
+
+keep_result select(const std::vector<float>& scores, std::int64_t rows, std::int64_t cols, kvevict::budget b,
+                   const std::vector<std::int64_t>& head_budgets, const kvevict::selection_params& params,
+                   std::int64_t capacity) {
+  keep_result r;
+  mirror m;
+  const float* dscores = m.put_vector(scores);
+  if (dscores == nullptr) dscores = m.alloc<float>(1);
+  auto* offsets = m.alloc<std::int64_t>(static_cast<std::size_t>(rows + 1));
+  auto* indices = m.alloc<std::int64_t>(static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)));
+  m.fill(offsets, static_cast<std::size_t>(rows + 1), std::int64_t{-7});
+  m.fill(indices, static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)), std::int64_t{-7});
+  const std::size_t bytes = kvevict::cuda::select_workspace_size(rows);
+  void* ws = m.alloc_bytes(bytes);
+  const kvevict::const_score_view sv{dscores, rows, cols, cols};
+  const kvevict::keep_list_view out{rows, offsets, indices, capacity};
+  status st;
+  if (head_budgets.empty()) {
+    st = kvevict::cuda::select(sv, b, params, out, {ws, bytes}, m.options());
+  } else {
+    st = kvevict::cuda::select(sv, m.put_vector(head_budgets), params, out, {ws, bytes}, m.options());
+  }
+  r.st = m.finish(st);
+  r.offsets = m.get(offsets, static_cast<std::size_t>(rows + 1));
+  r.indices = m.get(indices, static_cast<std::size_t>(std::max<std::int64_t>(capacity, 0)));
+  r.flags = m.read_flags();
+  return r;
+}
+
+rows_result select_rows(const std::vector<row_spec>& rows, std::int64_t max_length) {
+  rows_result r;
+  mirror m;
+  std::vector<kvevict::cuda::select_row> desc(rows.size());
+  std::vector<std::int64_t*> outs(rows.size());
+  std::vector<std::size_t> sizes(rows.size());
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const row_spec& s = rows[i];
+    kvevict::cuda::select_row& d = desc[i];
+    d.scores = m.put_vector(s.scores);
+    d.length = s.length >= 0 ? s.length : static_cast<std::int64_t>(s.scores.size());
+    d.budget = s.budget;
+    d.protected_tail = s.protected_tail;
+    d.mode = s.mode;
+    sizes[i] = s.scores.size() + 1;
+    outs[i] = m.alloc<std::int64_t>(sizes[i]);
+    m.fill(outs[i], sizes[i], std::int64_t{-7});
+    d.out = outs[i];
+  }
+  auto* ddesc = m.put_vector(desc);
+  r.st = m.finish(kvevict::cuda::select_rows(ddesc, static_cast<std::int64_t>(rows.size()), max_length, m.options()));
+  for (std::size_t i = 0; i < rows.size(); ++i) r.out.push_back(m.get(outs[i], sizes[i]));
+  r.flags = m.read_flags();
+  return r;
+}
+
+template <class KT, class VT>
+compact_result compact(const kvevict::cache_view<KT>& k, host_buffer kbuf, const std::vector<std::int32_t>& ktable,
+                       const kvevict::cache_view<VT>& v, host_buffer vbuf, const std::vector<std::int32_t>& vtable,
+                       const std::vector<std::int64_t>& offsets, const std::vector<std::int64_t>& indices,
+                       std::int64_t capacity, const std::vector<std::int64_t>& key_positions) {
+  compact_result r;
+  mirror m;
+  const auto dk = device_view(m, k, kbuf, ktable);
+  const auto dv = device_view(m, v, vbuf, vtable);
+  auto* doff = m.put_vector(offsets);
+  std::vector<std::int64_t> idx = indices;
+  idx.resize(static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)), 0);
+  auto* didx = m.put_vector(idx);
+  auto* lengths = m.alloc<std::int64_t>(static_cast<std::size_t>(k.num_heads));
+  auto* positions = m.alloc<std::int64_t>(idx.size());
+  m.fill(lengths, static_cast<std::size_t>(k.num_heads), std::int64_t{-7});
+  m.fill(positions, idx.size(), std::int64_t{-7});
+  kvevict::cuda::compact_outputs out;
+  out.head_lengths = lengths;
+  out.positions = positions;
+  out.key_positions = m.put_vector(key_positions);
+  const std::size_t bytes = kvevict::cuda::compact_workspace_size(dk, dv, capacity);
+  void* ws = m.alloc_bytes(bytes);
+  const kvevict::const_keep_list_view keep{k.num_heads, doff, didx, capacity};
+  r.st = m.finish(kvevict::cuda::compact(dk, dv, keep, {ws, bytes}, out, m.options()));
+  auto* kd = static_cast<const unsigned char*>(m.put(kbuf));
+  auto* vd = static_cast<const unsigned char*>(m.put(vbuf));
+  r.keys = m.get(kd, kbuf.bytes);
+  r.values = m.get(vd, vbuf.bytes);
+  r.head_lengths = m.get(lengths, static_cast<std::size_t>(k.num_heads));
+  r.positions = m.get(positions, idx.size());
+  r.flags = m.read_flags();
+  return r;
+}
+
+status observation_with_host_keys() {
+  mirror m;
+  std::vector<float> host_keys(2 * 8 * 16, 1.0f);
+  std::vector<float> qh(4 * 2 * 16, 1.0f);
+  std::vector<std::int64_t> pos{6, 7};
+  auto q = kvevict::contiguous_queries<const float>(m.put_vector(qh), 4, 2, 16, m.put_vector(pos));
+  auto k = kvevict::hf_contiguous<const float>(host_keys.data(), 2, 8, 16);
+  float* scores = m.alloc<float>(16);
+  kvevict::scoring_params p;
+  const std::size_t bytes = kvevict::cuda::observation_scores_workspace_size({4, 2, 16, 8, 2}, p);
+  void* ws = m.alloc_bytes(bytes);
+  return m.finish(kvevict::cuda::observation_scores(q, k, p, {scores, 2, 8, 8}, {ws, bytes}, {}, m.options()));
+}
+
+status observation_with_small_workspace() {
+  mirror m;
+  std::vector<float> kh(2 * 8 * 16, 1.0f), qh(4 * 2 * 16, 1.0f);
+  std::vector<std::int64_t> pos{6, 7};
+  auto q = kvevict::contiguous_queries<const float>(m.put_vector(qh), 4, 2, 16, m.put_vector(pos));
+  auto k = kvevict::hf_contiguous<const float>(m.put_vector(kh), 2, 8, 16);
+  float* scores = m.alloc<float>(16);
+  kvevict::scoring_params p;
+  const std::size_t bytes = kvevict::cuda::observation_scores_workspace_size({4, 2, 16, 8, 2}, p);
+  void* ws = m.alloc_bytes(bytes);
+  return m.finish(kvevict::cuda::observation_scores(q, k, p, {scores, 2, 8, 8}, {ws, bytes / 2}, {}, m.options()));
+}
+
+status compact_with_aliased_kv() {
+  mirror m;
+  std::vector<float> kh(2 * 8 * 16, 1.0f);
+  float* d = m.put_vector(kh);
+  auto k = kvevict::hf_contiguous(d, 2, 8, 16);
+  std::vector<std::int64_t> off{0, 1, 2}, idx{3, 4};
+  const kvevict::const_keep_list_view keep{2, m.put_vector(off), m.put_vector(idx), 2};
+  const std::size_t bytes = kvevict::cuda::compact_workspace_size(k, k, 2);
+  void* ws = m.alloc_bytes(bytes);
+  return m.finish(kvevict::cuda::compact(k, k, keep, {ws, bytes}, {}, m.options()));
+}
+
+status select_with_small_capacity() {
+  mirror m;
+  std::vector<float> s(3 * 50, 1.0f);
+  auto* off = m.alloc<std::int64_t>(4);
+  auto* idx = m.alloc<std::int64_t>(20);
+  const std::size_t bytes = kvevict::cuda::select_workspace_size(3);
+  void* ws = m.alloc_bytes(bytes);
+  return m.finish(kvevict::cuda::select({m.put_vector(s), 3, 50, 50}, kvevict::budget::tokens(10), {},
+                                        {3, off, idx, 20}, {ws, bytes}, m.options()));
+}
+
+status decode_with_two_queries() {
+  mirror m;
+  std::vector<float> kh(2 * 8 * 16, 1.0f), qh(4 * 2 * 16, 1.0f), st(16, 0.0f);
+  std::vector<std::int64_t> pos{6, 7};
+  auto q = kvevict::contiguous_queries<const float>(m.put_vector(qh), 4, 2, 16, m.put_vector(pos));
+  auto k = kvevict::hf_contiguous<const float>(m.put_vector(kh), 2, 8, 16);
+  return m.finish(kvevict::cuda::decode_observation(q, k, {}, {m.put_vector(st), 2, 8, 8}, {}, {}, m.options()));
+}
+
+// The combinations the tests use.
+#define KVEVICT_GPU_OBS(QT, KT)                                                                                     \
+  template scores_result observation_scores<QT, KT>(                                                                \
+      const kvevict::query_view<const QT>&, host_buffer, const kvevict::cache_view<const KT>&, host_buffer,         \
+      const std::vector<std::int32_t>&, const kvevict::scoring_params&, const obs_inputs&);                         \
+  template state_result observation_state<QT, KT>(const kvevict::query_view<const QT>&, host_buffer,                \
+                                                  const kvevict::cache_view<const KT>&, host_buffer,                \
+                                                  const std::vector<std::int32_t>&, const kvevict::scoring_params&, \
+                                                  float, const std::vector<float>&, const obs_inputs&);             \
+  template state_result decode_observation<QT, KT>(                                                                 \
+      const kvevict::query_view<const QT>&, host_buffer, const kvevict::cache_view<const KT>&, host_buffer,         \
+      const std::vector<std::int32_t>&, const decode_step&, const std::vector<float>&);
+KVEVICT_GPU_OBS(float, float)
+KVEVICT_GPU_OBS(kvevict::fp16, kvevict::fp16)
+KVEVICT_GPU_OBS(kvevict::bf16, kvevict::bf16)
+KVEVICT_GPU_OBS(float, kvevict::bf16)
+#undef KVEVICT_GPU_OBS
+
+#define KVEVICT_GPU_COMPACT(KT, VT)                                                                                  \
+  template compact_result compact<KT, VT>(                                                                           \
+      const kvevict::cache_view<KT>&, host_buffer, const std::vector<std::int32_t>&, const kvevict::cache_view<VT>&, \
+      host_buffer, const std::vector<std::int32_t>&, const std::vector<std::int64_t>&,                               \
+      const std::vector<std::int64_t>&, std::int64_t, const std::vector<std::int64_t>&);
+KVEVICT_GPU_COMPACT(float, float)
+KVEVICT_GPU_COMPACT(kvevict::fp16, kvevict::fp16)
+KVEVICT_GPU_COMPACT(kvevict::bf16, kvevict::bf16)
+KVEVICT_GPU_COMPACT(kvevict::bf16, float)
+#undef KVEVICT_GPU_COMPACT
+
+}  // namespace gpu

@@ -1,0 +1,146 @@
+// The GPU side of the CUDA tests, behind a CUDA-free interface: the test cases (compiled by
+// the host compiler, with Eigen and the CPU library) hand host views and buffers to these
+// functions, which mirror them to the device, run kvevict::cuda, and copy the results back.
+// Implemented in gpu_runner.cu, the only CUDA translation unit of the tests.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvevict/cuda/device_flags.hpp"
+#include "kvevict/dtype.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/scoring/params.hpp"
+#include "kvevict/selection/budget.hpp"
+#include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/query_view.hpp"
+
+namespace gpu {
+
+/// Whether a CUDA device is usable; `why` says what failed otherwise.
+bool available(std::string* why = nullptr);
+std::string device_name();
+
+/// A host buffer a view points into (the runner copies [data, data + bytes) to the device and
+/// rebases the view's pointers into the copy).
+struct host_buffer {
+  const void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+template <class T>
+host_buffer buffer_of(const std::vector<T>& v) {
+  return {v.data(), v.size() * sizeof(T)};
+}
+
+struct obs_inputs {
+  std::vector<std::int64_t> key_positions;  ///< empty: position j
+  std::vector<float> weights;               ///< empty: none
+  std::vector<float> lse;                   ///< empty: two-pass
+  std::int64_t lse_head_stride = 0;
+  bool check_pointers = true;
+};
+
+struct scores_result {
+  kvevict::status st;
+  std::vector<float> scores;  ///< [Hkv * L]
+  std::uint32_t flags = 0;
+};
+
+/// kvevict::cuda::observation_scores on device copies of the views. `table` is the key
+/// view's block table when paged (the view's pointer into it is rebased).
+template <class QT, class KT>
+scores_result observation_scores(const kvevict::query_view<const QT>& q, host_buffer qbuf,
+                                 const kvevict::cache_view<const KT>& k, host_buffer kbuf,
+                                 const std::vector<std::int32_t>& table, const kvevict::scoring_params& params,
+                                 const obs_inputs& in = {});
+
+struct state_result {
+  kvevict::status st;
+  std::vector<float> state;  ///< [Hkv * C]
+  std::uint32_t flags = 0;
+};
+
+/// kvevict::cuda::observation_state on a device copy of `state` ([Hkv * C]).
+template <class QT, class KT>
+state_result observation_state(const kvevict::query_view<const QT>& q, host_buffer qbuf,
+                               const kvevict::cache_view<const KT>& k, host_buffer kbuf,
+                               const std::vector<std::int32_t>& table, const kvevict::scoring_params& params, float eta,
+                               const std::vector<float>& state, const obs_inputs& in = {});
+
+struct decode_step {
+  float eta = 1.0f;
+  kvevict::gqa_reduction gqa = kvevict::gqa_reduction::mean;
+  kvevict::softmax_domain domain = kvevict::softmax_domain::visible;
+  std::int64_t protected_tail = 0;
+  std::vector<float> lse;  ///< [Hq] engine LSE, empty: two-pass
+  std::vector<std::int64_t> key_positions;
+};
+
+/// One decode_observation step on a device copy of `state` ([Hkv * C]).
+template <class QT, class KT>
+state_result decode_observation(const kvevict::query_view<const QT>& q, host_buffer qbuf,
+                                const kvevict::cache_view<const KT>& k, host_buffer kbuf,
+                                const std::vector<std::int32_t>& table, const decode_step& step,
+                                const std::vector<float>& state);
+
+/// finalize_state_scores of a host state [Hkv * C] into scores [Hkv * L].
+scores_result finalize_state(const std::vector<float>& state, std::int64_t kv_heads, std::int64_t tokens,
+                             std::int64_t group, float scale, const kvevict::scoring_params& params);
+
+struct keep_result {
+  kvevict::status st;
+  std::vector<std::int64_t> offsets;
+  std::vector<std::int64_t> indices;  ///< [capacity]; untouched entries hold -7
+  std::uint32_t flags = 0;
+};
+
+/// kvevict::cuda::select over a [rows, cols] host matrix; head_budgets empty: uniform b.
+keep_result select(const std::vector<float>& scores, std::int64_t rows, std::int64_t cols, kvevict::budget b,
+                   const std::vector<std::int64_t>& head_budgets, const kvevict::selection_params& params,
+                   std::int64_t capacity);
+
+/// One ragged row for select_rows.
+struct row_spec {
+  std::vector<float> scores;
+  std::int64_t length = -1;  ///< -1: scores.size()
+  std::int64_t budget = 0;
+  std::int64_t protected_tail = 0;
+  kvevict::protected_mode mode = kvevict::protected_mode::inside_budget;
+};
+
+struct rows_result {
+  kvevict::status st;
+  std::vector<std::vector<std::int64_t>> out;  ///< per row; untouched entries hold -7
+  std::uint32_t flags = 0;
+};
+
+/// kvevict::cuda::select_rows over all rows in one launch.
+rows_result select_rows(const std::vector<row_spec>& rows, std::int64_t max_length);
+
+struct compact_result {
+  kvevict::status st;
+  std::vector<unsigned char> keys, values;  ///< the buffers afterwards
+  std::vector<std::int64_t> head_lengths, positions;
+  std::uint32_t flags = 0;
+};
+
+/// kvevict::cuda::compact on device copies. K and V buffers (and tables) given by the same
+/// host pointer become one device buffer (shared pools, shared tables).
+template <class KT, class VT>
+compact_result compact(const kvevict::cache_view<KT>& k, host_buffer kbuf, const std::vector<std::int32_t>& ktable,
+                       const kvevict::cache_view<VT>& v, host_buffer vbuf, const std::vector<std::int32_t>& vtable,
+                       const std::vector<std::int64_t>& offsets, const std::vector<std::int64_t>& indices,
+                       std::int64_t capacity, const std::vector<std::int64_t>& key_positions = {});
+
+/// Host-side validation cases that need real device memory: each returns the status of one
+/// call expected to fail (name says which).
+kvevict::status observation_with_host_keys();
+kvevict::status observation_with_small_workspace();
+kvevict::status compact_with_aliased_kv();
+kvevict::status select_with_small_capacity();
+kvevict::status decode_with_two_queries();
+
+}  // namespace gpu

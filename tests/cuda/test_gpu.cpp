@@ -1,0 +1,859 @@
+// GPU tests of kvevict::cuda against the CPU library on the same inputs (ctest label "gpu":
+// they need a CUDA device; scripts/gpu-check runs them). Compiled by the host compiler; the
+// device work happens behind gpu_runner.hpp.
+//
+//   scoring:    every layout and storage type, every section-4 parameter, GQA, odd head
+//               dims, L <= W, unsorted key positions, engine LSE, NaN/Inf keys: close to the
+//               CPU (float32 rounding) and to the double reference
+//   decode:     one- and two-pass DeferKV steps against the CPU's W = 1 scoring; the state's
+//               finalisation against finalize_reduced_row bit for bit
+//   selection:  bit-identical keep-lists to kvevict::select (ties, NaN, +-0, +-Inf, long
+//               rows, per-row budgets, both protected modes), ragged batches in one launch
+//   compaction: every layout pair against the definition, outputs, and device-detected
+//               errors leaving the cache untouched
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu_runner.hpp"
+#include "kvevict/detail/finalize.hpp"
+#include "kvevict/scoring/observation_scores.hpp"
+#include "kvevict/selection/select.hpp"
+#include "kvevict/views/layouts.hpp"
+#include "reference/reference.hpp"
+#include "support/test_cache.hpp"
+
+using kvevict::bf16;
+using kvevict::fp16;
+using kvevict::gqa_order;
+using kvevict::gqa_reduction;
+using kvevict::pooling_kind;
+using kvevict::softmax_domain;
+using kvevict::window_aggregation;
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+/// GPU against CPU: both float32, different summation orders and exp implementations.
+void require_close(const std::vector<float>& got, const std::vector<float>& want, std::int64_t rows,
+                   std::int64_t cols) {
+  REQUIRE(got.size() == want.size());
+  for (std::int64_t h = 0; h < rows; ++h) {
+    double scale = 0;
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const float w = want[static_cast<std::size_t>(h * cols + j)];
+      if (std::isfinite(w)) scale = std::max(scale, std::fabs(static_cast<double>(w)));
+    }
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const double g = got[static_cast<std::size_t>(h * cols + j)], w = want[static_cast<std::size_t>(h * cols + j)];
+      INFO("row " << h << " col " << j << " gpu " << g << " cpu " << w);
+      if (std::isnan(w)) {
+        REQUIRE(std::isnan(g));
+      } else if (std::isinf(w)) {
+        REQUIRE(g == w);
+      } else {
+        REQUIRE(std::fabs(g - w) <= 2e-4 * std::fabs(w) + 2e-6 * scale + 1e-30);
+      }
+    }
+  }
+}
+
+std::vector<std::int64_t> tail_positions(std::int64_t l, std::int64_t w) {
+  std::vector<std::int64_t> p;
+  for (std::int64_t t = 0; t < w; ++t) p.push_back(l - w + t);
+  return p;
+}
+
+kvevict::scoring_params make_params(softmax_domain dom, window_aggregation win, gqa_reduction red, gqa_order order,
+                                    pooling_kind pool, std::int64_t kernel, bool count_padding, std::int64_t tail) {
+  kvevict::scoring_params p;
+  p.domain = dom;
+  p.window = win;
+  p.gqa = red;
+  p.order = order;
+  p.pool = {pool, kernel, count_padding};
+  p.protected_tail = tail;
+  return p;
+}
+
+ref::params ref_params(const kvevict::scoring_params& p, const std::vector<float>& weights) {
+  ref::params r;
+  r.dom = p.domain == softmax_domain::visible ? ref::domain::visible : ref::domain::candidates;
+  r.window = static_cast<ref::agg>(static_cast<int>(p.window));
+  r.reduce = static_cast<ref::gqa>(static_cast<int>(p.gqa));
+  r.reduce_before_pool = p.order == gqa_order::before_pooling;
+  r.kind = static_cast<ref::pool>(static_cast<int>(p.pool.kind));
+  r.kernel = p.pool.kernel;
+  r.count_padding = p.pool.count_padding;
+  r.protected_tail = p.protected_tail;
+  r.weights.assign(weights.begin(), weights.end());
+  return r;
+}
+
+struct shape {
+  std::int64_t hkv, group, dim, tokens, window;
+};
+
+struct obs_case {
+  std::vector<std::int64_t> qpos;
+  std::vector<std::int64_t> kpos;
+  std::vector<float> weights;
+  bool token_major = false;
+  bool engine_lse = false;
+  bool specials = false;  // NaN and +inf key elements
+};
+
+/// Runs CPU and GPU scoring on the same stored data and compares them (and, without special
+/// values, the double reference).
+template <class QT, class KT>
+void check_obs(const shape& s, test::layout lay, const kvevict::scoring_params& params, obs_case c,
+               std::uint64_t seed) {
+  const std::int64_t hq = s.hkv * s.group;
+  std::vector<double> qd = test::rounded<QT>(test::normal(static_cast<std::size_t>(hq * s.window * s.dim), seed, 1.5));
+  std::vector<double> kd =
+      test::rounded<KT>(test::normal(static_cast<std::size_t>(s.hkv * s.tokens * s.dim), seed + 1));
+  if (c.specials && !kd.empty()) {
+    kd[kd.size() / 3] = std::numeric_limits<double>::quiet_NaN();
+    kd[kd.size() / 2] = std::numeric_limits<double>::infinity();
+  }
+  auto keys = test::make_cache<KT>(lay, s.hkv, s.tokens, s.dim, kd);
+  auto queries = test::make_queries<QT>(hq, s.window, s.dim, qd, c.qpos, c.token_major);
+  const kvevict::query_view<const QT> qv = queries.view;
+  const kvevict::cache_view<const KT> kv = keys.view;
+
+  gpu::obs_inputs in;
+  in.key_positions = c.kpos;
+  in.weights = c.weights;
+  if (c.engine_lse) {
+    in.lse.assign(static_cast<std::size_t>(hq * s.window), 0.0f);
+    for (std::int64_t q = 0; q < hq; ++q)
+      for (std::int64_t t = 0; t < s.window; ++t) {
+        double m = -INFINITY;
+        std::vector<double> logits;
+        for (std::int64_t j = 0; j < s.tokens; ++j) {
+          const std::int64_t kp = c.kpos.empty() ? j : c.kpos[static_cast<std::size_t>(j)];
+          if (kp > c.qpos[static_cast<std::size_t>(t)]) continue;
+          double dot = 0;
+          for (std::int64_t ch = 0; ch < s.dim; ++ch)
+            dot += qd[static_cast<std::size_t>((q * s.window + t) * s.dim + ch)] *
+                   kd[static_cast<std::size_t>(((q / s.group) * s.tokens + j) * s.dim + ch)];
+          logits.push_back(dot / std::sqrt(static_cast<double>(s.dim)));
+          m = std::max(m, logits.back());
+        }
+        double z = 0;
+        for (double x : logits) z += std::exp(x - m);
+        in.lse[static_cast<std::size_t>(q * s.window + t)] = static_cast<float>(m + std::log(z));
+      }
+  }
+
+  std::vector<float> cpu(static_cast<std::size_t>(s.hkv * s.tokens), 0.0f);
+  kvevict::observation_inputs cin;
+  cin.key_positions = c.kpos.empty() ? nullptr : c.kpos.data();
+  cin.weights = c.weights.empty() ? nullptr : c.weights.data();
+  cin.lse = c.engine_lse ? in.lse.data() : nullptr;
+  kvevict::workspace ws(kvevict::observation_scores_workspace_size({hq, s.hkv, s.dim, s.tokens, s.window}, params));
+  REQUIRE(kvevict::observation_scores(qv, kv, params, {cpu.data(), s.hkv, s.tokens, s.tokens}, ws, cin).ok());
+
+  const gpu::scores_result g = gpu::observation_scores(qv, gpu::buffer_of(queries.buffer), kv,
+                                                       gpu::buffer_of(keys.buffer), keys.table, params, in);
+  INFO("status " << g.st.message());
+  REQUIRE(g.st.ok());
+  REQUIRE(g.flags == 0);
+  require_close(g.scores, cpu, s.hkv, s.tokens);
+
+  if (!c.specials) {
+    ref::problem p;
+    p.hq = hq;
+    p.hkv = s.hkv;
+    p.w = s.window;
+    p.l = s.tokens;
+    p.d = s.dim;
+    p.q = qd;
+    p.k = kd;
+    p.qpos = c.qpos;
+    p.kpos = c.kpos;
+    const auto want = ref::scores(p, ref_params(params, c.weights));
+    std::vector<float> flat;
+    for (const auto& row : want) flat.insert(flat.end(), row.begin(), row.end());
+    // float32 against double: the CPU suite's tolerance, doubled for the GPU's exp.
+    require_close(g.scores, flat, s.hkv, s.tokens);
+  }
+}
+
+const kvevict::scoring_params kKvpress =
+    make_params(softmax_domain::visible, window_aggregation::mean, gqa_reduction::mean, gqa_order::after_pooling,
+                pooling_kind::avg, 5, true, 0);
+
+}  // namespace
+
+TEST_CASE("GPU observation scores: every layout and storage type", "[gpu][gpu_scoring]") {
+  const shape shapes[] = {{2, 2, 16, 70, 5}, {1, 4, 64, 300, 8}, {2, 3, 40, 129, 30}, {2, 2, 128, 1000, 32}};
+  std::uint64_t seed = 1;
+  for (const shape& s : shapes)
+    for (test::layout lay : test::kAllLayouts) {
+      kvevict::scoring_params p = kKvpress;
+      p.protected_tail = s.window;
+      obs_case c;
+      c.qpos = tail_positions(s.tokens, s.window);
+      c.token_major = lay == test::layout::padded;
+      INFO("G=" << s.group << " d=" << s.dim << " L=" << s.tokens << " W=" << s.window << " " << test::name(lay));
+      SECTION("f32 " + test::name(lay) + " " + std::to_string(s.tokens)) {
+        check_obs<float, float>(s, lay, p, c, seed);
+      }
+      SECTION("f16 " + test::name(lay) + " " + std::to_string(s.tokens)) {
+        check_obs<fp16, fp16>(s, lay, p, c, seed);
+      }
+      SECTION("bf16 " + test::name(lay) + " " + std::to_string(s.tokens)) {
+        check_obs<bf16, bf16>(s, lay, p, c, seed);
+      }
+      SECTION("f32/bf16 " + test::name(lay) + " " + std::to_string(s.tokens)) {
+        check_obs<float, bf16>(s, lay, p, c, seed);
+      }
+      ++seed;
+    }
+}
+
+TEST_CASE("GPU observation scores: every parameter combination", "[gpu][gpu_scoring]") {
+  // G*W = 4*20 = 80 rows: two row chunks of the register tile, with a group spanning both.
+  const shape s{2, 4, 64, 150, 20};
+  const window_aggregation windows[] = {window_aggregation::mean, window_aggregation::sum, window_aggregation::max,
+                                        window_aggregation::weighted, window_aggregation::visible_mean};
+  struct pool_case {
+    pooling_kind kind;
+    std::int64_t kernel;
+    bool count;
+  };
+  const pool_case pools[] = {{pooling_kind::none, 1, true},
+                             {pooling_kind::avg, 5, true},
+                             {pooling_kind::avg, 7, false},
+                             {pooling_kind::max, 7, true}};
+  std::vector<float> weights;
+  for (std::int64_t t = 0; t < s.window; ++t) weights.push_back(std::pow(0.9f, static_cast<float>(s.window - 1 - t)));
+  std::uint64_t seed = 100;
+  for (auto dom : {softmax_domain::visible, softmax_domain::candidates})
+    for (auto win : windows)
+      for (auto red : {gqa_reduction::mean, gqa_reduction::max, gqa_reduction::sum})
+        for (auto order : {gqa_order::before_pooling, gqa_order::after_pooling})
+          for (const pool_case& pc : pools)
+            for (std::int64_t protect : {std::int64_t{0}, std::int64_t{20}}) {
+              INFO("domain " << int(dom) << " window " << int(win) << " gqa " << int(red) << " order " << int(order)
+                             << " pool " << int(pc.kind) << "/" << pc.kernel << " protect " << protect);
+              obs_case c;
+              // Early observations see a prefix only (causal masking inside the window).
+              c.qpos = tail_positions(s.tokens, s.window);
+              c.qpos[0] = 40;
+              c.qpos[1] = 90;
+              if (win == window_aggregation::weighted) c.weights = weights;
+              check_obs<float, float>(s, test::layout::contiguous,
+                                      make_params(dom, win, red, order, pc.kind, pc.kernel, pc.count, protect), c,
+                                      seed++);
+            }
+}
+
+TEST_CASE("GPU observation scores: edge shapes, positions, engine LSE, special values", "[gpu][gpu_scoring]") {
+  const kvevict::scoring_params snap =
+      make_params(softmax_domain::visible, window_aggregation::sum, gqa_reduction::mean, gqa_order::after_pooling,
+                  pooling_kind::max, 7, true, 0);
+  SECTION("L <= W with the window protected: nothing is a candidate") {
+    kvevict::scoring_params p = snap;
+    p.protected_tail = 8;
+    obs_case c;
+    c.qpos = {0, 1, 2, 3, 4, 5, 6, 7};
+    check_obs<bf16, bf16>({2, 2, 64, 5, 8}, test::layout::contiguous, p, c, 1);
+  }
+  SECTION("L <= W, unprotected") {
+    obs_case c;
+    c.qpos = {0, 1, 2, 3, 4, 5, 6, 7};
+    check_obs<fp16, fp16>({2, 2, 64, 5, 8}, test::layout::paged_nhd, snap, c, 2);
+  }
+  SECTION("L < kernel, one token") {
+    obs_case c;
+    c.qpos = {3, 4};
+    check_obs<float, float>({1, 4, 64, 1, 2}, test::layout::transposed, snap, c, 3);
+  }
+  SECTION("head_dim 256 (shared memory above 48 KiB) and odd head_dim 72") {
+    obs_case c;
+    c.qpos = tail_positions(200, 16);
+    check_obs<bf16, bf16>({2, 2, 256, 200, 16}, test::layout::contiguous, kKvpress, c, 4);
+    check_obs<fp16, fp16>({2, 2, 72, 200, 16}, test::layout::paged_hnd, kKvpress, c, 5);
+  }
+  SECTION("large group: G = 8, W = 64 (512 rows)") {
+    obs_case c;
+    c.qpos = tail_positions(333, 64);
+    kvevict::scoring_params p = kKvpress;
+    p.protected_tail = 64;
+    check_obs<bf16, bf16>({1, 8, 128, 333, 64}, test::layout::paged_nhd, p, c, 6);
+  }
+  SECTION("key positions in arbitrary order (llama.cpp cells)") {
+    obs_case c;
+    for (std::int64_t j = 0; j < 50; ++j) c.kpos.push_back((j * 17) % 50);
+    c.qpos = {30, 35, 40, 49};
+    check_obs<fp16, fp16>({2, 2, 64, 50, 4}, test::layout::token_major, snap, c, 7);
+  }
+  SECTION("engine LSE (one pass) equals two passes") {
+    obs_case c;
+    c.qpos = tail_positions(300, 8);
+    c.engine_lse = true;
+    kvevict::scoring_params p = kKvpress;
+    p.protected_tail = 8;
+    check_obs<float, float>({2, 4, 64, 300, 8}, test::layout::contiguous, p, c, 8);
+    check_obs<bf16, bf16>({2, 4, 128, 300, 8}, test::layout::paged_hnd, p, c, 9);
+  }
+  SECTION("NaN and +inf key elements behave as on the CPU") {
+    obs_case c;
+    c.qpos = tail_positions(100, 4);
+    c.specials = true;
+    check_obs<float, float>({2, 2, 32, 100, 4}, test::layout::contiguous, snap, c, 10);
+    check_obs<bf16, bf16>({2, 2, 32, 100, 4}, test::layout::paged_nhd, kKvpress, c, 11);
+  }
+}
+
+TEST_CASE("GPU observation scores are deterministic", "[gpu][gpu_scoring]") {
+  const std::int64_t hkv = 2, hq = 8, d = 128, l = 2000, w = 32;
+  auto keys = test::make_cache<bf16>(test::layout::contiguous, hkv, l, d,
+                                     test::normal(static_cast<std::size_t>(hkv * l * d), 1));
+  auto queries =
+      test::make_queries<bf16>(hq, w, d, test::normal(static_cast<std::size_t>(hq * w * d), 2), tail_positions(l, w));
+  const kvevict::query_view<const bf16> qv = queries.view;
+  const kvevict::cache_view<const bf16> kv = keys.view;
+  const auto a = gpu::observation_scores(qv, gpu::buffer_of(queries.buffer), kv, gpu::buffer_of(keys.buffer),
+                                         keys.table, kKvpress);
+  const auto b = gpu::observation_scores(qv, gpu::buffer_of(queries.buffer), kv, gpu::buffer_of(keys.buffer),
+                                         keys.table, kKvpress);
+  REQUIRE(a.st.ok());
+  REQUIRE(b.st.ok());
+  REQUIRE(std::memcmp(a.scores.data(), b.scores.data(), a.scores.size() * sizeof(float)) == 0);
+}
+
+TEST_CASE("GPU observation scores: device-detected problems raise flags", "[gpu][gpu_scoring]") {
+  const std::int64_t hkv = 2, hq = 4, d = 32, l = 64, w = 4;
+  auto keys = test::make_cache<float>(test::layout::paged_nhd, hkv, l, d,
+                                      test::normal(static_cast<std::size_t>(hkv * l * d), 1));
+  auto queries =
+      test::make_queries<float>(hq, w, d, test::normal(static_cast<std::size_t>(hq * w * d), 2), tail_positions(l, w));
+  const kvevict::query_view<const float> qv = queries.view;
+  SECTION("a block id outside the pool") {
+    keys.table[1] = 1000;
+    const kvevict::cache_view<const float> kv = keys.view;
+    const auto g = gpu::observation_scores(qv, gpu::buffer_of(queries.buffer), kv, gpu::buffer_of(keys.buffer),
+                                           keys.table, kKvpress);
+    REQUIRE(g.st.ok());
+    REQUIRE((g.flags & kvevict::cuda::flag_block_id_out_of_range) != 0);
+    REQUIRE(kvevict::cuda::device_flags_status(g.flags).code() == kvevict::errc::out_of_range);
+  }
+  SECTION("a negative observation position") {
+    queries.positions[0] = -3;
+    const kvevict::cache_view<const float> kv = keys.view;
+    const auto g = gpu::observation_scores(qv, gpu::buffer_of(queries.buffer), kv, gpu::buffer_of(keys.buffer),
+                                           keys.table, kKvpress);
+    REQUIRE(g.st.ok());
+    REQUIRE((g.flags & kvevict::cuda::flag_negative_position) != 0);
+  }
+  SECTION("negative window weights") {
+    kvevict::scoring_params p = kKvpress;
+    p.window = window_aggregation::weighted;
+    gpu::obs_inputs in;
+    in.weights = {1.0f, -1.0f, 1.0f, 1.0f};
+    const kvevict::cache_view<const float> kv = keys.view;
+    const auto g =
+        gpu::observation_scores(qv, gpu::buffer_of(queries.buffer), kv, gpu::buffer_of(keys.buffer), keys.table, p, in);
+    REQUIRE(g.st.ok());
+    REQUIRE((g.flags & kvevict::cuda::flag_invalid_weights) != 0);
+  }
+}
+
+TEST_CASE("GPU calls reject what the host can check, before launching", "[gpu][gpu_errors]") {
+  const auto a = gpu::observation_with_host_keys();
+  REQUIRE(a.code() == kvevict::errc::invalid_argument);
+  REQUIRE(std::string(a.argument()) == "keys.data");
+  REQUIRE(gpu::observation_with_small_workspace().code() == kvevict::errc::workspace_too_small);
+  const auto c = gpu::compact_with_aliased_kv();
+  REQUIRE(c.code() == kvevict::errc::invalid_argument);
+  REQUIRE(std::string(c.argument()) == "values.data");
+  REQUIRE(gpu::select_with_small_capacity().code() == kvevict::errc::invalid_keep_list);
+  REQUIRE(gpu::decode_with_two_queries().code() == kvevict::errc::invalid_shape);
+  SECTION("engine LSE with the candidates domain") {
+    auto keys = test::make_cache<float>(test::layout::contiguous, 1, 10, 8, test::normal(80, 1));
+    auto queries = test::make_queries<float>(1, 1, 8, test::normal(8, 2), {9});
+    gpu::obs_inputs in;
+    in.lse = {0.0f};
+    kvevict::scoring_params p = kKvpress;
+    p.domain = softmax_domain::candidates;
+    const kvevict::query_view<const float> qv = queries.view;
+    const kvevict::cache_view<const float> kv = keys.view;
+    const auto g =
+        gpu::observation_scores(qv, gpu::buffer_of(queries.buffer), kv, gpu::buffer_of(keys.buffer), keys.table, p, in);
+    REQUIRE(g.st.code() == kvevict::errc::unsupported);
+    for (float x : g.scores) REQUIRE(x == 12345.0f);  // nothing written
+  }
+}
+
+namespace {
+
+/// The CPU's W = 1 scoring with pooling off and window sum gives, per KV head, the GQA
+/// reduction (sum or max) of the decode query heads' attention rows: exactly one DeferKV step.
+template <class QT, class KT>
+std::vector<float> cpu_decode_rows(const kvevict::query_view<const QT>& q, const kvevict::cache_view<const KT>& k,
+                                   gqa_reduction red, softmax_domain dom, std::int64_t tail,
+                                   const std::vector<std::int64_t>& kpos) {
+  kvevict::scoring_params p =
+      make_params(dom, window_aggregation::sum, red == gqa_reduction::max ? gqa_reduction::max : gqa_reduction::sum,
+                  gqa_order::before_pooling, pooling_kind::none, 1, true, tail);
+  std::vector<float> scores(static_cast<std::size_t>(k.num_heads * k.num_tokens));
+  kvevict::workspace ws(
+      kvevict::observation_scores_workspace_size({q.num_heads, k.num_heads, k.head_dim, k.num_tokens, 1}, p));
+  kvevict::observation_inputs in;
+  in.key_positions = kpos.empty() ? nullptr : kpos.data();
+  REQUIRE(kvevict::observation_scores(q, k, p, {scores.data(), k.num_heads, k.num_tokens, k.num_tokens}, ws, in).ok());
+  const std::int64_t c = std::max<std::int64_t>(0, k.num_tokens - tail);
+  std::vector<float> rows(static_cast<std::size_t>(k.num_heads * c));
+  for (std::int64_t h = 0; h < k.num_heads; ++h)
+    for (std::int64_t j = 0; j < c; ++j)
+      rows[static_cast<std::size_t>(h * c + j)] = scores[static_cast<std::size_t>(h * k.num_tokens + j)];
+  return rows;
+}
+
+template <class T>
+void check_decode(test::layout lay, std::int64_t hkv, std::int64_t group, std::int64_t d, std::int64_t l,
+                  gqa_reduction red, softmax_domain dom, std::int64_t tail, bool unsorted_kpos, std::uint64_t seed) {
+  const std::int64_t hq = hkv * group, c = std::max<std::int64_t>(0, l - tail);
+  const auto kd = test::normal(static_cast<std::size_t>(hkv * l * d), seed);
+  auto keys = test::make_cache<T>(lay, hkv, l, d, kd);
+  std::vector<std::int64_t> kpos;
+  if (unsorted_kpos)
+    for (std::int64_t j = 0; j < l; ++j) kpos.push_back((j * 7) % l);
+  // Step 1 at a position that sees most keys; step 2 sees all.
+  auto q1 = test::make_queries<T>(hq, 1, d, test::normal(static_cast<std::size_t>(hq * d), seed + 1, 1.5), {l - 3});
+  auto q2 = test::make_queries<T>(hq, 1, d, test::normal(static_cast<std::size_t>(hq * d), seed + 2, 1.5), {l + 4});
+  const kvevict::cache_view<const T> kv = keys.view;
+  const kvevict::query_view<const T> qv1 = q1.view, qv2 = q2.view;
+
+  gpu::decode_step step;
+  step.gqa = red;
+  step.domain = dom;
+  step.protected_tail = tail;
+  step.key_positions = kpos;
+  step.eta = 0.0f;  // overwrite: the state starts as garbage
+  const std::vector<float> garbage(static_cast<std::size_t>(hkv * c), std::numeric_limits<float>::quiet_NaN());
+  const auto s1 = gpu::decode_observation(qv1, gpu::buffer_of(q1.buffer), kv, gpu::buffer_of(keys.buffer), keys.table,
+                                          step, garbage);
+  INFO("status " << s1.st.message());
+  REQUIRE(s1.st.ok());
+  REQUIRE(s1.flags == 0);
+  const auto want1 = cpu_decode_rows(qv1, kv, red, dom, tail, kpos);
+  require_close(s1.state, want1, hkv, c);
+
+  step.eta = 0.5f;
+  const auto s2 = gpu::decode_observation(qv2, gpu::buffer_of(q2.buffer), kv, gpu::buffer_of(keys.buffer), keys.table,
+                                          step, s1.state);
+  REQUIRE(s2.st.ok());
+  const auto a2 = cpu_decode_rows(qv2, kv, red, dom, tail, kpos);
+  std::vector<float> want2(a2.size());
+  for (std::size_t i = 0; i < a2.size(); ++i) want2[i] = 0.5f * s1.state[i] + a2[i];
+  require_close(s2.state, want2, hkv, c);
+
+  if (dom == softmax_domain::visible) {  // one pass with the engine's LSE
+    step.lse.assign(static_cast<std::size_t>(hq), 0.0f);
+    for (std::int64_t q = 0; q < hq; ++q) {
+      std::vector<double> logits;
+      double m = -INFINITY;
+      for (std::int64_t j = 0; j < l; ++j) {
+        double dot = 0;
+        for (std::int64_t ch = 0; ch < d; ++ch)
+          dot += test::load(q2.buffer[static_cast<std::size_t>(q * d + ch)]) * test::load(keys.at(q / group, j, ch));
+        logits.push_back(dot / std::sqrt(static_cast<double>(d)));
+        m = std::max(m, logits.back());
+      }
+      double z = 0;
+      for (double x : logits) z += std::exp(x - m);
+      step.lse[static_cast<std::size_t>(q)] = static_cast<float>(m + std::log(z));
+    }
+    const auto s3 = gpu::decode_observation(qv2, gpu::buffer_of(q2.buffer), kv, gpu::buffer_of(keys.buffer), keys.table,
+                                            step, s1.state);
+    REQUIRE(s3.st.ok());
+    require_close(s3.state, s2.state, hkv, c);
+  }
+
+  // Finalisation of the state equals the CPU's finalize_reduced_row bit for bit.
+  for (auto pool : {pooling_kind::avg, pooling_kind::max}) {
+    kvevict::scoring_params fp = make_params(dom, window_aggregation::mean, red, gqa_order::before_pooling, pool,
+                                             pool == pooling_kind::avg ? 5 : 7, true, tail);
+    const float scale = 1.0f / 1.5f;
+    const auto g = gpu::finalize_state(s2.state, hkv, l, group, scale, fp);
+    REQUIRE(g.st.ok());
+    kvevict::detail::window_normaliser norm;
+    norm.scale = scale;
+    for (std::int64_t h = 0; h < hkv; ++h) {
+      std::vector<float> row(s2.state.begin() + h * c, s2.state.begin() + (h + 1) * c),
+          out(static_cast<std::size_t>(l));
+      kvevict::detail::finalize_reduced_row(row.data(), group, c, l, fp, norm, out.data());
+      for (std::int64_t j = 0; j < l; ++j) {
+        const float x = g.scores[static_cast<std::size_t>(h * l + j)], y = out[static_cast<std::size_t>(j)];
+        INFO("head " << h << " token " << j << " gpu " << x << " cpu " << y);
+        REQUIRE((std::memcmp(&x, &y, sizeof(float)) == 0 || (std::isnan(x) && std::isnan(y))));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("GPU observation_state: DeferKV's prefill observation as an un-normalised state", "[gpu][gpu_decode]") {
+  const std::int64_t hkv = 2, group = 4, hq = hkv * group, d = 64, l = 260, w = 12, tail = 12, c = l - tail;
+  const auto kd = test::normal(static_cast<std::size_t>(hkv * l * d), 41);
+  auto keys = test::make_cache<bf16>(test::layout::paged_nhd, hkv, l, d, kd);
+  auto queries = test::make_queries<bf16>(hq, w, d, test::normal(static_cast<std::size_t>(hq * w * d), 42, 1.5),
+                                          tail_positions(l, w));
+  const kvevict::query_view<const bf16> qv = queries.view;
+  const kvevict::cache_view<const bf16> kv = keys.view;
+  std::vector<float> weights;
+  double wsum = 0;
+  for (std::int64_t t = 0; t < w; ++t) {
+    weights.push_back(std::pow(0.9f, static_cast<float>(w - 1 - t)));
+    wsum += weights.back();
+  }
+  for (auto red : {gqa_reduction::sum, gqa_reduction::max}) {
+    INFO("gqa " << int(red));
+    // GPU: weighted, un-normalised, GQA-reduced, no pooling.
+    kvevict::scoring_params p = make_params(softmax_domain::visible, window_aggregation::weighted, red,
+                                            gqa_order::before_pooling, pooling_kind::none, 1, true, tail);
+    gpu::obs_inputs in;
+    in.weights = weights;
+    const std::vector<float> garbage(static_cast<std::size_t>(hkv * c), std::numeric_limits<float>::quiet_NaN());
+    const auto s1 = gpu::observation_state(qv, gpu::buffer_of(queries.buffer), kv, gpu::buffer_of(keys.buffer),
+                                           keys.table, p, 0.0f, garbage, in);
+    INFO("status " << s1.st.message());
+    REQUIRE(s1.st.ok());
+    REQUIRE(s1.flags == 0);
+    // CPU: the same scoring normalised by 1 / sum(w); scale the GPU state alike.
+    std::vector<float> cpu(static_cast<std::size_t>(hkv * l));
+    kvevict::workspace ws(kvevict::observation_scores_workspace_size({hq, hkv, d, l, w}, p));
+    kvevict::observation_inputs cin;
+    cin.weights = weights.data();
+    REQUIRE(kvevict::observation_scores(qv, kv, p, {cpu.data(), hkv, l, l}, ws, cin).ok());
+    std::vector<float> got(s1.state.size()), want(s1.state.size());
+    for (std::int64_t h = 0; h < hkv; ++h)
+      for (std::int64_t j = 0; j < c; ++j) {
+        got[static_cast<std::size_t>(h * c + j)] =
+            s1.state[static_cast<std::size_t>(h * c + j)] * static_cast<float>(1.0 / wsum);
+        want[static_cast<std::size_t>(h * c + j)] = cpu[static_cast<std::size_t>(h * l + j)];
+      }
+    require_close(got, want, hkv, c);
+    // A second fold with decay: state <- 0.5 * state + the same observation.
+    const auto s2 = gpu::observation_state(qv, gpu::buffer_of(queries.buffer), kv, gpu::buffer_of(keys.buffer),
+                                           keys.table, p, 0.5f, s1.state, in);
+    REQUIRE(s2.st.ok());
+    std::vector<float> want2(s1.state.size());
+    for (std::size_t i = 0; i < want2.size(); ++i) want2[i] = 0.5f * s1.state[i] + s1.state[i];
+    require_close(s2.state, want2, hkv, c);
+  }
+  SECTION("mean aggregation is rejected: the state is un-normalised") {
+    const auto g = gpu::observation_state(qv, gpu::buffer_of(queries.buffer), kv, gpu::buffer_of(keys.buffer),
+                                          keys.table, kKvpress, 0.0f, std::vector<float>(hkv * l, 0.0f));
+    REQUIRE(g.st.code() == kvevict::errc::invalid_argument);
+  }
+}
+
+TEST_CASE("GPU decode observation (DeferKV step)", "[gpu][gpu_decode]") {
+  std::uint64_t seed = 500;
+  for (auto red : {gqa_reduction::mean, gqa_reduction::sum, gqa_reduction::max})
+    for (auto dom : {softmax_domain::visible, softmax_domain::candidates}) {
+      INFO("gqa " << int(red) << " domain " << int(dom));
+      check_decode<bf16>(test::layout::contiguous, 2, 4, 128, 700, red, dom, 16, false, seed++);  // 16-byte loads
+      check_decode<float>(test::layout::contiguous, 2, 2, 64, 300, red, dom, 0, false, seed++);   // float4 loads
+      check_decode<fp16>(test::layout::paged_hnd, 2, 3, 36, 301, red, dom, 5, false, seed++);     // scalar, paged
+      check_decode<bf16>(test::layout::transposed, 1, 12, 64, 129, red, dom, 0, true, seed++);    // G > 8, strided
+    }
+}
+
+namespace {
+std::vector<float> score_matrix(std::int64_t rows, std::int64_t cols, std::uint64_t seed, int kind) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> v(static_cast<std::size_t>(rows * cols));
+  for (auto& x : v) {
+    x = u(rng);
+    if (kind == 1) x = std::round(x * 3.0f);  // heavy ties
+    if (kind == 2) {
+      const auto r = rng() % 8;
+      if (r == 0) x = std::numeric_limits<float>::quiet_NaN();
+      if (r == 1) x = kInf;
+      if (r == 2) x = -kInf;
+      if (r == 3) x = -0.0f;
+      if (r == 4) x = 0.0f;
+    }
+    if (kind == 3) x = 0.25f;  // all equal
+  }
+  return v;
+}
+
+void check_select(const std::vector<float>& scores, std::int64_t rows, std::int64_t cols, kvevict::budget b,
+                  const std::vector<std::int64_t>& head_budgets, const kvevict::selection_params& params) {
+  std::int64_t capacity = 0;
+  if (head_budgets.empty()) {
+    capacity = kvevict::select_capacity(rows, cols, b, params);
+  } else {
+    for (std::int64_t hb : head_budgets) capacity += kvevict::tokens_kept(hb, cols, params);
+  }
+  kvevict::keep_list cpu(rows, capacity);
+  kvevict::workspace ws(kvevict::select_workspace_size(cols));
+  const kvevict::const_score_view sv{scores.data(), rows, cols, cols};
+  if (head_budgets.empty()) {
+    REQUIRE(kvevict::select(sv, b, params, cpu, ws).ok());
+  } else {
+    REQUIRE(kvevict::select(sv, head_budgets.data(), params, cpu, ws).ok());
+  }
+  const auto g = gpu::select(scores, rows, cols, b, head_budgets, params, capacity);
+  INFO("status " << g.st.message());
+  REQUIRE(g.st.ok());
+  REQUIRE(g.flags == 0);
+  for (std::int64_t h = 0; h <= rows; ++h) REQUIRE(g.offsets[static_cast<std::size_t>(h)] == cpu.view().offsets[h]);
+  for (std::int64_t i = 0; i < capacity; ++i) {
+    INFO("entry " << i);
+    REQUIRE(g.indices[static_cast<std::size_t>(i)] == cpu.view().indices[i]);
+  }
+}
+}  // namespace
+
+TEST_CASE("GPU selection equals the CPU's bit for bit", "[gpu][gpu_select]") {
+  std::uint64_t seed = 900;
+  for (std::int64_t cols : {0, 1, 5, 100, 4095, 4097, 33000})
+    for (int kind = 0; kind < 4; ++kind)
+      for (std::int64_t budget : {std::int64_t{0}, std::int64_t{1}, cols / 3, cols - 1, cols + 5})
+        for (auto mode : {kvevict::protected_mode::inside_budget, kvevict::protected_mode::on_top_of_budget}) {
+          if (budget < 0) continue;
+          INFO("cols " << cols << " kind " << kind << " budget " << budget << " mode " << int(mode));
+          const std::int64_t rows = 3;
+          const auto scores = score_matrix(rows, cols, seed++, kind);
+          check_select(scores, rows, cols, kvevict::budget::tokens(budget), {},
+                       {std::min<std::int64_t>(7, cols), mode});
+        }
+}
+
+TEST_CASE("GPU selection: ratios, per-row budgets, many rows", "[gpu][gpu_select]") {
+  SECTION("compression ratio") {
+    const auto scores = score_matrix(8, 3000, 1, 0);
+    check_select(scores, 8, 3000, kvevict::budget::ratio(0.7), {}, {32, kvevict::protected_mode::inside_budget});
+  }
+  SECTION("head-adaptive budgets") {
+    const auto scores = score_matrix(8, 5000, 2, 1);
+    check_select(scores, 8, 5000, {}, {0, 1, 100, 2048, 4999, 5000, 9000, 64},
+                 {64, kvevict::protected_mode::on_top_of_budget});
+  }
+  SECTION("1200 rows in one launch (sequences x layers x heads)") {
+    const auto scores = score_matrix(1200, 700, 3, 2);
+    check_select(scores, 1200, 700, kvevict::budget::tokens(100), {}, {8, kvevict::protected_mode::inside_budget});
+  }
+  SECTION("per-row budgets above the capacity: offsets written, no index") {
+    const auto scores = score_matrix(2, 100, 4, 0);
+    const auto g = gpu::select(scores, 2, 100, {}, {50, 60}, {}, 80);
+    REQUIRE(g.st.ok());
+    REQUIRE((g.flags & kvevict::cuda::flag_capacity_exceeded) != 0);
+    for (std::int64_t x : g.indices) REQUIRE(x == -7);
+  }
+  SECTION("a negative per-row budget") {
+    const auto scores = score_matrix(2, 100, 5, 0);
+    const auto g = gpu::select(scores, 2, 100, {}, {50, -1}, {}, 200);
+    REQUIRE(g.st.ok());
+    REQUIRE((g.flags & kvevict::cuda::flag_invalid_row) != 0);
+    for (std::int64_t x : g.indices) REQUIRE(x == -7);
+  }
+}
+
+TEST_CASE("GPU select_rows: a ragged batch in one launch", "[gpu][gpu_select]") {
+  std::vector<gpu::row_spec> rows;
+  std::uint64_t seed = 77;
+  for (std::int64_t len : {0, 1, 17, 4096, 4097, 10000, 70000}) {
+    for (int kind = 0; kind < 3; ++kind) {
+      gpu::row_spec r;
+      r.scores = score_matrix(1, len, seed++, kind);
+      r.budget = (len * (kind + 1)) / 5;
+      r.protected_tail = kind;
+      r.mode = kind == 1 ? kvevict::protected_mode::on_top_of_budget : kvevict::protected_mode::inside_budget;
+      rows.push_back(r);
+    }
+  }
+  gpu::row_spec bad;  // longer than max_length: flagged, not written
+  bad.scores = score_matrix(1, 50, 1, 0);
+  bad.length = 80000;
+  bad.budget = 5;
+  rows.push_back(bad);
+  const auto g = gpu::select_rows(rows, 70000);
+  REQUIRE(g.st.ok());
+  REQUIRE(g.flags == kvevict::cuda::flag_invalid_row);
+  for (std::size_t i = 0; i + 1 < rows.size(); ++i) {
+    const auto& r = rows[i];
+    const std::int64_t n = static_cast<std::int64_t>(r.scores.size());
+    const auto want = ref::keep(std::vector<double>(r.scores.begin(), r.scores.end()), r.budget, r.protected_tail,
+                                r.mode == kvevict::protected_mode::inside_budget);
+    INFO("row " << i << " length " << n << " budget " << r.budget);
+    const std::vector<std::int64_t> got(g.out[i].begin(), g.out[i].begin() + static_cast<std::ptrdiff_t>(want.size()));
+    REQUIRE(got == want);
+    REQUIRE(g.out[i][want.size()] == -7);  // nothing past the row's keep-list
+  }
+  for (std::int64_t x : g.out.back()) REQUIRE(x == -7);
+}
+
+namespace {
+
+/// Compaction by the definition: head h's row i <- old row keep[h][i], other elements as were.
+template <class T>
+std::vector<T> expected_compaction(const test::test_cache<T>& c, const std::vector<std::int64_t>& offsets,
+                                   const std::vector<std::int64_t>& indices) {
+  std::vector<T> out = c.buffer;
+  for (std::int64_t h = 0; h < c.heads; ++h)
+    for (std::int64_t i = 0; i < offsets[static_cast<std::size_t>(h + 1)] - offsets[static_cast<std::size_t>(h)]; ++i)
+      for (std::int64_t ch = 0; ch < c.dim; ++ch) {
+        const std::int64_t src = indices[static_cast<std::size_t>(offsets[static_cast<std::size_t>(h)] + i)];
+        out[static_cast<std::size_t>(c.offset(h, i, ch))] = c.buffer[static_cast<std::size_t>(c.offset(h, src, ch))];
+      }
+  return out;
+}
+
+template <class T>
+void require_bytes(const std::vector<unsigned char>& got, const std::vector<T>& want) {
+  REQUIRE(got.size() == want.size() * sizeof(T));
+  REQUIRE(std::memcmp(got.data(), want.data(), got.size()) == 0);
+}
+
+void random_keep(std::int64_t heads, std::int64_t tokens, std::uint64_t seed, std::vector<std::int64_t>* offsets,
+                 std::vector<std::int64_t>* indices) {
+  std::mt19937_64 rng(seed);
+  offsets->assign(1, 0);
+  indices->clear();
+  for (std::int64_t h = 0; h < heads; ++h) {
+    for (std::int64_t j = 0; j < tokens; ++j) {
+      const bool keep = h == 0 ? j < tokens / 2 : (h == 1 ? false : rng() % 3 == 0 || j >= tokens - 4);
+      if (keep) indices->push_back(j);  // head 0: identity prefix, head 1: empty, others random + tail
+    }
+    offsets->push_back(static_cast<std::int64_t>(indices->size()));
+  }
+}
+
+template <class KT, class VT>
+void check_compact(test::layout klay, test::layout vlay, std::int64_t heads, std::int64_t tokens, std::int64_t dk,
+                   std::int64_t dv, std::uint64_t seed) {
+  auto k =
+      test::make_cache<KT>(klay, heads, tokens, dk, test::normal(static_cast<std::size_t>(heads * tokens * dk), seed));
+  auto v = test::make_cache<VT>(vlay, heads, tokens, dv,
+                                test::normal(static_cast<std::size_t>(heads * tokens * dv), seed + 1), 16, seed + 2);
+  std::vector<std::int64_t> offsets, indices, kpos;
+  random_keep(heads, tokens, seed + 3, &offsets, &indices);
+  for (std::int64_t j = 0; j < tokens; ++j) kpos.push_back(1000 + 3 * j);
+  const std::int64_t capacity = static_cast<std::int64_t>(indices.size()) + 3;
+  const auto g = gpu::compact(k.view, gpu::buffer_of(k.buffer), k.table, v.view, gpu::buffer_of(v.buffer), v.table,
+                              offsets, indices, capacity, kpos);
+  INFO(test::name(klay) << " / " << test::name(vlay) << " status " << g.st.message());
+  REQUIRE(g.st.ok());
+  REQUIRE(g.flags == 0);
+  require_bytes(g.keys, expected_compaction(k, offsets, indices));
+  require_bytes(g.values, expected_compaction(v, offsets, indices));
+  for (std::int64_t h = 0; h < heads; ++h)
+    REQUIRE(g.head_lengths[static_cast<std::size_t>(h)] ==
+            offsets[static_cast<std::size_t>(h + 1)] - offsets[static_cast<std::size_t>(h)]);
+  for (std::size_t e = 0; e < indices.size(); ++e)
+    REQUIRE(g.positions[e] == kpos[static_cast<std::size_t>(indices[e])]);
+  REQUIRE(g.positions[indices.size()] == -7);
+}
+
+}  // namespace
+
+TEST_CASE("GPU compaction: every layout pair against the definition", "[gpu][gpu_compact]") {
+  std::uint64_t seed = 3000;
+  for (test::layout kl : test::kAllLayouts)
+    for (test::layout vl : test::kAllLayouts) {
+      check_compact<bf16, bf16>(kl, vl, 4, 300, 128, 128, seed++);
+      check_compact<fp16, fp16>(kl, vl, 3, 77, 40, 24, seed++);
+    }
+  check_compact<float, float>(test::layout::contiguous, test::layout::transposed, 4, 1000, 64, 64, seed++);
+  check_compact<bf16, float>(test::layout::paged_nhd, test::layout::paged_hnd, 8, 2000, 128, 96, seed++);
+}
+
+TEST_CASE("GPU compaction: problems found on the device leave the cache untouched", "[gpu][gpu_compact]") {
+  const std::int64_t heads = 2, tokens = 64, d = 32;
+  auto k = test::make_cache<float>(test::layout::paged_nhd, heads, tokens, d,
+                                   test::normal(static_cast<std::size_t>(heads * tokens * d), 1));
+  auto v = test::make_cache<float>(test::layout::paged_hnd, heads, tokens, d,
+                                   test::normal(static_cast<std::size_t>(heads * tokens * d), 2), 16, 9);
+  std::vector<std::int64_t> offsets{0, 3, 5}, indices{1, 5, 40, 0, 63};
+  auto run = [&] {
+    return gpu::compact(k.view, gpu::buffer_of(k.buffer), k.table, v.view, gpu::buffer_of(v.buffer), v.table, offsets,
+                        indices, 5);
+  };
+  auto untouched = [&](const gpu::compact_result& g) {
+    require_bytes(g.keys, k.buffer);
+    require_bytes(g.values, v.buffer);
+    for (std::int64_t x : g.head_lengths) REQUIRE(x == -7);
+    for (std::int64_t x : g.positions) REQUIRE(x == -7);
+  };
+  SECTION("descending indices") {
+    indices = {5, 1, 40, 0, 63};
+    const auto g = run();
+    REQUIRE(g.st.ok());
+    REQUIRE(g.flags == kvevict::cuda::flag_invalid_keep_list);
+    untouched(g);
+  }
+  SECTION("an index past L") {
+    indices[4] = 64;
+    const auto g = run();
+    REQUIRE(g.flags == kvevict::cuda::flag_invalid_keep_list);
+    untouched(g);
+  }
+  SECTION("offsets beyond the capacity") {
+    offsets = {0, 3, 6};
+    const auto g = run();
+    REQUIRE(g.flags == kvevict::cuda::flag_invalid_keep_list);
+    untouched(g);
+  }
+  SECTION("a block id outside the pool") {
+    k.table[2] = 99;
+    const auto g = run();
+    REQUIRE((g.flags & kvevict::cuda::flag_block_id_out_of_range) != 0);
+    untouched(g);
+  }
+  SECTION("a block id repeated in a table") {
+    v.table[3] = v.table[0];
+    const auto g = run();
+    REQUIRE((g.flags & kvevict::cuda::flag_duplicate_block) != 0);
+    untouched(g);
+  }
+}
+
+TEST_CASE("GPU compaction: K and V in one pool (TensorRT-LLM block offsets)", "[gpu][gpu_compact]") {
+  const std::int64_t heads = 2, bs = 8, d = 16, tokens = 30, blocks = 10;
+  std::vector<bf16> pool(static_cast<std::size_t>(blocks * heads * bs * d));
+  for (std::size_t i = 0; i < pool.size(); ++i) pool[i] = bf16(static_cast<float>(i % 251));
+  std::vector<std::int32_t> ktab{0, 2, 4, 6}, vtab{1, 3, 5, 7};
+  const auto kv = kvevict::trtllm_paged(pool.data(), blocks, bs, heads, d, ktab.data(), tokens);
+  auto vv = kvevict::trtllm_paged(pool.data(), blocks, bs, heads, d, vtab.data(), tokens);
+  std::vector<std::int64_t> offsets{0, 3, 6}, indices{2, 9, 29, 0, 17, 28};
+  SECTION("distinct blocks: compacted") {
+    const auto g = gpu::compact(kv, gpu::buffer_of(pool), ktab, vv, gpu::buffer_of(pool), vtab, offsets, indices, 6);
+    REQUIRE(g.st.ok());
+    REQUIRE(g.flags == 0);
+    std::vector<bf16> want = pool;
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t i = 0; i < 3; ++i)
+        for (std::int64_t c = 0; c < d; ++c) {
+          const std::int64_t src = indices[static_cast<std::size_t>(h * 3 + i)];
+          want[static_cast<std::size_t>(kv.offset(h, i, c))] = pool[static_cast<std::size_t>(kv.offset(h, src, c))];
+          want[static_cast<std::size_t>(vv.offset(h, i, c))] = pool[static_cast<std::size_t>(vv.offset(h, src, c))];
+        }
+    require_bytes(g.keys, want);
+  }
+  SECTION("a block in both tables: flagged, untouched") {
+    vtab[2] = 4;
+    vv.block_table = vtab.data();
+    const auto g = gpu::compact(kv, gpu::buffer_of(pool), ktab, vv, gpu::buffer_of(pool), vtab, offsets, indices, 6);
+    REQUIRE((g.flags & kvevict::cuda::flag_duplicate_block) != 0);
+    require_bytes(g.keys, pool);
+  }
+}
