@@ -113,91 +113,26 @@ status allow_shared_bytes(Kernel kernel, std::size_t bytes, const char* fn) noex
                      fn, "cudaFuncSetAttribute");
 }
 
-/// cache_view checks of the CPU's validate_cache_view that need no device memory: the block
-/// table itself (ids in range, no repeats) is checked on the device.
+/// cache_view checks that need no device memory (kvevict::detail::validate_cache_view_metadata)
+/// plus pointer checks; the block table's entries (ids in range, no repeats) are checked on
+/// the device.
 template <class T>
 status validate_device_cache_view(const cache_view<T>& v, const launch_options& opt, const char* fn,
                                   const char* arg) noexcept {
   using kvevict::detail::field_name;
-  if (!v.is_paged()) {
-    // The strided checks read no element memory: reuse the CPU validator as is.
-    KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_cache_view(v, fn, arg));
-  } else {
-    if (v.num_heads < 1)
-      return status::error(errc::invalid_shape, fn, field_name(arg, "num_heads"), "expected >= 1, got %lld",
-                           static_cast<long long>(v.num_heads));
-    if (v.head_dim < 1)
-      return status::error(errc::invalid_shape, fn, field_name(arg, "head_dim"), "expected >= 1, got %lld",
-                           static_cast<long long>(v.head_dim));
-    if (v.num_tokens < 0)
-      return status::error(errc::invalid_shape, fn, field_name(arg, "num_tokens"), "expected >= 0, got %lld",
-                           static_cast<long long>(v.num_tokens));
-    if (v.head_stride < 0 || v.token_stride < 0 || v.dim_stride < 0)
-      return status::error(errc::invalid_stride, fn, arg, "expected non-negative strides, got (%lld, %lld, %lld)",
-                           static_cast<long long>(v.head_stride), static_cast<long long>(v.token_stride),
-                           static_cast<long long>(v.dim_stride));
-    if (v.data == nullptr) return status::error(errc::null_pointer, fn, field_name(arg, "data"), "expected non-null");
-    // As the CPU validator: an empty cache addresses no element, whatever its geometry.
-    if (v.num_tokens == 0) return check_device_pointer(v.data, opt, fn, field_name(arg, "data"));
-    if (v.block_size < 1)
-      return status::error(errc::invalid_shape, fn, field_name(arg, "block_size"), "expected >= 1, got %lld",
-                           static_cast<long long>(v.block_size));
-    if (v.num_pool_blocks < 1)
-      return status::error(errc::invalid_shape, fn, field_name(arg, "num_pool_blocks"), "expected >= 1, got %lld",
-                           static_cast<long long>(v.num_pool_blocks));
-    if (v.block_stride < 0)
-      return status::error(errc::invalid_stride, fn, field_name(arg, "block_stride"), "expected >= 0, got %lld",
-                           static_cast<long long>(v.block_stride));
-    const std::int64_t tokens_in_block =
-        v.block_size < (v.num_tokens > 1 ? v.num_tokens : 1) ? v.block_size : (v.num_tokens > 1 ? v.num_tokens : 1);
-    kvevict::detail::strided_dim dims[3] = {{v.num_heads, v.head_stride, "head_stride"},
-                                            {tokens_in_block, v.token_stride, "token_stride"},
-                                            {v.head_dim, v.dim_stride, "dim_stride"}};
-    std::int64_t block_span = 0;
-    KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_box(fn, arg, dims, 3, &block_span));
-    if (v.num_pool_blocks > 1 && v.block_stride < block_span)
-      return status::error(errc::invalid_stride, fn, field_name(arg, "block_stride"),
-                           "expected >= %lld (the extent of one block) so that blocks do not overlap, got %lld",
-                           static_cast<long long>(block_span), static_cast<long long>(v.block_stride));
-    std::int64_t pool_span = 0;
-    if (!kvevict::detail::checked_mul(v.num_pool_blocks - 1, v.block_stride, &pool_span) ||
-        !kvevict::detail::checked_add(pool_span, block_span, &pool_span))
-      return status::error(errc::overflow, fn, arg, "the block pool spans more than 2^63 elements");
+  KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_cache_view_metadata(v, fn, arg));
+  if (v.is_paged() && v.num_tokens > 0)
     KVEVICT_RETURN_IF_ERROR(check_device_pointer(v.block_table, opt, fn, field_name(arg, "block_table")));
-  }
-  KVEVICT_RETURN_IF_ERROR(check_device_pointer(v.data, opt, fn, field_name(arg, "data")));
-  return status();
+  return check_device_pointer(v.data, opt, fn, field_name(arg, "data"));
 }
 
-/// query_view checks of the CPU's validate_query_view except the positions' values, which
-/// live on the device (a negative one raises flag_negative_position).
+/// query_view checks that need no device memory (kvevict::detail::validate_query_view_metadata)
+/// plus pointer checks; a negative position raises flag_negative_position on the device.
 template <class T>
 status validate_device_query_view(const query_view<T>& q, const launch_options& opt, const char* fn,
                                   const char* arg) noexcept {
   using kvevict::detail::field_name;
-  if (q.num_heads < 1)
-    return status::error(errc::invalid_shape, fn, field_name(arg, "num_heads"), "expected >= 1, got %lld",
-                         static_cast<long long>(q.num_heads));
-  if (q.num_queries < 1)
-    return status::error(errc::invalid_shape, fn, field_name(arg, "num_queries"), "expected >= 1, got %lld",
-                         static_cast<long long>(q.num_queries));
-  if (q.head_dim < 1)
-    return status::error(errc::invalid_shape, fn, field_name(arg, "head_dim"), "expected >= 1, got %lld",
-                         static_cast<long long>(q.head_dim));
-  if (q.head_stride < 0 || q.query_stride < 0 || q.dim_stride < 0)
-    return status::error(errc::invalid_stride, fn, arg, "expected non-negative strides, got (%lld, %lld, %lld)",
-                         static_cast<long long>(q.head_stride), static_cast<long long>(q.query_stride),
-                         static_cast<long long>(q.dim_stride));
-  if (q.data == nullptr) return status::error(errc::null_pointer, fn, field_name(arg, "data"), "expected non-null");
-  if (q.positions == nullptr)
-    return status::error(errc::null_pointer, fn, field_name(arg, "positions"),
-                         "expected the absolute position of each of the %lld observations",
-                         static_cast<long long>(q.num_queries));
-  kvevict::detail::strided_dim dims[3] = {{q.num_heads, q.head_stride, "head_stride"},
-                                          {q.num_queries, q.query_stride, "query_stride"},
-                                          {q.head_dim, q.dim_stride, "dim_stride"}};
-  std::int64_t span = 0;
-  KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_box(fn, arg, dims, 3, &span));
+  KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_query_view_metadata(q, fn, arg));
   KVEVICT_RETURN_IF_ERROR(check_device_pointer(q.data, opt, fn, field_name(arg, "data")));
   return check_device_pointer(q.positions, opt, fn, field_name(arg, "positions"));
 }

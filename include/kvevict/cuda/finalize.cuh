@@ -31,32 +31,6 @@ KVEVICT_NAMESPACE_BEGIN
 namespace cuda {
 namespace detail {
 
-/// The checks of the CPU's validate_scoring_params (that header includes Eigen).
-inline status validate_scoring_params(const scoring_params& p, const char* fn) noexcept {
-  if (static_cast<unsigned>(p.domain) > 1u)
-    return status::error(errc::invalid_argument, fn, "params.domain", "expected a softmax_domain value, got %d",
-                         static_cast<int>(p.domain));
-  if (static_cast<unsigned>(p.window) > 4u)
-    return status::error(errc::invalid_argument, fn, "params.window", "expected a window_aggregation value, got %d",
-                         static_cast<int>(p.window));
-  if (static_cast<unsigned>(p.gqa) > 2u)
-    return status::error(errc::invalid_argument, fn, "params.gqa", "expected a gqa_reduction value, got %d",
-                         static_cast<int>(p.gqa));
-  if (static_cast<unsigned>(p.order) > 1u)
-    return status::error(errc::invalid_argument, fn, "params.order", "expected a gqa_order value, got %d",
-                         static_cast<int>(p.order));
-  if (static_cast<unsigned>(p.pool.kind) > 2u)
-    return status::error(errc::invalid_argument, fn, "params.pool.kind", "expected a pooling_kind value, got %d",
-                         static_cast<int>(p.pool.kind));
-  if (p.pool.kind != pooling_kind::none && (p.pool.kernel < 1 || p.pool.kernel % 2 == 0))
-    return status::error(errc::invalid_argument, fn, "params.pool.kernel", "expected an odd kernel >= 1, got %lld",
-                         static_cast<long long>(p.pool.kernel));
-  if (p.protected_tail < 0)
-    return status::error(errc::invalid_argument, fn, "params.protected_tail", "expected >= 0, got %lld",
-                         static_cast<long long>(p.protected_tail));
-  return status();
-}
-
 /// Pooling radius the finalize kernel stages around each tile (0 without pooling).
 KVEVICT_HOST_DEVICE inline std::int64_t pool_radius(const pooling& p) noexcept {
   return p.kind == pooling_kind::none ? 0 : p.kernel / 2;
@@ -196,7 +170,7 @@ inline status finalize_state_scores(const_score_view state, std::int64_t group, 
                                     const scoring_params& params, score_view scores,
                                     const launch_options& opt = {}) noexcept {
   static constexpr const char* fn = "kvevict::cuda::finalize_state_scores";
-  KVEVICT_RETURN_IF_ERROR(detail::validate_scoring_params(params, fn));
+  KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_scoring_params(params, fn));
   KVEVICT_RETURN_IF_ERROR(detail::check_pooling_fits(params.pool, fn));
   if (group < 1)
     return status::error(errc::invalid_argument, fn, "group", "expected >= 1, got %lld", static_cast<long long>(group));

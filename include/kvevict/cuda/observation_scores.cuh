@@ -340,7 +340,7 @@ status obs_prepare(const query_view<const Q>& queries, const cache_view<const K>
     return status::error(errc::invalid_shape, fn, "queries.num_heads",
                          "expected a multiple of keys.num_heads = %lld (GQA), got %lld",
                          static_cast<long long>(keys.num_heads), static_cast<long long>(queries.num_heads));
-  KVEVICT_RETURN_IF_ERROR(validate_scoring_params(params, fn));
+  KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_scoring_params(params, fn));
   KVEVICT_RETURN_IF_ERROR(check_pooling_fits(params.pool, fn));
   if (params.window == window_aggregation::weighted) {
     if (in.weights == nullptr)

@@ -11,6 +11,7 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/scoring/params.hpp"
 #include "kvevict/selection/keep_list.hpp"
 #include "kvevict/views/cache_view.hpp"
 #include "kvevict/views/matrix_view.hpp"
@@ -61,8 +62,10 @@ inline status check_box(const char* fn, const char* arg, strided_dim* dims, int 
   return status();
 }
 
+/// Every cache_view check that reads only the view itself (no element, no block-table
+/// entry), so it also serves views of device memory (the CUDA host API).
 template <class T>
-status validate_cache_view(const cache_view<T>& v, const char* fn, const char* arg) noexcept {
+status validate_cache_view_metadata(const cache_view<T>& v, const char* fn, const char* arg) noexcept {
   if (v.num_heads < 1)
     return status::error(errc::invalid_shape, fn, field_name(arg, "num_heads"), "expected >= 1, got %lld",
                          static_cast<long long>(v.num_heads));
@@ -110,6 +113,14 @@ status validate_cache_view(const cache_view<T>& v, const char* fn, const char* a
   if (!checked_mul(v.num_pool_blocks - 1, v.block_stride, &pool_span) ||
       !checked_add(pool_span, block_span, &pool_span))
     return status::error(errc::overflow, fn, arg, "the block pool spans more than 2^63 elements");
+  return status();
+}
+
+/// validate_cache_view_metadata plus the block table's entries: every used block id in the pool.
+template <class T>
+status validate_cache_view(const cache_view<T>& v, const char* fn, const char* arg) noexcept {
+  KVEVICT_RETURN_IF_ERROR(validate_cache_view_metadata(v, fn, arg));
+  if (!v.is_paged() || v.num_tokens == 0) return status();
   const std::int64_t used = v.num_used_blocks();
   for (std::int64_t b = 0; b < used; ++b) {
     const std::int32_t id = v.block_table[b];
@@ -123,8 +134,9 @@ status validate_cache_view(const cache_view<T>& v, const char* fn, const char* a
   return status();
 }
 
+/// Every query_view check that reads only the view itself (not the positions' values).
 template <class T>
-status validate_query_view(const query_view<T>& q, const char* fn, const char* arg) noexcept {
+status validate_query_view_metadata(const query_view<T>& q, const char* fn, const char* arg) noexcept {
   if (q.num_heads < 1)
     return status::error(errc::invalid_shape, fn, field_name(arg, "num_heads"), "expected >= 1, got %lld",
                          static_cast<long long>(q.num_heads));
@@ -147,7 +159,13 @@ status validate_query_view(const query_view<T>& q, const char* fn, const char* a
                          {q.num_queries, q.query_stride, "query_stride"},
                          {q.head_dim, q.dim_stride, "dim_stride"}};
   std::int64_t span = 0;
-  KVEVICT_RETURN_IF_ERROR(check_box(fn, arg, dims, 3, &span));
+  return check_box(fn, arg, dims, 3, &span);
+}
+
+/// validate_query_view_metadata plus the positions: every observation at a position >= 0.
+template <class T>
+status validate_query_view(const query_view<T>& q, const char* fn, const char* arg) noexcept {
+  KVEVICT_RETURN_IF_ERROR(validate_query_view_metadata(q, fn, arg));
   for (std::int64_t t = 0; t < q.num_queries; ++t) {
     if (q.positions[t] < 0) {
       char name[status::max_argument];
@@ -211,6 +229,32 @@ inline status validate_keep_list(const const_keep_list_view& keep, std::int64_t 
       previous = j;
     }
   }
+  return status();
+}
+
+/// Scoring parameters: every enum in range, an odd pooling kernel, a protected tail >= 0.
+inline status validate_scoring_params(const scoring_params& p, const char* fn) noexcept {
+  if (static_cast<unsigned>(p.domain) > 1u)
+    return status::error(errc::invalid_argument, fn, "params.domain", "expected a softmax_domain value, got %d",
+                         static_cast<int>(p.domain));
+  if (static_cast<unsigned>(p.window) > 4u)
+    return status::error(errc::invalid_argument, fn, "params.window", "expected a window_aggregation value, got %d",
+                         static_cast<int>(p.window));
+  if (static_cast<unsigned>(p.gqa) > 2u)
+    return status::error(errc::invalid_argument, fn, "params.gqa", "expected a gqa_reduction value, got %d",
+                         static_cast<int>(p.gqa));
+  if (static_cast<unsigned>(p.order) > 1u)
+    return status::error(errc::invalid_argument, fn, "params.order", "expected a gqa_order value, got %d",
+                         static_cast<int>(p.order));
+  if (static_cast<unsigned>(p.pool.kind) > 2u)
+    return status::error(errc::invalid_argument, fn, "params.pool.kind", "expected a pooling_kind value, got %d",
+                         static_cast<int>(p.pool.kind));
+  if (p.pool.kind != pooling_kind::none && (p.pool.kernel < 1 || p.pool.kernel % 2 == 0))
+    return status::error(errc::invalid_argument, fn, "params.pool.kernel", "expected an odd kernel >= 1, got %lld",
+                         static_cast<long long>(p.pool.kernel));
+  if (p.protected_tail < 0)
+    return status::error(errc::invalid_argument, fn, "params.protected_tail", "expected >= 0, got %lld",
+                         static_cast<long long>(p.protected_tail));
   return status();
 }
 

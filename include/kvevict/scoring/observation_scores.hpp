@@ -43,31 +43,6 @@ struct observation_inputs {
 
 namespace detail {
 
-inline status validate_scoring_params(const scoring_params& p, const char* fn) noexcept {
-  if (static_cast<unsigned>(p.domain) > 1u)
-    return status::error(errc::invalid_argument, fn, "params.domain", "expected a softmax_domain value, got %d",
-                         static_cast<int>(p.domain));
-  if (static_cast<unsigned>(p.window) > 4u)
-    return status::error(errc::invalid_argument, fn, "params.window", "expected a window_aggregation value, got %d",
-                         static_cast<int>(p.window));
-  if (static_cast<unsigned>(p.gqa) > 2u)
-    return status::error(errc::invalid_argument, fn, "params.gqa", "expected a gqa_reduction value, got %d",
-                         static_cast<int>(p.gqa));
-  if (static_cast<unsigned>(p.order) > 1u)
-    return status::error(errc::invalid_argument, fn, "params.order", "expected a gqa_order value, got %d",
-                         static_cast<int>(p.order));
-  if (static_cast<unsigned>(p.pool.kind) > 2u)
-    return status::error(errc::invalid_argument, fn, "params.pool.kind", "expected a pooling_kind value, got %d",
-                         static_cast<int>(p.pool.kind));
-  if (p.pool.kind != pooling_kind::none && (p.pool.kernel < 1 || p.pool.kernel % 2 == 0))
-    return status::error(errc::invalid_argument, fn, "params.pool.kernel", "expected an odd kernel >= 1, got %lld",
-                         static_cast<long long>(p.pool.kernel));
-  if (p.protected_tail < 0)
-    return status::error(errc::invalid_argument, fn, "params.protected_tail", "expected >= 0, got %lld",
-                         static_cast<long long>(p.protected_tail));
-  return status();
-}
-
 inline status validate_window_weights(const float* weights, std::int64_t count, const char* fn,
                                       const char* arg) noexcept {
   if (weights == nullptr)
