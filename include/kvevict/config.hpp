@@ -4,7 +4,8 @@
 #define KVEVICT_CONFIG_HPP
 
 // Library-wide configuration: version, the versioned inline namespace, host/device
-// annotations and feature detection. Included by every public header; includes nothing.
+// annotations and feature detection. Included by every public header; includes only
+// <type_traits>.
 
 #define KVEVICT_VERSION_MAJOR 0
 #define KVEVICT_VERSION_MINOR 1
@@ -39,5 +40,19 @@
 #define KVEVICT_ALWAYS_INLINE inline
 #define KVEVICT_RESTRICT
 #endif
+
+#include <type_traits>
+
+KVEVICT_NAMESPACE_BEGIN
+namespace detail {
+/// Target of a view's "to read-only" conversion: the const view, or, when the view is already
+/// read-only, a type nothing converts to (declaring a conversion to the class itself draws
+/// clang's -Wclass-conversion).
+template <class>
+struct no_conversion {};
+template <class Element, class ConstView>
+using const_view_t = std::conditional_t<std::is_const<Element>::value, no_conversion<ConstView>, ConstView>;
+}  // namespace detail
+KVEVICT_NAMESPACE_END
 
 #endif  // KVEVICT_CONFIG_HPP

@@ -326,3 +326,29 @@ TEST_CASE("DeferKV lifecycle misuse is rejected and changes nothing", "[deferkv]
   const float* now = reinterpret_cast<const float*>(e.cache.buffer.data());
   REQUIRE(std::equal(cache_before.begin(), cache_before.end(), now));
 }
+
+TEST_CASE("DeferKV's workspace_size covers the decode steps at long contexts", "[deferkv]") {
+  // Regression: decode steps (one query per head) keep their logits, which needs more scratch
+  // than the prefill window's two-sweep path; a workspace sized for W = 32 must serve both.
+  const std::int64_t hkv = 1, hq = 4, d = 64, prompt = 12000, w = 32;
+  const auto keys = test::normal(static_cast<std::size_t>(hkv * (prompt + 1) * d), 5);
+  auto cache = test::make_cache<bf16>(test::layout::contiguous, hkv, prompt + 1, d, keys);
+  std::vector<std::int64_t> pos;
+  for (std::int64_t t = 0; t < w; ++t) pos.push_back(prompt - w + t);
+  auto window = test::make_queries<bf16>(hq, w, d, test::normal(static_cast<std::size_t>(hq * w * d), 6), pos);
+  auto step = test::make_queries<bf16>(hq, 1, d, test::normal(static_cast<std::size_t>(hq * d), 7), {prompt});
+  kvevict::deferkv_config cfg;
+  cfg.window = w;
+  kvevict::deferkv_state<bf16> state(cfg);
+  REQUIRE(state.reserve(hkv, prompt).ok());
+  kvevict::workspace ws(state.workspace_size({hq, hkv, d, prompt + 1, w}));
+  kvevict::layer_inputs<bf16> in;
+  in.keys = cache.view.first_tokens(prompt);
+  in.queries = window.view;
+  REQUIRE(state.observe_prefill(0, in, ws).ok());
+  in.keys = cache.view;
+  in.queries = step.view;
+  const auto st = state.observe_decode(0, 0, in, ws);
+  INFO(st.message());
+  REQUIRE(st.ok());
+}

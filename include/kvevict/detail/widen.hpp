@@ -15,6 +15,14 @@
 #include <immintrin.h>
 #endif
 
+// The hand-written AVX-512 kernels (decode dot products, vector exp) need masked 16-bit
+// loads (AVX512BW + VL); without them the portable paths run.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVEVICT_DETAIL_AVX512 1
+#else
+#define KVEVICT_DETAIL_AVX512 0
+#endif
+
 KVEVICT_NAMESPACE_BEGIN
 namespace detail {
 
@@ -57,6 +65,25 @@ inline void widen_row(const fp16* src, std::int64_t stride, float* dst, std::int
 #endif
   for (; i < n; ++i) dst[i] = fp16_bits_to_float(src[i].bits);
 }
+
+#if KVEVICT_DETAIL_AVX512
+/// Channels [0, 16) of p widened to float32 in registers; lanes outside `m` are 0 and their
+/// memory is not touched (masked loads), so row tails need no special case.
+KVEVICT_ALWAYS_INLINE __m512 widen16(const float* p, __mmask16 m) noexcept {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+KVEVICT_ALWAYS_INLINE __m512 widen16(const bf16* p, __mmask16 m) noexcept {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16 is a float's top half
+}
+KVEVICT_ALWAYS_INLINE __m512 widen16(const fp16* p, __mmask16 m) noexcept {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+/// Mask of the first min(n, 16) lanes.
+KVEVICT_ALWAYS_INLINE __mmask16 first_lanes(std::int64_t n) noexcept {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
+}
+#endif
 
 }  // namespace detail
 KVEVICT_NAMESPACE_END

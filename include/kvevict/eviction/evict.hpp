@@ -57,16 +57,34 @@ struct eviction_result {
 
 namespace detail {
 
+/// Kept rows are scattered over the cache, so each copy waits on DRAM; asking for the rows
+/// a few keep-list entries ahead keeps several misses in flight (rows of at least a cache
+/// line only; a transposed V's channel lines are read in order and need no help).
+constexpr std::int64_t compaction_prefetch_ahead = 8;
+
+template <class T>
+KVEVICT_ALWAYS_INLINE void prefetch_row(const T* row, std::size_t bytes) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+  for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 3);
+#else
+  (void)row, (void)bytes;
+#endif
+}
+
 /// Moves rows i..i+n of a line of back-to-back units (a row of d channels, or one channel
 /// of a transposed V) by runs: consecutive kept tokens move with one memmove (the ranges
 /// overlap forward when a run shifts by less than its length).
 template <class T>
 void compact_line(T* line, std::int64_t unit, std::int64_t i, const std::int64_t* keep, std::int64_t n) noexcept {
+  const std::size_t unit_bytes = static_cast<std::size_t>(unit) * sizeof(T);
+  const bool prefetch = unit_bytes >= 64;
   while (i < n) {
     const std::int64_t j = keep[i];
+    if (prefetch && i + compaction_prefetch_ahead < n)
+      prefetch_row(line + keep[i + compaction_prefetch_ahead] * unit, unit_bytes);
     std::int64_t run = 1;
     while (i + run < n && keep[i + run] == j + run) ++run;
-    if (j != i) std::memmove(line + i * unit, line + j * unit, static_cast<std::size_t>(run * unit) * sizeof(T));
+    if (j != i) std::memmove(line + i * unit, line + j * unit, static_cast<std::size_t>(run) * unit_bytes);
     i += run;
   }
 }
@@ -87,6 +105,8 @@ void compact_head(const cache_view<T>& v, std::int64_t h, const std::int64_t* ke
     const std::size_t bytes = static_cast<std::size_t>(d) * sizeof(T);
     for (; i < n; ++i) {
       const std::int64_t j = keep[i];
+      if (bytes >= 64 && i + compaction_prefetch_ahead < n)
+        prefetch_row(v.row(h, keep[i + compaction_prefetch_ahead]), bytes);
       if (j != i) std::memcpy(v.row(h, i), v.row(h, j), bytes);
     }
     return;

@@ -27,7 +27,7 @@ struct basic_keep_list {
   KVEVICT_HOST_DEVICE std::int64_t total() const noexcept { return static_cast<std::int64_t>(offsets[num_heads]); }
   KVEVICT_HOST_DEVICE Index* head(std::int64_t h) const noexcept { return indices + offsets[h]; }
   template <class U = Index, std::enable_if_t<!std::is_const<U>::value, int> = 0>
-  KVEVICT_HOST_DEVICE operator basic_keep_list<const std::int64_t>() const noexcept {
+  KVEVICT_HOST_DEVICE operator detail::const_view_t<Index, basic_keep_list<const std::int64_t>>() const noexcept {
     return {num_heads, offsets, indices, capacity};
   }
 };

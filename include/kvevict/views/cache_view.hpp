@@ -77,7 +77,7 @@ struct cache_view {
 
   /// Read-only view of the same memory.
   template <class U = T, std::enable_if_t<!std::is_const<U>::value, int> = 0>
-  KVEVICT_HOST_DEVICE operator cache_view<const value_type>() const noexcept {
+  KVEVICT_HOST_DEVICE operator detail::const_view_t<T, cache_view<const value_type>>() const noexcept {
     cache_view<const value_type> v;
     v.data = data;
     v.num_heads = num_heads;

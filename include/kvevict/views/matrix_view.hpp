@@ -22,7 +22,7 @@ struct matrix_view {
   KVEVICT_HOST_DEVICE T* row(std::int64_t r) const noexcept { return data + r * row_stride; }
   KVEVICT_HOST_DEVICE T& at(std::int64_t r, std::int64_t c) const noexcept { return data[r * row_stride + c]; }
   template <class U = T, std::enable_if_t<!std::is_const<U>::value, int> = 0>
-  KVEVICT_HOST_DEVICE operator matrix_view<const std::remove_cv_t<T>>() const noexcept {
+  KVEVICT_HOST_DEVICE operator detail::const_view_t<T, matrix_view<const std::remove_cv_t<T>>>() const noexcept {
     return {data, rows, cols, row_stride};
   }
 };

@@ -39,7 +39,7 @@ struct query_view {
   }
   KVEVICT_HOST_DEVICE T* row(std::int64_t q, std::int64_t t) const noexcept { return data + offset(q, t, 0); }
   template <class U = T, std::enable_if_t<!std::is_const<U>::value, int> = 0>
-  KVEVICT_HOST_DEVICE operator query_view<const value_type>() const noexcept {
+  KVEVICT_HOST_DEVICE operator detail::const_view_t<T, query_view<const value_type>>() const noexcept {
     query_view<const value_type> v;
     v.data = data;
     v.num_heads = num_heads;

@@ -1,0 +1,328 @@
+#!/usr/bin/env python3
+"""Turns one scripts/bench run into docs/benchmarks/: results.json (everything), results.md
+(the tables, targets first) and results.png (the plots).
+
+Inputs: kvevict_bench's Google Benchmark JSON (--micro), kvevict_bench_vs_torch's JSON
+(--torch), and the machine description scripts/bench recorded (--machine, "key: value").
+Every ratio is formed within this one run (the machine is shared; see docs/benchmarks.md).
+"""
+import argparse
+import json
+import os
+import sys
+
+REF_L, REF_DTYPE, SEL_L = 32768, "bf16", 131072
+TARGETS = [
+    # key, what, target text, threshold (ratio must be >= it)
+    ("score", "observation scoring, two sweeps (executed GEMM GFLOP/s / FMA peak)", ">= 60% of FMA peak", 0.60),
+    ("score_lse", "observation scoring with engine LSE, one sweep (same count)", "(reported)", None),
+    ("score_f32", "(not the reference dtype) observation scoring, f32 cache, two sweeps: FMA path", ">= 60% of FMA peak",
+     0.60),
+    ("score_fp16", "(not the reference dtype) observation scoring, fp16 cache, two sweeps: FMA path",
+     ">= 60% of FMA peak", 0.60),
+    ("select", "selection at L = 128K (std::nth_element time / kvevict time)", ">= 10x", 10.0),
+    ("compact", "compaction of K and V (GB/s copied / memcpy GB/s)", ">= 50% of memcpy", 0.50),
+    ("decode", "decode observation (K GB/s / read GB/s)", ">= 50% of read", 0.50),
+    ("pipeline", "whole SnapKV layer vs the PyTorch pipeline (torch time / kvevict time)", ">= 5x", 5.0),
+]
+
+
+def load_micro(path):
+    data = json.load(open(path))
+    ctx = data.get("context", {})
+    # With --benchmark_repetitions the median of the repetitions stands for a benchmark;
+    # without, its one run does.
+    rows = {}
+    for b in data["benchmarks"]:
+        if b.get("error_occurred"):
+            continue
+        unit = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[b.get("time_unit", "ns")]
+        b["ms"] = b["cpu_time"] * unit
+        if b.get("run_type") == "aggregate":
+            if b.get("aggregate_name") == "median":
+                rows[b["run_name"]] = b
+        elif b["name"] not in rows:
+            rows[b["name"]] = b
+    return ctx, rows
+
+
+def pct(x):
+    return f"{100 * x:.1f}%"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--micro", required=True)
+    ap.add_argument("--torch", required=True)
+    ap.add_argument("--machine", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--command", default="scripts/bench")
+    args = ap.parse_args()
+
+    ctx, micro = load_micro(args.micro)
+    torch_res = json.load(open(args.torch)) if os.path.exists(args.torch) else {"cases": []}
+    machine = {}
+    for line in open(args.machine):
+        if ":" in line:
+            k, v = line.split(":", 1)
+            machine[k.strip()] = v.strip()
+    fma = float(ctx.get("kvevict_fma_peak_gflops", "nan"))
+    amx = float(ctx.get("kvevict_amx_bf16_peak_gflops", "0") or 0)
+    read = float(ctx.get("kvevict_read_gbs", "nan"))
+    memcpy = float(ctx.get("kvevict_memcpy_gbs", "nan"))
+
+    def get(name):
+        return micro.get(name)
+
+    def suffix(dtype, L):
+        return f"/{dtype}/L:{L}"
+
+    lengths = sorted({int(n.split("L:")[1]) for n in micro if "/L:" in n})
+    dtypes = [d for d in ("bf16", "fp16", "f32") if any(f"/{d}/" in n for n in micro)]
+
+    # ---- targets at the reference shape ------------------------------------------------------
+    achieved = {}
+    s = suffix(REF_DTYPE, REF_L)
+    if get("score_prompt/two_sweeps" + s):
+        g = get("score_prompt/two_sweeps" + s)["GFLOP"]
+        achieved["score"] = (f"{g:.1f} GFLOP/s of {fma:.1f}", g / fma)
+    def on_amx(b):
+        return b.get("amx", 0) == 1 and amx > 0
+
+    if get("score_prompt/two_sweeps" + s) and on_amx(get("score_prompt/two_sweeps" + s)):
+        g = get("score_prompt/two_sweeps" + s)["GFLOP"]
+        achieved["score"] = (f"{g:.1f} GFLOP/s of {fma:.1f} (GEMM on AMX: {pct(g / amx)} of its {amx:.0f} GFLOP/s bf16 "
+                             "peak)", g / fma)
+    if get("score_prompt/engine_lse" + s):
+        g = get("score_prompt/engine_lse" + s)["GFLOP"]
+        achieved["score_lse"] = (f"{g:.1f} GFLOP/s of {fma:.1f}", g / fma)
+    for d in ("f32", "fp16"):
+        b = get("score_prompt/two_sweeps" + suffix(d, REF_L))
+        if b:
+            achieved["score_" + d] = (f"{b['GFLOP']:.1f} GFLOP/s of {fma:.1f}", b["GFLOP"] / fma)
+    sel_l = SEL_L if get(f"select/kvevict/L:{SEL_L}") else (lengths[-1] if lengths else None)
+    if sel_l and get(f"select/kvevict/L:{sel_l}") and get(f"select/std_nth_element/L:{sel_l}"):
+        a, b = get(f"select/kvevict/L:{sel_l}")["ms"], get(f"select/std_nth_element/L:{sel_l}")["ms"]
+        achieved["select"] = (f"{a * 1e3:.0f} us vs {b * 1e3:.0f} us (L = {sel_l})", b / a)
+    if get("compact/kv" + s):
+        g = get("compact/kv" + s)["GB"]
+        achieved["compact"] = (f"{g:.2f} GB/s of {memcpy:.2f}", g / memcpy)
+    if get("score_decode/step" + s):
+        g = get("score_decode/step" + s)["GB"]
+        achieved["decode"] = (f"{g:.2f} GB/s of {read:.2f}", g / read)
+    for c in torch_res["cases"]:
+        if c["dtype"] == REF_DTYPE and c["tokens"] == REF_L and "torch_ms" in c:
+            achieved["pipeline"] = (f"{c['kvevict_ms']:.0f} ms vs {c['torch_ms']:.0f} ms", c["torch_ms"] / c["kvevict_ms"])
+
+    md = []
+    md.append("# kvevict benchmark results\n")
+    md.append(f"Generated by `{args.command}` (methodology: [docs/benchmarks.md](../benchmarks.md)). "
+              "One thread, CPU time, median of 3 repetitions; every ratio below is formed within this one run.\n")
+    md.append("## Machine\n")
+    for k in ("cpu", "cores", "memory", "compiler", "flags", "kvevict build", "torch", "date", "load"):
+        if k in machine:
+            md.append(f"- **{k}**: {machine[k]}")
+    amx_txt = f", AMX bf16 peak {amx:.0f} GFLOP/s" if amx > 0 else ""
+    md.append(f"- **rooflines (measured in this run)**: fp32 FMA peak {fma:.1f} GFLOP/s{amx_txt}, "
+              f"DRAM read {read:.2f} GB/s, memcpy {memcpy:.2f} GB/s (bytes copied)\n")
+
+    md.append(f"## Targets (reference shape: Llama-3.1-8B layer, L = {REF_L}, W = 32, B = 2048, {REF_DTYPE}, one thread)\n")
+    md.append("| target | achieved | ratio | goal | met |")
+    md.append("|---|---|---:|---|---|")
+    for key, what, goal, thr in TARGETS:
+        if key not in achieved:
+            md.append(f"| {what} | not measured | | {goal} | |")
+            continue
+        txt, ratio = achieved[key]
+        r = f"{ratio:.1f}x" if key in ("select", "pipeline") else pct(ratio)
+        met = "" if thr is None else ("yes" if ratio >= thr else f"**no** ({ratio / thr:.2f} of goal)")
+        md.append(f"| {what} | {txt} | {r} | {goal} | {met} |")
+    md.append("")
+
+    md.append("## Observation scoring, decode observation, compaction (every dtype and L)\n")
+    md.append("Scoring GFLOP/s count the logit GEMM's executed FLOPs (2 per multiply-add; two sweeps "
+              "without an engine LSE, one with it); the exp of the softmax is not counted. "
+              "Decode GB/s = K bytes read once per step; compaction GB/s = K and V bytes copied.\n")
+    md.append("bf16 × bf16 logits run on AMX (\"GEMM on\"), so their fraction of the fp32 FMA peak can exceed "
+              "100%; the AMX column gives the fraction of the AMX bf16 peak.\n")
+    md.append("| dtype | L | GEMM on | score 2 sweeps (ms) | GFLOP/s | of FMA peak | of AMX peak | score + LSE (ms) "
+              "| GFLOP/s | of FMA peak | decode step (ms) | GB/s | of read | compaction (ms) | GB/s | of memcpy |")
+    md.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    table_rows = []
+    for d in dtypes:
+        for L in lengths:
+            sx = suffix(d, L)
+            a, b = get("score_prompt/two_sweeps" + sx), get("score_prompt/engine_lse" + sx)
+            c, e = get("score_decode/step" + sx), get("compact/kv" + sx)
+            if not (a and b and c and e):
+                continue
+            row = dict(dtype=d, L=L, score_ms=a["ms"], score_gflops=a["GFLOP"], score_frac=a["GFLOP"] / fma,
+                       lse_ms=b["ms"], lse_gflops=b["GFLOP"], lse_frac=b["GFLOP"] / fma,
+                       decode_ms=c["ms"], decode_gbs=c["GB"], decode_frac=c["GB"] / read,
+                       compact_ms=e["ms"], compact_gbs=e["GB"], compact_frac=e["GB"] / memcpy)
+            row["gemm"] = "AMX" if on_amx(a) else "Eigen (FMA)"
+            table_rows.append(row)
+            amx_frac = pct(a["GFLOP"] / amx) if on_amx(a) else ""
+            md.append(f"| {d} | {L} | {row['gemm']} | {a['ms']:.1f} | {a['GFLOP']:.1f} | {pct(row['score_frac'])} | "
+                      f"{amx_frac} | {b['ms']:.1f} | "
+                      f"{b['GFLOP']:.1f} | {pct(row['lse_frac'])} | {c['ms']:.2f} | {c['GB']:.2f} | "
+                      f"{pct(row['decode_frac'])} | {e['ms']:.2f} | {e['GB']:.2f} | {pct(row['compact_frac'])} |")
+    md.append("")
+
+    md.append("## Whole per-layer pipelines\n")
+    md.append("SnapKV: score + select + evict. DeferKV: prefill observation (W = 32) + d decode observations "
+              "+ scores + select + evict. DapQ: re-rotation of the window queries to the pseudo positions + "
+              "score + select + evict. Scratch = workspace bytes (plus DeferKV's [Hkv, L] state).\n")
+    md.append("| dtype | L | SnapKV (ms) | DeferKV d=1 (ms) | DeferKV d=4 (ms) | DapQ (ms) | SnapKV scratch (MiB) "
+              "| DeferKV scratch (MiB) |")
+    md.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+    pipe_rows = []
+    for d in dtypes:
+        for L in lengths:
+            sx = suffix(d, L)
+            p = [get(n + sx) for n in ("snapkv/layer", "deferkv/layer_d1", "deferkv/layer_d4", "dapq/layer_rerotate")]
+            if not all(p):
+                continue
+            pipe_rows.append(dict(dtype=d, L=L, snapkv_ms=p[0]["ms"], deferkv_d1_ms=p[1]["ms"],
+                                  deferkv_d4_ms=p[2]["ms"], dapq_ms=p[3]["ms"],
+                                  snapkv_scratch=p[0]["scratch_bytes"], deferkv_scratch=p[1]["scratch_bytes"]))
+            md.append(f"| {d} | {L} | {p[0]['ms']:.1f} | {p[1]['ms']:.1f} | {p[2]['ms']:.1f} | {p[3]['ms']:.1f} | "
+                      f"{p[0]['scratch_bytes'] / 2**20:.2f} | {p[1]['scratch_bytes'] / 2**20:.2f} |")
+    md.append("")
+
+    md.append("## Selection (Hkv = 8 rows of L scores, B = 2048, window of 32 inside)\n")
+    md.append("The baselines produce the same ascending keep-lists: an index array ordered by "
+              "(score desc, index asc) with std::nth_element or std::partial_sort, then the kept indices sorted.\n")
+    md.append("| L | kvevict (us) | ns/elem | std::nth_element (us) | speed-up | std::partial_sort (us) | speed-up |")
+    md.append("|---:|---:|---:|---:|---:|---:|---:|")
+    sel_rows = []
+    for L in lengths:
+        a, b, c = (get(f"select/{n}/L:{L}") for n in ("kvevict", "std_nth_element", "std_partial_sort"))
+        if not (a and b and c):
+            continue
+        sel_rows.append(dict(L=L, kvevict_us=a["ms"] * 1e3, ns_per_elem=a["ns_per_elem"], nth_us=b["ms"] * 1e3,
+                             partial_us=c["ms"] * 1e3))
+        md.append(f"| {L} | {a['ms'] * 1e3:.0f} | {a['ns_per_elem']:.2f} | {b['ms'] * 1e3:.0f} | {b['ms'] / a['ms']:.1f}x | "
+                  f"{c['ms'] * 1e3:.0f} | {c['ms'] / a['ms']:.1f}x |")
+    md.append("")
+
+    md.append("## SnapKV layer vs the PyTorch pipeline (kvpress conventions, same data)\n")
+    if torch_res["cases"]:
+        c0 = torch_res["cases"][0]
+        md.append(f"PyTorch {c0.get('torch_version', '?')}, {c0.get('torch_threads', '?')} thread, "
+                  f"BLAS {c0.get('torch_blas', '?')} (OpenBLAS, OPENBLAS_CORETYPE=SkylakeX: its own detection "
+                  "picks the SSE3 'Prescott' kernels on this VM). \"same keep sets\": kvevict's kept tokens equal "
+                  "the float32 pipeline's per head, except swaps at near-ties (|score - B-th| <= 1e-4 relative); "
+                  "\"overlap\": share of kvevict's tokens the native-dtype pipeline keeps too (kvpress rounds the "
+                  "attention to bf16).\n")
+        md.append("| dtype | L | kvevict (ms) | PyTorch (ms) | torch computes in | speed-up | same keep sets | "
+                  "max rel. score diff | overlap with native |")
+        md.append("|---|---:|---:|---:|---|---:|---|---:|---:|")
+        for c in torch_res["cases"]:
+            if "torch_ms" not in c:
+                md.append(f"| {c['dtype']} | {c['tokens']} | {c['kvevict_ms']:.1f} | failed: {c.get('error', '')} | | | | | |")
+                continue
+            agree = "yes" if c.get("agree") == 1 else "**no**"
+            if c.get("near_tie_swaps", 0):
+                agree += f" ({c['near_tie_swaps']} near-tie swaps)"
+            md.append(f"| {c['dtype']} | {c['tokens']} | {c['kvevict_ms']:.1f} | {c['torch_ms']:.1f} | "
+                      f"{c.get('torch_compute', '')} | {c['torch_ms'] / c['kvevict_ms']:.1f}x | {agree} | "
+                      f"{c.get('max_rel_score_err', '')} | {100 * float(c.get('overlap_with_native_pipeline', 0)):.1f}% |")
+    else:
+        md.append("Not run (PyTorch not importable).")
+    md.append("")
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    merged = dict(machine=machine, rooflines=dict(fma_gflops=fma, amx_bf16_gflops=amx, read_gbs=read, memcpy_gbs=memcpy),
+                  targets={k: dict(achieved=v[0], ratio=v[1]) for k, v in achieved.items()},
+                  kernels=table_rows, pipelines=pipe_rows, selection=sel_rows, vs_torch=torch_res["cases"],
+                  google_benchmark=dict(context=ctx, benchmarks=list(micro.values())))
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(merged, f, indent=1)
+    plot(args.out, table_rows, pipe_rows, sel_rows, torch_res["cases"], lengths)
+    print("\n".join(md))
+    return 0
+
+
+def plot(out, rows, pipes, sels, torch_cases, lengths):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: no results.png", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(2, 2, figsize=(13, 9))
+    colors = {"bf16": "tab:blue", "fp16": "tab:orange", "f32": "tab:green"}
+
+    a = ax[0][0]
+    for key, marker, label in (("score_frac", "o", "scoring / FMA peak"), ("decode_frac", "s", "decode / read BW"),
+                               ("compact_frac", "^", "compaction / memcpy")):
+        for d in colors:
+            pts = [(r["L"], 100 * r[key]) for r in rows if r["dtype"] == d]
+            if pts:
+                a.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=colors[d],
+                       linestyle="-" if key == "score_frac" else ("--" if key == "decode_frac" else ":"),
+                       label=f"{label} ({d})")
+    a.axhline(60, color="gray", lw=0.8)
+    a.axhline(50, color="gray", lw=0.8, ls="--")
+    a.set_xscale("log", base=2)
+    a.set_xlabel("L (tokens)")
+    a.set_ylabel("% of this machine's roofline")
+    a.set_title("Kernels against their rooflines (targets 60% / 50%)")
+    a.legend(fontsize=6, ncol=2)
+
+    a = ax[0][1]
+    for d in colors:
+        pts = [p for p in pipes if p["dtype"] == d]
+        if pts:
+            a.plot([p["L"] for p in pts], [p["snapkv_ms"] for p in pts], "o-", color=colors[d], label=f"SnapKV {d}")
+            a.plot([p["L"] for p in pts], [p["deferkv_d1_ms"] for p in pts], "s--", color=colors[d],
+                   label=f"DeferKV d=1 {d}")
+            a.plot([p["L"] for p in pts], [p["dapq_ms"] for p in pts], "^:", color=colors[d], label=f"DapQ {d}")
+        tc = [c for c in torch_cases if c["dtype"] == d and "torch_ms" in c]
+        if tc:
+            a.plot([c["tokens"] for c in tc], [c["torch_ms"] for c in tc], "x-", color=colors[d], alpha=0.5,
+                   label=f"PyTorch kvpress {d}")
+    a.set_xscale("log", base=2)
+    a.set_yscale("log")
+    a.set_xlabel("L (tokens)")
+    a.set_ylabel("ms per layer (one thread)")
+    a.set_title("Whole per-layer pipelines")
+    a.legend(fontsize=6, ncol=2)
+
+    a = ax[1][0]
+    if sels:
+        x = [s["L"] for s in sels]
+        a.plot(x, [s["kvevict_us"] for s in sels], "o-", label="kvevict::select")
+        a.plot(x, [s["nth_us"] for s in sels], "s--", label="std::nth_element")
+        a.plot(x, [s["partial_us"] for s in sels], "^:", label="std::partial_sort")
+        a.set_xscale("log", base=2)
+        a.set_yscale("log")
+    a.set_xlabel("L (tokens)")
+    a.set_ylabel("us per layer (8 rows, B = 2048)")
+    a.set_title("Selection")
+    a.legend(fontsize=8)
+
+    a = ax[1][1]
+    labels, vals, cols = [], [], []
+    for c in torch_cases:
+        if "torch_ms" in c:
+            labels.append(f"{c['dtype']}\n{c['tokens'] // 1024}K")
+            vals.append(c["torch_ms"] / c["kvevict_ms"])
+            cols.append(colors.get(c["dtype"], "gray"))
+    if vals:
+        a.bar(range(len(vals)), vals, color=cols)
+        a.set_xticks(range(len(vals)))
+        a.set_xticklabels(labels, fontsize=7)
+        a.axhline(5, color="gray", lw=0.8)
+    a.set_ylabel("PyTorch time / kvevict time")
+    a.set_title("SnapKV layer vs the PyTorch pipeline (target 5x)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "results.png"), dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
