@@ -52,19 +52,28 @@ def main(path, out_dir):
         return 0
     xs = [100 * b for b in budgets]
     panels = [("mean", None)] + [(t, t) for t in tasks]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.6), sharey=True)
-    for ax, (title, task) in zip(axes, panels):
-        for p in results:
+    cols = 3
+    rows = (len(panels) + 1 + cols - 1) // cols  # one more cell holds the legend
+    fig, grid = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), sharey=True)
+    cells = list(grid.flat)
+    colors = plt.get_cmap("tab20").colors  # 20 distinct colours: one per policy line
+    for ax, (title, task) in zip(cells, panels):
+        for k, p in enumerate(results):
             style = "-" if not p.startswith("deferkv_eta") else ":"
-            ax.plot(xs, [acc(p, i, task) for i in range(len(budgets))], style, marker="o", ms=3, label=p)
+            ax.plot(xs, [acc(p, i, task) for i in range(len(budgets))], style, marker="o", ms=3, label=p,
+                    color=colors[k % len(colors)])
         ax.set_xscale("log")
         ax.set_xticks(xs)
         ax.set_xticklabels([f"{x:g}%" for x in xs])
+        ax.minorticks_off()
         ax.set_title(title)
         ax.set_xlabel("KV budget (fraction of the prompt)")
+        ax.set_ylabel("accuracy (%)")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("accuracy (%)")
-    axes[-1].legend(fontsize=7, loc="lower right")
+    handles, labels = cells[0].get_legend_handles_labels()
+    for ax in cells[len(panels):]:
+        ax.axis("off")
+    cells[len(panels)].legend(handles, labels, fontsize=8, loc="center", ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "accuracy.png"), dpi=110)
     print("wrote", os.path.join(out_dir, "results.md"), "and accuracy.png")

@@ -133,7 +133,9 @@ inline std::vector<float> prompt_scores(const model& m, const prefill_state& p, 
     check(policy.score(in, out, ws));
     *sp = policy.selection();
   } else if (kind == policy_kind::knorm) {
-    kvevict::knorm<float> policy;
+    // The question sits at the end of the prompt; like every other policy here, KNorm keeps
+    // the last kWindow prompt tokens (its paper's pipelines never compress the question).
+    kvevict::knorm<float> policy({kWindow, kvevict::protected_mode::inside_budget});
     ws.reserve(policy.workspace_size({m.cfg.heads, hkv, d, lp, 0}));
     check(policy.score(in, out, ws));
     *sp = policy.selection();

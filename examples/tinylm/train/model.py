@@ -106,9 +106,14 @@ class Block(nn.Module):
         self.attention = Attention(c)
         self.ffn_norm = RMSNorm(c.d_model, c.norm_eps)
         self.feed_forward = FeedForward(c)
+        self.keep_probs = False   # training: keep attention probabilities [B,H,T,T] in .probs
+        self.probs = None
 
     def forward(self, x, cos, sin, mask):
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        a = self.attention(self.attention_norm(x), cos, sin, mask, return_probs=self.keep_probs)
+        if self.keep_probs:
+            a, self.probs = a
+        x = x + a
         x = x + self.feed_forward(self.ffn_norm(x))
         return x
 

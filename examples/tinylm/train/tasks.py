@@ -6,7 +6,7 @@ The question is always at the END of the prompt.
 
 Vocabulary (256 ids):
     0 PAD   1 BOS   2 [N] (needle)   3 [Q] (question, single/multi-key)
-    4 [QM] (question, multi-value)   5 [VAR]   6 =   7 [TRK] (question, var. tracking)
+    4 [QM] (question, multi-value)   5 [VAR]   6 ->   7 [TRK] (question, var. tracking)
     8..11  ordinals #1..#4 (multi-value)   12..15 unused
     16..127  filler words (112)
     128..191 key words (64), also variable names in variable tracking
@@ -18,7 +18,8 @@ Tasks (eval settings in EVAL_TASKS):
     multikey   : n needles of the same form (distinct keys); one of them is asked
     multivalue : m keys, each with `nv` needles "[N] k1 k2 #j a_j b_j" (j=1..nv, shuffled
                  positions); question "[QM] k1 k2"; answer "#1 a_1 b_1 #2 a_2 b_2 ... "
-    vartrack   : c chains "[VAR] X1 = V", "[VAR] X2 = X1", ..., "[VAR] Xh = X(h-1)"
+    vartrack   : c chains "[VAR] V -> X1", "[VAR] X1 -> X2", ..., "[VAR] X(h-1) -> Xh"
+                 ("src -> dst": dst takes the value of src)
                  (statements of a chain appear in chain order; chains interleaved);
                  question "[TRK] V"; answer "X1 X2 ... Xh"
 Filler is i.i.d. uniform over the filler words; needles are put at uniformly random
@@ -26,7 +27,7 @@ depths of the context.
 """
 import numpy as np
 
-PAD, BOS, NDL, Q, QM, VAR, EQ, TRK = 0, 1, 2, 3, 4, 5, 6, 7
+PAD, BOS, NDL, Q, QM, VAR, ARROW, TRK = 0, 1, 2, 3, 4, 5, 6, 7
 ORD0 = 8                     # #1 = 8 ... #4 = 11
 MAX_ORD = 4
 FILLER = np.arange(16, 128)
@@ -46,7 +47,7 @@ EVAL_TASKS = {
 
 
 def token_name(t):
-    names = {PAD: "<pad>", BOS: "<bos>", NDL: "[N]", Q: "[Q]", QM: "[QM]", VAR: "[VAR]", EQ: "=", TRK: "[TRK]"}
+    names = {PAD: "<pad>", BOS: "<bos>", NDL: "[N]", Q: "[Q]", QM: "[QM]", VAR: "[VAR]", ARROW: "->", TRK: "[TRK]"}
     if t in names:
         return names[t]
     if ORD0 <= t < ORD0 + MAX_ORD:
@@ -113,9 +114,9 @@ def make_example(rng, task, ctx_len, n_questions=1, **kw):
         chains = []
         qa = []
         for i in range(c):
-            st = [[VAR, names[i][0], EQ, vals[i]]]
+            st = [[VAR, vals[i], ARROW, names[i][0]]]
             for j in range(1, h):
-                st.append([VAR, names[i][j], EQ, names[i][j - 1]])
+                st.append([VAR, names[i][j - 1], ARROW, names[i][j]])
             chains.append(st)
             qa.append(([TRK, vals[i]], list(names[i])))
         # random interleaving that keeps each chain's order
@@ -143,32 +144,65 @@ def make_prompt(rng, task, ctx_len, **kw):
     return [BOS] + context + qtok, ans
 
 
-def make_train_sequence(rng, task, ctx_len, **kw):
+def copy_source(ids, ctx_end, task, qtok, y):
+    """Context position (< ctx_end) holding the token that answer token y copies:
+    the token y itself inside the relevant needle. Used only to supervise one
+    retrieval head during training (see train.py)."""
+    cand = [p for p in range(1, ctx_end) if ids[p] == y]
+    if task == "vartrack":
+        cand = [p for p in cand if ids[p - 1] == ARROW]
+    elif task == "multivalue" and ORD0 <= y < ORD0 + MAX_ORD:
+        cand = [p for p in cand if ids[p - 1] == qtok[-1]]
+    return cand[0] if len(cand) == 1 else -1   # ambiguous (k2 of a multivalue key): none
+
+
+def make_train_sequence(rng, task, ctx_len, aux=True, **kw):
     """Training sequence: BOS context q1 a1 q2 a2 ... with every needle group asked once.
-    Returns (ids, loss_mask) where loss_mask[t] = 1 if ids[t+1] is an answer token."""
+    Returns (ids, loss_mask, src, qsrc):
+      loss_mask[t] = 1 if ids[t+1] is a target: every answer token and, with aux=True,
+        the second key word of a question (k2 of "[Q] k1 k2"), which is predictable
+        from k1 by the same copy mechanism;
+      src[t]  = context position of the token that target ids[t+1] copies (-1 elsewhere
+        or if ambiguous);
+      qsrc[t] = position of the last token of the current question, for targets in the
+        answer part (-1 elsewhere).
+    src/qsrc are only used for the attention supervision in train.py."""
     context, qa = make_example(rng, task, ctx_len, n_questions=None, **kw)
     ids = [BOS] + context
+    ctx_end = len(ids)
     tgt = [0] * len(ids)
+    qend = [-1] * len(ids)       # for answer tokens: position of the question's last token
     for qtok, ans in qa:
         ids += qtok
-        tgt += [0] * len(qtok)
+        tgt += [0, 0] + [1 if aux else 0] * (len(qtok) - 2)
+        qend += [-1] * len(qtok)
+        last = len(ids) - 1
         ids += ans
         tgt += [1] * len(ans)
-    # mask[t] marks positions whose NEXT token is an answer token
+        qend += [last] * len(ans)
+    # mask[t] marks positions whose NEXT token is a target
     mask = tgt[1:] + [0]
-    return ids, mask
+    src = [-1] * len(ids)
+    qsrc = qend[1:] + [-1]
+    for t in range(len(ids) - 1):
+        if mask[t]:
+            if qsrc[t] >= 0:
+                qk = ids[qsrc[t] - 2:qsrc[t] + 1]
+            else:   # aux target inside a question: only the k2 of a (unambiguous) key
+                qk = ids[t - 1:t + 1]
+            src[t] = copy_source(ids, ctx_end, task, qk, ids[t + 1])
+    return ids, mask, src, qsrc
 
 
-def sample_train_kw(rng, task, ctx_len):
+def sample_train_kw(rng, task, ctx_len, fill=0.8):
     """Random difficulty for a training sequence (number of needles etc.), limited so the
-    needles take at most ~60% of the context."""
-    budget = int(0.6 * ctx_len)
+    needles take at most `fill` of the context."""
+    budget = int(fill * ctx_len)
     if task == "single":
         return {}
     if task == "multikey":
-        n = rng.randint(2, 9)
-        n = max(2, min(n, budget // 6))
-        return dict(n_needles=n)
+        hi = max(2, min(16, budget // 6))
+        return dict(n_needles=rng.randint(2, hi + 1))
     if task == "multivalue":
         m = rng.randint(1, 4)
         nv = rng.randint(2, MAX_ORD + 1)
@@ -193,5 +227,5 @@ if __name__ == "__main__":
     for t in TASKS:
         p, a = make_prompt(rng, t, 48, **EVAL_TASKS[t]) if t != "multikey" else make_prompt(rng, t, 48, n_needles=3)
         print(t, " ".join(token_name(x) for x in p), "->", " ".join(token_name(x) for x in a))
-        ids, m = make_train_sequence(rng, t, 64, **sample_train_kw(rng, t, 64))
-        print("  train:", " ".join(token_name(x) + ("*" if mm else "") for x, mm in zip(ids, m)))
+        ids, m, src, qsrc = make_train_sequence(rng, t, 64, **sample_train_kw(rng, t, 64))
+        print("  train:", " ".join(token_name(x) + ("*%d/%d" % (sr, q) if mm else "") for x, mm, sr, q in zip(ids, m, src, qsrc)))

@@ -1,0 +1,91 @@
+"""Write the held-out evaluation prompts and the reference logits.
+
+    /usr/bin/python3 examples/tinylm/train/make_data.py            # both files
+    /usr/bin/python3 examples/tinylm/train/make_data.py --prompts  # only eval_prompts.txt
+
+data/eval_prompts.txt  (seed 20240, 100 prompts per task, context 1024 tokens)
+    one prompt per line:  TASK|PROMPT_IDS|ANSWER_IDS   (ids separated by single spaces)
+    lines starting with '#' are comments.
+data/reference_logits.txt  (3 short prompts, float32 logits of the committed weights)
+    see MODEL.md, "Reference logits".
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import tasks  # noqa: E402
+from export import load_model  # noqa: E402
+
+ROOT = os.path.normpath(os.path.join(HERE, ".."))
+EVAL_SEED = 20240
+N_PER_TASK = 100
+CTX_LEN = 1024
+REF_SEED = 777
+
+
+def write_prompts(path, seed=EVAL_SEED, n=N_PER_TASK, ctx_len=CTX_LEN):
+    rng = np.random.RandomState(seed)
+    with open(path, "w") as f:
+        f.write("# tinylm held-out prompts: seed %d, %d per task, context %d tokens "
+                "(prompt = BOS + context + question); format TASK|PROMPT_IDS|ANSWER_IDS\n"
+                % (seed, n, ctx_len))
+        for t in tasks.TASKS:
+            for _ in range(n):
+                p, a = tasks.make_prompt(rng, t, ctx_len, **tasks.EVAL_TASKS[t])
+                f.write("%s|%s|%s\n" % (t, " ".join(map(str, p)), " ".join(map(str, a))))
+
+
+def read_prompts(path):
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.startswith("#") or not line.strip():
+                continue
+            t, p, a = line.strip().split("|")
+            out.append((t, [int(x) for x in p.split()], [int(x) for x in a.split()]))
+    return out
+
+
+def reference_prompts():
+    rng = np.random.RandomState(REF_SEED)
+    return [
+        tasks.make_prompt(rng, "single", 24),
+        tasks.make_prompt(rng, "multikey", 48, n_needles=3),
+        tasks.make_prompt(rng, "vartrack", 64, n_chains=2, n_hops=3),
+    ]
+
+
+def write_reference(path, weights):
+    model, _ = load_model(weights)
+    with open(path, "w") as f:
+        f.write("# tinylm reference logits (float32, model %s)\n" % os.path.basename(weights))
+        f.write("# per prompt: 'P T id_0 .. id_{T-1}', then 'A n ans_0 .. ans_{n-1}', then T lines of "
+                "%d logits (row t = logits after reading ids[0..t])\n" % tasks.VOCAB_SIZE)
+        for p, a in reference_prompts():
+            with torch.no_grad():
+                lg = model(torch.tensor([p]))[0].float().numpy()
+            f.write("P %d %s\n" % (len(p), " ".join(map(str, p))))
+            f.write("A %d %s\n" % (len(a), " ".join(map(str, a))))
+            for row in lg:
+                f.write(" ".join("%.8g" % x for x in row) + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", action="store_true", help="only write eval_prompts.txt")
+    ap.add_argument("--weights", default=os.path.join(ROOT, "weights", "tinylm.safetensors"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    os.makedirs(os.path.join(ROOT, "data"), exist_ok=True)
+    write_prompts(os.path.join(ROOT, "data", "eval_prompts.txt"))
+    if not args.prompts:
+        write_reference(os.path.join(ROOT, "data", "reference_logits.txt"), args.weights)
+
+
+if __name__ == "__main__":
+    main()
