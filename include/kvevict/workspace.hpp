@@ -9,9 +9,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <new>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/checked.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
 
@@ -52,6 +54,7 @@ class workspace {
   /// when the allocation fails.
   bool reserve(std::size_t bytes) noexcept {
     if (bytes <= size_) return true;
+    if (bytes > std::numeric_limits<std::size_t>::max() - (workspace_alignment - 1)) return false;  // e.g. SIZE_MAX
     const std::size_t rounded = (bytes + workspace_alignment - 1) / workspace_alignment * workspace_alignment;
     void* p = ::operator new(rounded, std::align_val_t(workspace_alignment), std::nothrow);
     if (p == nullptr) return false;
@@ -84,19 +87,24 @@ class arena {
   explicit arena(workspace_span ws) noexcept
       : base_(static_cast<unsigned char*>(ws.data)), capacity_(ws.size), measuring_(false) {}
 
+  /// Sizes saturate at SIZE_MAX instead of wrapping: a count no memory can hold makes the
+  /// measured size SIZE_MAX and the carving fail (overflowed()), whatever the capacity.
   template <class T>
   T* take(std::int64_t count) noexcept {
-    const std::size_t bytes = static_cast<std::size_t>(count < 0 ? 0 : count) * sizeof(T);
+    const std::size_t bytes = detail::saturating_mul(static_cast<std::size_t>(count < 0 ? 0 : count), sizeof(T));
     // Reserve room to align even when the base pointer is unaligned.
     std::size_t start = used_;
     if (!measuring_) {
       const std::uintptr_t addr = reinterpret_cast<std::uintptr_t>(base_) + used_;
       const std::uintptr_t aligned = (addr + workspace_alignment - 1) & ~(workspace_alignment - 1);
-      start = used_ + static_cast<std::size_t>(aligned - addr);
+      start = detail::saturating_add(used_, static_cast<std::size_t>(aligned - addr));
     } else {
-      start = used_ + workspace_alignment;  // worst-case padding, so measured >= needed
+      start = detail::saturating_add(used_, workspace_alignment);  // worst-case padding, so measured >= needed
     }
-    const std::size_t end = start + (bytes + workspace_alignment - 1) / workspace_alignment * workspace_alignment;
+    const std::size_t rounded = bytes > std::numeric_limits<std::size_t>::max() - (workspace_alignment - 1)
+                                    ? std::numeric_limits<std::size_t>::max()
+                                    : (bytes + workspace_alignment - 1) / workspace_alignment * workspace_alignment;
+    const std::size_t end = detail::saturating_add(start, rounded);
     used_ = end;
     if (measuring_ || end > capacity_) {
       overflowed_ = overflowed_ || !measuring_;

@@ -64,6 +64,32 @@ int main() {
   st = kvevict::evict(keys, values, keep, result);
   CHECK(st.ok());
   CHECK(result.max_length == 20);
+
+  // The DeferKV lifecycle reports misuse as values too, and leaves the state alone.
+  kvevict::deferkv_config dcfg;
+  dcfg.window = w;
+  dcfg.delay = 1;
+  kvevict::deferkv_state<kvevict::fp16> state(dcfg, 3);
+  CHECK(state.reserve(hkv, l).ok());
+  kvevict::workspace dws(state.workspace_size({hq, hkv, d, l, w}));
+  kvevict::layer_inputs<kvevict::fp16> in;
+  in.keys = kvevict::hf_contiguous<const kvevict::fp16>(k.data(), hkv, l - 1, d);
+  in.queries = queries;
+  st = state.observe_decode(3, 0, in, dws);
+  CHECK(st.code() == kvevict::errc::invalid_state && std::strcmp(st.argument(), "state") == 0);
+  st = state.observe_prefill(2, in, dws);
+  CHECK(st.code() == kvevict::errc::invalid_state && std::strcmp(st.argument(), "layer") == 0);
+  CHECK(state.observe_prefill(3, in, dws).ok());
+  CHECK(!state.ready() && state.prompt_tokens() == l - 1);
+
+  // NaN scores select deterministically (NaN last, ties to the smaller index).
+  std::vector<float> nan_scores(hkv * 8, 1.0f);
+  nan_scores[0] = nan_scores[8] = __builtin_nanf("");
+  kvevict::keep_list nan_keep(hkv, hkv * 7);
+  CHECK(kvevict::select(kvevict::const_score_view{nan_scores.data(), hkv, 8, 8}, kvevict::budget::tokens(7), {},
+                        nan_keep, sws)
+            .ok());
+  CHECK(nan_keep.head(0) == (std::vector<std::int64_t>{1, 2, 3, 4, 5, 6, 7}));
   std::printf("no-exceptions build: all checks passed (%s)\n", kvevict::to_string(kvevict::errc::invalid_keep_list));
   return 0;
 }

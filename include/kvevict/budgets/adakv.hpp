@@ -11,7 +11,9 @@
 //      index), and count c_h picks per head;
 //   3. head h keeps round(c_h*(1 - alpha) + floor(alpha*B)) candidates (round half to even,
 //      as the Python reference does), clamped to [0, C].
-// The sum is Hkv*B up to rounding (at most Hkv/2 away).
+// The sum is Hkv*B up to the floor and the rounding: floor(alpha*B) drops less than one token
+// per head and rounding moves each head by at most half a token, so the sum lies in
+// [Hkv*B - 1.5*Hkv, Hkv*B + Hkv/2] (e.g. Hkv = 1, B = 3, alpha = 0.5 gives 2).
 
 #include <cmath>
 #include <cstddef>
@@ -19,6 +21,7 @@
 #include <limits>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/checked.hpp"
 #include "kvevict/detail/topk.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
@@ -39,9 +42,10 @@ struct adakv_layout {
   topk_scratch topk;
 };
 inline void carve_adakv_layout(arena& a, std::int64_t heads, std::int64_t candidates, adakv_layout* out) noexcept {
-  out->flat = a.take<float>(heads * candidates);
-  out->picked = a.take<std::int64_t>(heads * candidates);
-  carve_topk_scratch(a, heads * candidates, &out->topk);
+  const std::int64_t n = saturating_mul(heads, candidates);  // the size query sees unvalidated shapes
+  out->flat = a.take<float>(n);
+  out->picked = a.take<std::int64_t>(n);
+  carve_topk_scratch(a, n, &out->topk);
 }
 inline std::int64_t round_half_even(double x) noexcept {
   const double f = std::floor(x);
@@ -82,8 +86,12 @@ inline status adakv_head_budgets(const_score_view scores, std::int64_t protected
   if (out == nullptr) return status::error(errc::null_pointer, fn, "out", "expected [Hkv] budgets");
   const std::int64_t heads = scores.rows;
   const std::int64_t candidates = scores.cols > protected_tail ? scores.cols - protected_tail : 0;
-  if (heads * candidates > static_cast<std::int64_t>(std::numeric_limits<std::uint32_t>::max()))
-    return status::error(errc::overflow, fn, "scores", "expected fewer than 2^32 candidates in a layer");
+  std::int64_t layer_candidates = 0;
+  if (!detail::checked_mul(heads, candidates, &layer_candidates) ||
+      layer_candidates > static_cast<std::int64_t>(std::numeric_limits<std::uint32_t>::max()))
+    return status::error(errc::overflow, fn, "scores",
+                         "expected fewer than 2^32 candidates in a layer, got %lld x %lld",
+                         static_cast<long long>(heads), static_cast<long long>(candidates));
   detail::arena a(ws);
   detail::adakv_layout layout;
   detail::carve_adakv_layout(a, heads, candidates, &layout);

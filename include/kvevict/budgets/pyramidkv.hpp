@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/checked.hpp"
 #include "kvevict/error.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
@@ -48,6 +49,11 @@ inline status pyramidkv_layer_budgets(std::int64_t capacity, std::int64_t window
     for (std::int64_t l = 0; l < num_layers; ++l) out[l] = mean < available ? mean : available;
     return status();
   }
+  std::int64_t target = 0;  // num_layers * mean, the budgets' exact total
+  if (!detail::checked_mul(num_layers, mean, &target))
+    return status::error(errc::overflow, fn, "capacity",
+                         "expected num_layers * (capacity - window) < 2^63, got %lld * %lld",
+                         static_cast<long long>(num_layers), static_cast<long long>(mean));
   double lo = static_cast<double>(mean) / beta;
   double hi = 2.0 * static_cast<double>(mean) - lo;
   if (hi >= static_cast<double>(available)) {
@@ -59,10 +65,13 @@ inline status pyramidkv_layer_budgets(std::int64_t capacity, std::int64_t window
   // layers first on ties), so the total is exactly num_layers * mean.
   std::int64_t total = 0;
   for (std::int64_t l = 0; l < num_layers; ++l) {
-    out[l] = static_cast<std::int64_t>(std::floor(hi - static_cast<double>(l) * step));
-    total += out[l];
+    // In [0, available] (clamped where double rounding could step past it: no UB cast).
+    const double budget = std::floor(hi - static_cast<double>(l) * step);
+    out[l] =
+        budget <= 0.0 ? 0 : (budget >= static_cast<double>(available) ? available : static_cast<std::int64_t>(budget));
+    total = detail::saturating_add(total, out[l]);
   }
-  std::int64_t remainder = num_layers * mean - total;
+  std::int64_t remainder = target - total;
   while (remainder > 0) {
     std::int64_t best = -1;
     double best_fraction = -1.0;
@@ -77,6 +86,20 @@ inline status pyramidkv_layer_budgets(std::int64_t capacity, std::int64_t window
     if (best < 0) break;
     ++out[best];
     --remainder;
+  }
+  while (remainder < 0) {  // past 2^53 the doubles round, and the floors may overshoot
+    std::int64_t best = -1;
+    double best_fraction = 0.0;
+    for (std::int64_t l = 0; l < num_layers; ++l) {
+      const double fraction = hi - static_cast<double>(l) * step - static_cast<double>(out[l]);
+      if (out[l] > 0 && (best < 0 || fraction <= best_fraction)) {
+        best = l;
+        best_fraction = fraction;
+      }
+    }
+    if (best < 0) break;
+    --out[best];
+    ++remainder;
   }
   return status();
 }

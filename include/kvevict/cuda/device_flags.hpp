@@ -27,7 +27,7 @@ enum device_flag : std::uint32_t {
   /// A negative observation position (the CPU rejects it). The observation sees no key with
   /// a non-negative position.
   flag_negative_position = 1u << 1,
-  /// Window weights not finite and >= 0 with a positive sum. Scores are computed anyway and
+  /// Window weights not finite and >= 0 with a sum >= FLT_MIN. Scores are computed anyway and
   /// may be NaN or infinite.
   flag_invalid_weights = 1u << 2,
   /// A keep-list that is not CSR with strictly ascending indices in [0, L) within capacity.
@@ -73,7 +73,8 @@ inline status device_flags_status(std::uint32_t flags, const char* fn = "kvevict
                          static_cast<unsigned>(flags));
   if (flags & flag_invalid_weights)
     return status::error(errc::invalid_argument, fn, "inputs.weights",
-                         "expected finite weights >= 0 with a positive sum (flags 0x%x)", static_cast<unsigned>(flags));
+                         "expected finite weights >= 0 with a sum >= FLT_MIN (flags 0x%x)",
+                         static_cast<unsigned>(flags));
   return status::error(errc::device_error, fn, "device_flags", "unknown flag bits 0x%x", static_cast<unsigned>(flags));
 }
 

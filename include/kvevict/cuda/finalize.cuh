@@ -92,7 +92,8 @@ __global__ void __launch_bounds__(256) finalize_kernel(finalize_args a) {
       if (!(w >= 0.0f) || isinf(w)) bad = true;
       sum += static_cast<double>(w);
     }
-    if (bad || !(sum > 0.0)) raise_flag(a.flags, flag_invalid_weights);
+    // As on the CPU: the sum must be at least FLT_MIN, or 1 / sum is not a finite float.
+    if (bad || !(sum >= 1.17549435082228750797e-38)) raise_flag(a.flags, flag_invalid_weights);
     weighted_scale = static_cast<float>(1.0 / sum);
   }
   if (a.per_key) {

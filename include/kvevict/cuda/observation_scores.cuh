@@ -51,7 +51,7 @@ struct observation_inputs {
   /// [L] absolute position of every key; null means key j is at position j. Any order.
   const std::int64_t* key_positions = nullptr;
   /// [W] weight of each observation, for window_aggregation::weighted. Checked on the device
-  /// (flag_invalid_weights): finite, >= 0, positive sum.
+  /// (flag_invalid_weights): finite, >= 0, sum >= FLT_MIN.
   const float* weights = nullptr;
   /// [Hq, W] natural-log log-sum-exp of each query's scaled logits over every key it sees
   /// (flash attention's LSE; multiply base-2 LSEs by ln 2). softmax_domain::visible only.

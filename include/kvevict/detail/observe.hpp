@@ -32,6 +32,7 @@
 #include <Eigen/Core>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/checked.hpp"
 #include "kvevict/detail/gemm.hpp"
 #include "kvevict/detail/pooling.hpp"
 #include "kvevict/detail/widen.hpp"
@@ -59,7 +60,8 @@ struct observation_problem {
   const float* weights = nullptr;  ///< [W] per-observation weights of the sum, or null (all 1)
   bool max_over_window = false;    ///< max_t instead of the weighted sum
 
-  std::int64_t rows() const noexcept { return group * window; }
+  /// G*W (saturating: size queries see unvalidated shapes).
+  std::int64_t rows() const noexcept { return saturating_mul(group, window); }
   std::int64_t softmax_end() const noexcept { return domain == softmax_domain::visible ? tokens : candidates; }
 };
 
@@ -82,7 +84,7 @@ struct observation_scratch {
 constexpr std::int64_t cached_logit_rows = 16;
 
 KVEVICT_ALWAYS_INLINE std::int64_t round_up(std::int64_t x, std::int64_t m) noexcept {
-  return (x + m - 1) / m * m;
+  return saturating_add(x, m - 1) / m * m;  // saturates (a multiple of m short of INT64_MAX)
 }
 
 /// Rows of logits the cache must hold for any window W' <= W of this problem: a workspace
@@ -97,15 +99,17 @@ inline void carve_observation_scratch(arena& a, const observation_problem& p, ob
   const tile_plan plan(p.dim);
   const std::int64_t r = p.rows();
   const std::int64_t cached_rows = cached_rows_bound(p);
-  s->q = a.take<float>(r * p.dim);
-  s->qb = a.take<bf16>(round_up(r, 32) * p.dim);  // AMX works on blocks of 32 rows and keys
-  s->qpanel = a.take<std::uint32_t>(8 * p.dim);
-  s->k = a.take<float>(plan.keys * p.dim);  // also holds AMX key panels (half the size)
+  // Saturating products: size queries run on unvalidated shapes, and a shape whose scratch
+  // does not fit must measure as SIZE_MAX, not as a wrapped small size.
+  s->q = a.take<float>(saturating_mul(r, p.dim));
+  s->qb = a.take<bf16>(saturating_mul(round_up(r, 32), p.dim));  // AMX works on blocks of 32 rows and keys
+  s->qpanel = a.take<std::uint32_t>(saturating_mul(std::int64_t{8}, p.dim));
+  s->k = a.take<float>(saturating_mul(plan.keys, p.dim));  // also holds AMX key panels (half the size)
   s->logits = a.take<float>(std::max(round_up(std::min(r, plan.rows), 32), cached_rows) * round_up(plan.keys, 32));
   s->row_max = a.take<float>(r);
   s->row_lse = a.take<float>(r);
-  s->acc = a.take<float>(p.group * p.candidates);
-  s->cached = cached_rows > 0 ? a.take<float>(cached_rows * p.softmax_end()) : nullptr;
+  s->acc = a.take<float>(saturating_mul(p.group, p.candidates));
+  s->cached = cached_rows > 0 ? a.take<float>(saturating_mul(cached_rows, p.softmax_end())) : nullptr;
 }
 
 /// Number of leading keys of tile [j0, j1) that observation position `pos` sees, for
@@ -260,6 +264,14 @@ KVEVICT_ALWAYS_INLINE float finish_lse(float row_max, float row_sum) noexcept {
   return row_sum == 0.0f ? -std::numeric_limits<float>::infinity() : row_sum;  // NaN stays NaN
 }
 
+/// Query rows for narrow_logits: float32 scaled rows (q), and for bf16 x bf16 the unscaled
+/// bf16 rows (qb) with the scale.
+struct narrow_queries {
+  const float* q = nullptr;
+  const bf16* qb = nullptr;  ///< non-null selects the VDPBF16PS kernel
+  float scale = 1.0f;
+};
+
 #if KVEVICT_DETAIL_AVX512
 /// Sums of four vectors: lane i of the result is the horizontal sum of the i-th argument.
 KVEVICT_ALWAYS_INLINE __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) noexcept {
@@ -332,14 +344,6 @@ KVEVICT_ALWAYS_INLINE void narrow_dots_bf16(const bf16* q, std::int64_t dim, con
   }
 }
 #endif
-
-/// Query rows for narrow_logits: float32 scaled rows (q), and for bf16 x bf16 the unscaled
-/// bf16 rows (qb) with the scale.
-struct narrow_queries {
-  const float* q = nullptr;
-  const bf16* qb = nullptr;  ///< non-null selects the VDPBF16PS kernel
-  float scale = 1.0f;
-};
 
 /// Requests key row j + 16 (every cache line of it) while rows j.. are being computed:
 /// a decode step is bound by DRAM, and the kernel alone does not keep enough loads in flight.

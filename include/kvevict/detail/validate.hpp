@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/checked.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/scoring/params.hpp"
 #include "kvevict/selection/keep_list.hpp"
@@ -26,13 +28,6 @@ struct field_name {
   field_name(const char* arg, const char* field) noexcept { std::snprintf(text, sizeof(text), "%s.%s", arg, field); }
   operator const char*() const noexcept { return text; }
 };
-
-inline bool checked_mul(std::int64_t a, std::int64_t b, std::int64_t* out) noexcept {
-  return !__builtin_mul_overflow(a, b, out);
-}
-inline bool checked_add(std::int64_t a, std::int64_t b, std::int64_t* out) noexcept {
-  return !__builtin_add_overflow(a, b, out);
-}
 
 struct strided_dim {
   std::int64_t extent;
@@ -55,9 +50,11 @@ inline status check_box(const char* fn, const char* arg, strided_dim* dims, int 
     }
     std::int64_t extra = 0;
     if (!checked_mul(dims[i].extent - 1, dims[i].stride, &extra) || !checked_add(reach, extra, &reach)) {
-      return status::error(errc::overflow, fn, arg, "the view spans more than 2^63 elements");
+      return status::error(errc::overflow, fn, arg, "the view spans 2^63 elements or more");
     }
   }
+  if (reach == std::numeric_limits<std::int64_t>::max())  // the span, reach + 1, would not fit
+    return status::error(errc::overflow, fn, arg, "the view spans 2^63 elements or more");
   *span = reach + 1;
   return status();
 }
@@ -112,7 +109,7 @@ status validate_cache_view_metadata(const cache_view<T>& v, const char* fn, cons
   std::int64_t pool_span = 0;
   if (!checked_mul(v.num_pool_blocks - 1, v.block_stride, &pool_span) ||
       !checked_add(pool_span, block_span, &pool_span))
-    return status::error(errc::overflow, fn, arg, "the block pool spans more than 2^63 elements");
+    return status::error(errc::overflow, fn, arg, "the block pool spans 2^63 elements or more");
   return status();
 }
 

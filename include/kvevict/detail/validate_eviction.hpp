@@ -12,6 +12,7 @@
 #include <cstdio>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/checked.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/views/batch_cache_view.hpp"
@@ -121,7 +122,8 @@ struct block_entry_name {
 template <class KSeq, class VSeq>
 std::int64_t block_id_scratch(std::int64_t num_seqs, const KSeq& kseq, const VSeq& vseq) noexcept {
   std::int64_t n = 0;
-  for (std::int64_t s = 0; s < num_seqs; ++s) n += used_blocks_or_zero(kseq(s)) + used_blocks_or_zero(vseq(s));
+  for (std::int64_t s = 0; s < num_seqs; ++s)  // saturating: size queries see unvalidated views
+    n = saturating_add(n, saturating_add(used_blocks_or_zero(kseq(s)), used_blocks_or_zero(vseq(s))));
   return n;
 }
 

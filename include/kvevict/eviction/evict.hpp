@@ -125,7 +125,7 @@ void compact_head(const cache_view<T>& v, std::int64_t h, const std::int64_t* ke
 
 template <class KT, class VT>
 std::int64_t evict_scratch_ids(const cache_view<KT>& keys, const cache_view<VT>& values) noexcept {
-  return used_blocks_or_zero(keys) + used_blocks_or_zero(values);
+  return saturating_add(used_blocks_or_zero(keys), used_blocks_or_zero(values));
 }
 
 inline void carve_evict_layout(arena& a, std::int64_t scratch_ids, std::int32_t** ids) noexcept {
@@ -135,8 +135,7 @@ inline void carve_evict_layout(arena& a, std::int64_t scratch_ids, std::int32_t*
 /// Blocks of a paged view's table beyond what `new_length` tokens need.
 template <class T>
 std::int64_t freed_blocks_of(const cache_view<T>& v, std::int64_t new_length) noexcept {
-  if (!v.is_paged()) return 0;
-  return v.num_used_blocks() - (new_length + v.block_size - 1) / v.block_size;
+  return v.num_used_blocks() - v.first_tokens(new_length).num_used_blocks();  // 0 when strided
 }
 
 /// Fills `result` for a validated keep-list.

@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/checked.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/executor.hpp"
@@ -30,11 +31,12 @@ KVEVICT_NAMESPACE_BEGIN
 
 namespace detail {
 /// Elements from v.data to one past the last element any token of the view (or, paged,
-/// any block of its pool) can reach. The view is valid.
+/// any block of its pool) can reach. The view is valid (when empty, its paged fields are
+/// unchecked: nothing is addressed).
 template <class T>
 std::int64_t view_extent(const cache_view<T>& v) noexcept {
+  if (v.num_tokens == 0) return 0;
   const std::int64_t tokens = v.is_paged() ? (v.num_tokens < v.block_size ? v.num_tokens : v.block_size) : v.num_tokens;
-  if (tokens == 0) return 0;
   const std::int64_t last =
       (v.num_heads - 1) * v.head_stride + (tokens - 1) * v.token_stride + (v.head_dim - 1) * v.dim_stride;
   return v.is_paged() ? (v.num_pool_blocks - 1) * v.block_stride + last + 1 : last + 1;
@@ -43,7 +45,8 @@ std::int64_t view_extent(const cache_view<T>& v) noexcept {
 inline bool byte_ranges_overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) noexcept {
   if (a_bytes == 0 || b_bytes == 0) return false;
   const std::uintptr_t a0 = reinterpret_cast<std::uintptr_t>(a), b0 = reinterpret_cast<std::uintptr_t>(b);
-  return a0 < b0 + b_bytes && b0 < a0 + a_bytes;
+  // [a0, a0 + a_bytes) and [b0, b0 + b_bytes) intersect; the differences cannot wrap.
+  return a0 <= b0 ? b0 - a0 < a_bytes : a0 - b0 < b_bytes;
 }
 }  // namespace detail
 
@@ -79,10 +82,16 @@ status flatten_varlen(cache_view<ST> src, const_keep_list_view keep, std::remove
   if (dst_row_stride < d)
     return status::error(errc::invalid_stride, fn, "dst_row_stride", "expected >= %lld (src.head_dim), got %lld",
                          static_cast<long long>(d), static_cast<long long>(dst_row_stride));
-  const std::int64_t dst_extent = total > 0 ? (total - 1) * dst_row_stride + d : 0;
-  const bool overlap =
-      detail::byte_ranges_overlap(src.data, static_cast<std::size_t>(detail::view_extent(src)) * sizeof(T), dst,
-                                  static_cast<std::size_t>(dst_extent) * sizeof(T));
+  std::int64_t dst_extent = 0;  // elements from dst to one past the last flat row's last channel
+  if (total > 0 && (!detail::checked_mul(total - 1, dst_row_stride, &dst_extent) ||
+                    !detail::checked_add(dst_extent, d, &dst_extent) ||
+                    static_cast<std::uint64_t>(dst_extent) > PTRDIFF_MAX / sizeof(T)))
+    return status::error(errc::overflow, fn, "dst_row_stride",
+                         "the %lld flat rows %lld elements apart span more memory than an address space has",
+                         static_cast<long long>(total), static_cast<long long>(dst_row_stride));
+  const bool overlap = detail::byte_ranges_overlap(
+      src.data, detail::saturating_mul(static_cast<std::size_t>(detail::view_extent(src)), sizeof(T)), dst,
+      static_cast<std::size_t>(dst_extent) * sizeof(T));
   if (overlap) {
     const bool in_place = !src.is_paged() && static_cast<const void*>(dst) == static_cast<const void*>(src.data) &&
                           src.dim_stride == 1 && dst_row_stride == src.token_stride && src.token_stride >= d &&
@@ -102,7 +111,7 @@ status flatten_varlen(cache_view<ST> src, const_keep_list_view keep, std::remove
     const std::size_t bytes = static_cast<std::size_t>(d) * sizeof(T);
     for (std::int64_t h = 0; h < keep.num_heads; ++h) {
       const std::int64_t begin = keep.offsets[h], n = keep.size(h);
-      for (std::int64_t i = 0; i < n; ++i) {
+      for (std::int64_t i = 0; i < n; ++i) {  // no pointer is formed for heads that keep nothing
         T* to = base + (begin + i) * dst_row_stride;
         const T* from = base + h * src.head_stride + keep.indices[begin + i] * src.token_stride;
         if (to != from) std::memmove(to, from, bytes);
@@ -121,6 +130,9 @@ status flatten_varlen(cache_view<ST> src, const_keep_list_view keep, std::remove
       [](void* arg, std::int64_t h, int) {
         const auto& c = *static_cast<const task_context*>(arg);
         const std::int64_t begin = c.keep.offsets[h], n = c.keep.size(h), dim = c.src.head_dim;
+        // A head that keeps nothing forms no pointer (begin * row_stride may be past dst, or
+        // not even representable) and walks no channel (an empty source may claim any d).
+        if (n == 0) return;
         T* out = c.dst + begin * c.row_stride;
         const std::int64_t* kept = c.keep.indices + begin;
         if (c.src.dim_stride == 1) {

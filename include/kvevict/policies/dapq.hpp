@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/checked.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/executor.hpp"
@@ -55,9 +56,10 @@ inline status dapq_pseudo_tokens_first_last(const std::int32_t* prompt, std::int
     return status::error(errc::invalid_argument, fn, "prompt_tokens", "expected >= 1, got %lld",
                          static_cast<long long>(prompt_tokens));
   if (prompt == nullptr) return status::error(errc::null_pointer, fn, "prompt", "expected non-null");
-  if (first < 0 || last < 0 || first + last < 1)
+  std::int64_t count = 0;
+  if (first < 0 || last < 0 || !detail::checked_add(first, last, &count) || count < 1)
     return status::error(errc::invalid_argument, fn, "first",
-                         "expected first, last >= 0 with first + last >= 1, got %lld + %lld",
+                         "expected first, last >= 0 with 1 <= first + last < 2^63, got %lld + %lld",
                          static_cast<long long>(first), static_cast<long long>(last));
   if (out == nullptr) return status::error(errc::null_pointer, fn, "out", "expected [first + last] ids");
   for (std::int64_t i = 0; i < first; ++i) out[i] = prompt[i < prompt_tokens ? i : prompt_tokens - 1];

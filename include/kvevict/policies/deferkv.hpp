@@ -28,9 +28,12 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <new>
 #include <vector>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/checked.hpp"
 #include "kvevict/detail/finalize.hpp"
 #include "kvevict/detail/observe.hpp"
 #include "kvevict/detail/validate.hpp"
@@ -70,6 +73,29 @@ struct deferkv_config {
   constexpr double effective_eta() const noexcept { return temporal_weighting ? eta : 1.0; }
 };
 
+namespace detail {
+/// v = n zeros, or false (v unchanged) when the memory cannot be allocated: no exception
+/// leaves a status-returning call, with or without exceptions enabled.
+inline bool assign_zeros(std::vector<float>& v, std::size_t n) noexcept {
+#if KVEVICT_HAS_EXCEPTIONS
+  try {
+    v.assign(n, 0.0f);  // strong guarantee: v is unchanged if this throws
+  } catch (const std::exception&) {
+    return false;
+  }
+#else
+  // Without exceptions a failed allocation inside std::vector aborts: ask first, nothrow.
+  if (n > v.capacity()) {
+    void* probe = ::operator new(n * sizeof(float), std::nothrow);
+    if (probe == nullptr) return false;
+    ::operator delete(probe);
+  }
+  v.assign(n, 0.0f);
+#endif
+  return true;
+}
+}  // namespace detail
+
 template <class T>
 class deferkv_state {
  public:
@@ -82,7 +108,8 @@ class deferkv_state {
   std::int64_t layer() const noexcept { return layer_; }
 
   /// Allocates the running state: [num_kv_heads, max_prompt_tokens] floats. Call before the
-  /// first prefill; observe_* never allocate.
+  /// first prefill; observe_* never allocate. A state that does not fit or cannot be allocated
+  /// is errc::overflow (`max_prompt_tokens`), never an exception; the old state is then kept.
   status reserve(std::int64_t num_kv_heads, std::int64_t max_prompt_tokens) {
     static constexpr const char* fn = "kvevict::deferkv_state::reserve";
     if (num_kv_heads < 1)
@@ -91,7 +118,15 @@ class deferkv_state {
     if (max_prompt_tokens < 0)
       return status::error(errc::invalid_argument, fn, "max_prompt_tokens", "expected >= 0, got %lld",
                            static_cast<long long>(max_prompt_tokens));
-    sums_.assign(static_cast<std::size_t>(num_kv_heads * max_prompt_tokens), 0.0f);
+    std::int64_t count = 0;
+    if (!detail::checked_mul(num_kv_heads, max_prompt_tokens, &count) ||
+        static_cast<std::uint64_t>(count) > sums_.max_size())
+      return status::error(errc::overflow, fn, "max_prompt_tokens",
+                           "a state of %lld x %lld floats does not fit in memory", static_cast<long long>(num_kv_heads),
+                           static_cast<long long>(max_prompt_tokens));
+    if (!detail::assign_zeros(sums_, static_cast<std::size_t>(count)))
+      return status::error(errc::overflow, fn, "max_prompt_tokens", "could not allocate a state of %lld x %lld floats",
+                           static_cast<long long>(num_kv_heads), static_cast<long long>(max_prompt_tokens));
     heads_capacity_ = num_kv_heads;
     tokens_capacity_ = max_prompt_tokens;
     reset();

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/checked.hpp"
 #include "kvevict/detail/finalize.hpp"
 #include "kvevict/detail/pooling.hpp"
 #include "kvevict/detail/validate.hpp"
@@ -32,7 +33,7 @@ struct attention_layout {
 };
 inline void carve_attention_layout(arena& a, std::int64_t group, std::int64_t candidates, std::int64_t window,
                                    attention_layout* out) noexcept {
-  out->acc = a.take<float>(group * candidates);
+  out->acc = a.take<float>(saturating_mul(group, candidates));  // saturating: shapes are unvalidated
   out->tmp = a.take<float>(candidates);
   out->counts = a.take<float>(candidates);
   out->sorted_pos = a.take<std::int64_t>(window);
@@ -64,8 +65,8 @@ inline status attention_scores(const attention_view& attention, std::int64_t num
                          "expected Hq >= 1, W >= 1, L >= 0, got [%lld, %lld, %lld]",
                          static_cast<long long>(attention.num_heads), static_cast<long long>(attention.num_queries),
                          static_cast<long long>(attention.num_tokens));
-  if (attention.data == nullptr) return status::error(errc::null_pointer, fn, "attention.data", "expected non-null");
-  {
+  if (attention.num_tokens > 0) {  // an empty cache's rows address nothing (any data and strides)
+    if (attention.data == nullptr) return status::error(errc::null_pointer, fn, "attention.data", "expected non-null");
     detail::strided_dim dims[3] = {{attention.num_heads, attention.head_stride, "head_stride"},
                                    {attention.num_queries, attention.query_stride, "query_stride"},
                                    {attention.num_tokens, 1, "key_stride"}};
@@ -95,12 +96,20 @@ inline status attention_scores(const attention_view& attention, std::int64_t num
     return status::error(errc::workspace_too_small, fn, "ws",
                          "expected at least %zu bytes (attention_scores_workspace_size), got %zu", a.used(), ws.size);
 
+  if (tokens == 0) return status();  // an empty cache: no score to write, no attention row to read
+
+  // Weights are read only for window_aggregation::weighted (validated non-null there). Reading
+  // them through `wts` keeps the default null `weights` out of every read, which GCC 12
+  // otherwise reports (-Warray-bounds at -O3) at call sites that pass no weights.
+  const float* const wts = params.window == window_aggregation::weighted ? weights : nullptr;
   detail::window_normaliser norm;
-  double weight_sum = 0.0;
-  for (std::int64_t t = 0; t < window; ++t)
-    weight_sum += params.window == window_aggregation::weighted ? static_cast<double>(weights[t]) : 1.0;
-  if (params.window == window_aggregation::mean || params.window == window_aggregation::weighted)
-    norm.scale = static_cast<float>(1.0 / weight_sum);
+  if (wts != nullptr) {
+    double weight_sum = 0.0;
+    for (std::int64_t t = 0; t < window; ++t) weight_sum += static_cast<double>(wts[t]);
+    norm.scale = static_cast<float>(1.0 / weight_sum);  // weight_sum >= FLT_MIN (validated): finite
+  } else if (params.window == window_aggregation::mean) {
+    norm.scale = static_cast<float>(1.0 / static_cast<double>(window));
+  }
   if (params.window == window_aggregation::visible_mean) {
     detail::observation_problem p;
     p.window = window;
@@ -119,7 +128,7 @@ inline status attention_scores(const attention_view& attention, std::int64_t num
         if (params.window == window_aggregation::max) {
           for (std::int64_t j = 0; j < candidates; ++j) acc[j] = detail::nan_max(acc[j], row[j]);
         } else {
-          const float w = params.window == window_aggregation::weighted ? weights[t] : 1.0f;
+          const float w = wts != nullptr ? wts[t] : 1.0f;
           for (std::int64_t j = 0; j < candidates; ++j) acc[j] += w * row[j];
         }
       }

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "kvevict/config.hpp"
 #include "kvevict/detail/finalize.hpp"
@@ -32,7 +33,8 @@ struct observation_inputs {
   /// j iff key_positions[j] <= queries.positions[t]. Any order is accepted (llama.cpp cells);
   /// non-decreasing positions take the fast path.
   const std::int64_t* key_positions = nullptr;
-  /// [W] weight of each observation, for window_aggregation::weighted (finite, >= 0, sum > 0).
+  /// [W] weight of each observation, for window_aggregation::weighted (finite, >= 0, with a
+  /// sum >= FLT_MIN, about 1.2e-38: smaller sums are rejected, as 1 / sum is not a float).
   const float* weights = nullptr;
   /// [Hq, W] natural-log log-sum-exp of each query's scaled logits q.k/sqrt(d) over every key it
   /// sees, as flash attention returns it (base-2 LSEs must be multiplied by ln 2). Only with
@@ -55,7 +57,13 @@ inline status validate_window_weights(const float* weights, std::int64_t count, 
                            static_cast<double>(weights[t]), static_cast<long long>(t));
     sum += static_cast<double>(weights[t]);
   }
-  if (!(sum > 0.0)) return status::error(errc::invalid_argument, fn, arg, "expected weights with a positive sum");
+  // The window normaliser is the float 1 / sum: a sum below FLT_MIN (denormal weights) would
+  // make it +inf, and unseen keys NaN. The weighted mean does not depend on the weights' scale.
+  if (!(sum >= static_cast<double>(std::numeric_limits<float>::min())))
+    return status::error(errc::invalid_argument, fn, arg,
+                         "expected weights with a sum >= %g (FLT_MIN; the weighted mean does not depend on their "
+                         "scale: scale them up), got %g",
+                         static_cast<double>(std::numeric_limits<float>::min()), sum);
   return status();
 }
 

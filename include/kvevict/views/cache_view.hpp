@@ -44,9 +44,11 @@ struct cache_view {
 
   KVEVICT_HOST_DEVICE bool is_paged() const noexcept { return block_table != nullptr; }
 
-  /// Blocks of the table this sequence uses: ceil(num_tokens / block_size).
+  /// Blocks of the table this sequence uses: ceil(num_tokens / block_size); 0 when strided,
+  /// empty, or block_size < 1 (a malformed view: validation rejects it). Never overflows.
   KVEVICT_HOST_DEVICE std::int64_t num_used_blocks() const noexcept {
-    return is_paged() ? (num_tokens + block_size - 1) / block_size : 0;
+    if (!is_paged() || num_tokens < 1 || block_size < 1) return 0;
+    return num_tokens / block_size + (num_tokens % block_size != 0 ? 1 : 0);
   }
 
   /// Offset in elements of (h, j, c) from `data`.

@@ -19,7 +19,8 @@ struct matrix_view {
   std::int64_t cols = 0;
   std::int64_t row_stride = 0;
 
-  KVEVICT_HOST_DEVICE T* row(std::int64_t r) const noexcept { return data + r * row_stride; }
+  /// Row r; for an empty matrix (cols == 0, any row_stride) `data`: no pointer is formed past it.
+  KVEVICT_HOST_DEVICE T* row(std::int64_t r) const noexcept { return cols > 0 ? data + r * row_stride : data; }
   KVEVICT_HOST_DEVICE T& at(std::int64_t r, std::int64_t c) const noexcept { return data[r * row_stride + c]; }
   template <class U = T, std::enable_if_t<!std::is_const<U>::value, int> = 0>
   KVEVICT_HOST_DEVICE operator detail::const_view_t<T, matrix_view<const std::remove_cv_t<T>>>() const noexcept {
