@@ -17,6 +17,8 @@
 
 #include "kvevict/kvevict.hpp"
 #include "reference/reference.hpp"
+#include "support/checksum.hpp"
+#include "support/near_tie.hpp"
 #include "support/test_cache.hpp"
 
 namespace fuzz {
@@ -34,19 +36,8 @@ using i64 = std::int64_t;
     }                                                                                     \
   } while (0)
 
-inline std::uint64_t fnv(std::uint64_t x, const void* data, std::size_t bytes) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (std::size_t i = 0; i < bytes; ++i) {
-    x ^= p[i];
-    x *= 1099511628211ull;
-  }
-  return x;
-}
-template <class T>
-std::uint64_t fnv(std::uint64_t x, const std::vector<T>& v) {
-  return fnv(x, v.data(), v.size() * sizeof(T));
-}
-constexpr std::uint64_t fnv_seed = 1469598103934665603ull;
+using test::fnv;
+using test::fnv_seed;
 
 /// Values that break validators: zero, one, negatives, powers of two around 2^31, 2^32,
 /// 2^62 and the int64 extremes.
@@ -124,17 +115,10 @@ inline bool scores_close(const float* got, const std::vector<ref::vec>& want, i6
   return true;
 }
 
-/// Whether the reference's k-th and (k+1)-th best candidates are too close to call.
+/// Whether the reference's k-th and (k+1)-th best candidates are too close to call (looser
+/// than the unit tests: fuzzed data reaches larger magnitudes and float32 rounding).
 inline bool near_tie(const ref::vec& row, i64 candidates, i64 k) {
-  if (k <= 0 || k >= candidates) return false;
-  ref::vec v(row.begin(), row.begin() + candidates);
-  std::sort(v.begin(), v.end(), [](double a, double b) {
-    if (std::isnan(a) != std::isnan(b)) return std::isnan(b);
-    return a > b;
-  });
-  const double a = v[static_cast<std::size_t>(k - 1)], b = v[static_cast<std::size_t>(k)];
-  if (std::isnan(a) || std::isnan(b)) return false;
-  return std::fabs(a - b) <= 1e-3 * std::max(std::fabs(a), std::fabs(b)) + 1e-5 * std::fabs(v[0]);
+  return test::near_tie_at(row, candidates, k, 1e-3, 1e-5);
 }
 
 /// A serial executor that claims several workers and runs tasks in a permuted order.

@@ -10,6 +10,7 @@
 //     match a double-precision rotation and compose (rotate to p, then by delta == rotate
 //     to p + delta); pseudo-token helpers with random arguments.
 #include "common.hpp"
+#include "reference/rope.hpp"
 
 namespace {
 using namespace fuzz;
@@ -227,22 +228,6 @@ void deferkv(FuzzedDataProvider& in) {
   }
 }
 
-/// RoPE in double, from the documented formulas.
-double inv_freq(const kvevict::rope_config& c, i64 i) {
-  const double pi = 3.14159265358979323846;
-  const double r = static_cast<double>(c.rotary_dim == 0 ? c.head_dim : c.rotary_dim);
-  const double inv = std::pow(c.theta, -2.0 * static_cast<double>(i) / r);
-  if (!c.llama3.enabled) return inv;
-  const double wavelen = 2.0 * pi / inv;
-  const double lo = c.llama3.original_max_position / c.llama3.low_freq_factor;
-  const double hi = c.llama3.original_max_position / c.llama3.high_freq_factor;
-  if (wavelen < hi) return inv;
-  if (wavelen > lo) return inv / c.llama3.factor;
-  const double smooth = (c.llama3.original_max_position / wavelen - c.llama3.low_freq_factor) /
-                        (c.llama3.high_freq_factor - c.llama3.low_freq_factor);
-  return (1.0 - smooth) * inv / c.llama3.factor + smooth * inv;
-}
-
 void rope(FuzzedDataProvider& in) {
   kvevict::rope_config c;
   static const i64 dims[] = {2, 4, 6, 8, 16, 64, 128, 1, 0, 3, 1024, 1026};
@@ -277,6 +262,7 @@ void rope(FuzzedDataProvider& in) {
   FUZZ_REQUIRE(out.back() == -2.0f && opos.back() == -1, "wrote past the rotated queries");
   if (!s.ok()) return;
   const i64 first = delta < 0 ? -delta : delta;
+  const std::vector<long double> inv_freq = ref::ref_inv_freq(c);
   // Against double precision: pre-RoPE query t rotated to position first + t.
   for (i64 h = 0; h < heads; ++h)
     for (i64 t = 0; t < n; ++t) {
@@ -288,7 +274,7 @@ void rope(FuzzedDataProvider& in) {
       for (i64 i = 0; i < r / 2; ++i) {
         const i64 a = c.pairing == kvevict::rope_pairing::neox ? i : 2 * i;
         const i64 b = c.pairing == kvevict::rope_pairing::neox ? i + r / 2 : 2 * i + 1;
-        const double ang = static_cast<double>(first + t) * inv_freq(c, i);
+        const double ang = static_cast<double>(first + t) * static_cast<double>(inv_freq[static_cast<std::size_t>(i)]);
         const double ya = x[a] * std::cos(ang) - x[b] * std::sin(ang), yb = x[a] * std::sin(ang) + x[b] * std::cos(ang);
         FUZZ_REQUIRE(std::fabs(ya - y[a]) <= tol && std::fabs(yb - y[b]) <= tol, "rope pair %lld",
                      static_cast<long long>(i));

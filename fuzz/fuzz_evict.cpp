@@ -56,8 +56,8 @@ std::vector<T> gathered(const std::vector<T>& before, const host_keep& keep, i64
   for (std::size_t h = 0; h + 1 < keep.offsets.size(); ++h)
     for (i64 i = 0; i < keep.offsets[h + 1] - keep.offsets[h]; ++i)
       for (i64 c = 0; c < dim; ++c)
-        out[static_cast<std::size_t>(offset(static_cast<i64>(h), i, c))] =
-            before[static_cast<std::size_t>(offset(static_cast<i64>(h), keep.indices[static_cast<std::size_t>(keep.offsets[h] + i)], c))];
+        out[static_cast<std::size_t>(offset(static_cast<i64>(h), i, c))] = before[static_cast<std::size_t>(
+            offset(static_cast<i64>(h), keep.indices[static_cast<std::size_t>(keep.offsets[h] + i)], c))];
   return out;
 }
 
@@ -70,12 +70,14 @@ template <class KT, class VT>
 void single(FuzzedDataProvider& in, const kvevict::executor& exec) {
   const i64 heads = in.ConsumeIntegralInRange<i64>(1, 4);
   const i64 l = in.ConsumeIntegralInRange<i64>(0, 64);
-  const i64 dk = in.ConsumeIntegralInRange<i64>(1, 12), dv = in.ConsumeBool() ? dk : in.ConsumeIntegralInRange<i64>(1, 12);
+  const i64 dk = in.ConsumeIntegralInRange<i64>(1, 12),
+            dv = in.ConsumeBool() ? dk : in.ConsumeIntegralInRange<i64>(1, 12);
   static const i64 blocks[] = {1, 2, 3, 8, 16};
   const i64 kb = in.PickValueInArray(blocks), vb = in.PickValueInArray(blocks);
   const test::layout kl = in.PickValueInArray(test::kAllLayouts), vl = in.PickValueInArray(test::kAllLayouts);
   const std::uint64_t seed = in.ConsumeIntegral<std::uint16_t>();
-  auto k = test::make_cache<KT>(kl, heads, l, dk, test::normal(static_cast<std::size_t>(heads * l * dk), seed), kb, seed);
+  auto k =
+      test::make_cache<KT>(kl, heads, l, dk, test::normal(static_cast<std::size_t>(heads * l * dk), seed), kb, seed);
   auto v = test::make_cache<VT>(vl, heads, l, dv, test::normal(static_cast<std::size_t>(heads * l * dv), seed + 1), vb,
                                 seed + 2);
   host_keep keep;
@@ -111,8 +113,9 @@ void single(FuzzedDataProvider& in, const kvevict::executor& exec) {
       FUZZ_REQUIRE(positions[i] == (kpos.empty() ? keep.indices[i] : kpos[static_cast<std::size_t>(keep.indices[i])]),
                    "positions[%zu]", i);
   const auto freed = [&](const auto& view) {
-    return view.is_paged() ? (l + view.block_size - 1) / view.block_size - (longest + view.block_size - 1) / view.block_size
-                           : 0;
+    return view.is_paged()
+               ? (l + view.block_size - 1) / view.block_size - (longest + view.block_size - 1) / view.block_size
+               : 0;
   };
   FUZZ_REQUIRE(result.freed_blocks == (k.view.is_paged() ? freed(k.view) : freed(v.view)), "freed_blocks");
 
@@ -125,8 +128,8 @@ void single(FuzzedDataProvider& in, const kvevict::executor& exec) {
                  "keep_list_positions[%zu]", i);
 
   // flatten_varlen out of place (from the compacted-before copy: rebuild K).
-  auto src = test::make_cache<KT>(kl, heads, l, dk, test::normal(static_cast<std::size_t>(heads * l * dk), seed + 5), kb,
-                                  seed + 6);
+  auto src = test::make_cache<KT>(kl, heads, l, dk, test::normal(static_cast<std::size_t>(heads * l * dk), seed + 5),
+                                  kb, seed + 6);
   const i64 stride = dk + in.ConsumeIntegralInRange<i64>(0, 3);
   const i64 total = static_cast<i64>(keep.indices.size());
   std::vector<KT> flat(static_cast<std::size_t>(total * stride + 1), test::sentinel<KT>());
@@ -213,9 +216,10 @@ void batch(FuzzedDataProvider& in, const kvevict::executor& exec) {
       const kvevict::cache_view<T> pool_layout =
           sd.hnd ? kvevict::paged_hnd(sd.buf.data(), sd.pool, bs, heads, d, nullptr, 0)
                  : kvevict::paged_nhd(sd.buf.data(), sd.pool, bs, heads, d, nullptr, 0);
-      views[x] = kind == 1 ? kvevict::vllm_paged_batch(pool_layout, seqs, sd.table.data(), std::max<i64>(maxb, 1), lens.data())
-                           : kvevict::flashinfer_paged_batch(pool_layout, seqs, sd.indptr.data(), sd.table.data(),
-                                                             lens.data());
+      views[x] =
+          kind == 1
+              ? kvevict::vllm_paged_batch(pool_layout, seqs, sd.table.data(), std::max<i64>(maxb, 1), lens.data())
+              : kvevict::flashinfer_paged_batch(pool_layout, seqs, sd.indptr.data(), sd.table.data(), lens.data());
     }
     const std::vector<double> vals = test::normal(sd.buf.size(), 40 + static_cast<std::uint64_t>(x) + mix % 1000);
     for (std::size_t i = 0; i < sd.buf.size(); ++i) sd.buf[i] = test::store<T>(vals[i]);
@@ -230,7 +234,8 @@ void batch(FuzzedDataProvider& in, const kvevict::executor& exec) {
   std::vector<host_keep> keeps(static_cast<std::size_t>(seqs));
   std::vector<kvevict::const_keep_list_view> kviews;
   for (i64 s = 0; s < seqs; ++s) {
-    for (i64 h = 0; h < heads; ++h) keeps[static_cast<std::size_t>(s)].add(fuzz_head(in, lens[static_cast<std::size_t>(s)]));
+    for (i64 h = 0; h < heads; ++h)
+      keeps[static_cast<std::size_t>(s)].add(fuzz_head(in, lens[static_cast<std::size_t>(s)]));
   }
   for (const host_keep& k : keeps) kviews.push_back(k.view());
   std::vector<std::vector<T>> want(2);
@@ -242,14 +247,14 @@ void batch(FuzzedDataProvider& in, const kvevict::executor& exec) {
         for (i64 i = 0; i < k.offsets[static_cast<std::size_t>(h + 1)] - k.offsets[static_cast<std::size_t>(h)]; ++i)
           for (i64 c = 0; c < d; ++c)
             want[static_cast<std::size_t>(x)][static_cast<std::size_t>(offset(x, s, h, i, c))] =
-                sides[x].buf[static_cast<std::size_t>(
-                    offset(x, s, h, k.indices[static_cast<std::size_t>(k.offsets[static_cast<std::size_t>(h)] + i)], c))];
+                sides[x].buf[static_cast<std::size_t>(offset(
+                    x, s, h, k.indices[static_cast<std::size_t>(k.offsets[static_cast<std::size_t>(h)] + i)], c))];
     }
   }
   std::vector<kvevict::eviction_result> results(static_cast<std::size_t>(seqs));
   std::vector<unsigned char> ws(kvevict::evict_batch_workspace_size(views[0], views[1], exec) + 1);
-  const kvevict::status st =
-      kvevict::evict_batch(views[0], views[1], kviews.data(), results.data(), {ws.data() + 1, ws.size() - 1}, nullptr, exec);
+  const kvevict::status st = kvevict::evict_batch(views[0], views[1], kviews.data(), results.data(),
+                                                  {ws.data() + 1, ws.size() - 1}, nullptr, exec);
   FUZZ_REQUIRE(st.ok(), "%s", st.message());
   FUZZ_REQUIRE(same(sides[0].buf, want[0]) && same(sides[1].buf, want[1]), "batch compaction differs (kind %d)", kind);
 }

@@ -49,9 +49,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (int k = 0; k < pokes && n > 0; ++k)
       scores[static_cast<std::size_t>(h * n + in.ConsumeIntegralInRange<i64>(0, n - 1))] = fuzz_float(in, true);
   }
-  const kvevict::selection_params sp{in.ConsumeIntegralInRange<i64>(0, n + 2),
-                                     in.ConsumeBool() ? kvevict::protected_mode::inside_budget
-                                                      : kvevict::protected_mode::on_top_of_budget};
+  const kvevict::selection_params sp{
+      in.ConsumeIntegralInRange<i64>(0, n + 2),
+      in.ConsumeBool() ? kvevict::protected_mode::inside_budget : kvevict::protected_mode::on_top_of_budget};
   const bool inside = sp.mode == kvevict::protected_mode::inside_budget;
   const bool ratio = in.ConsumeBool();
   const kvevict::budget b = ratio ? kvevict::budget::ratio(in.ConsumeIntegralInRange<int>(0, 100) / 100.0)
@@ -101,8 +101,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     total += x;
   }
   // floor(alpha*B) and round-half-even each move a head by < 1: within 2*Hkv of Hkv*B.
-  if (avg < cand) FUZZ_REQUIRE(std::llabs(total - heads * avg) <= 2 * heads, "adakv total %lld for %lld x %lld",
-                               static_cast<long long>(total), static_cast<long long>(heads), static_cast<long long>(avg));
+  if (avg < cand)
+    FUZZ_REQUIRE(std::llabs(total - heads * avg) <= 2 * heads, "adakv total %lld for %lld x %lld",
+                 static_cast<long long>(total), static_cast<long long>(heads), static_cast<long long>(avg));
 
   // PyramidKV layer budgets.
   const i64 window = in.ConsumeIntegralInRange<i64>(0, 64);
@@ -120,7 +121,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                  static_cast<long long>(available));
     sum += x;
   }
-  if (mean < available) FUZZ_REQUIRE(sum == layers * mean, "pyramid total %lld, expected %lld x %lld",
-                                     static_cast<long long>(sum), static_cast<long long>(layers), static_cast<long long>(mean));
+  if (mean < available)
+    FUZZ_REQUIRE(sum == layers * mean, "pyramid total %lld, expected %lld x %lld", static_cast<long long>(sum),
+                 static_cast<long long>(layers), static_cast<long long>(mean));
   return 0;
 }

@@ -172,7 +172,9 @@ meta fuzz_meta(FuzzedDataProvider& in, const meta* like) {
       case 9:
         if (!m.table.empty())
           m.table[in.ConsumeIntegralInRange<std::size_t>(0, m.table.size() - 1)] =
-              static_cast<std::int32_t>(in.ConsumeIntegralInRange<i64>(-2, std::min<i64>(m.pool, 1 << 30) + 2));
+              // (pool may already be mutated to a negative count: keep the range non-empty)
+              static_cast<std::int32_t>(
+                  in.ConsumeIntegralInRange<i64>(-2, std::max<i64>(0, std::min<i64>(m.pool, 1 << 30)) + 2));
         break;
       case 10:
         m.null_data = true;

@@ -33,8 +33,8 @@ void record_eigen_assert(const char* what, const char* file, int line) {
 
 // Every eigen_assert (including "heap allocation is forbidden") is recorded, never fatal,
 // and active even with NDEBUG.
-#define eigen_assert(x)                                                  \
-  do {                                                                   \
+#define eigen_assert(x)                                                               \
+  do {                                                                                \
     if (!static_cast<bool>(x)) nomalloc::record_eigen_assert(#x, __FILE__, __LINE__); \
   } while (false)
 
@@ -75,8 +75,12 @@ void* operator new[](std::size_t n) {
   if (p == nullptr) throw std::bad_alloc();
   return p;
 }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return counted_alloc(n, 0); }
-void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return counted_alloc(n, 0); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  return counted_alloc(n, 0);
+}
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
+  return counted_alloc(n, 0);
+}
 void* operator new(std::size_t n, std::align_val_t a) {
   void* p = counted_alloc(n, static_cast<std::size_t>(a));
   if (p == nullptr) throw std::bad_alloc();
@@ -93,18 +97,42 @@ void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noe
 void* operator new[](std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
   return counted_alloc(n, static_cast<std::size_t>(a));
 }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, const std::nothrow_t&) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept {
+  std::free(p);
+}
 
 // ---- malloc and friends (glibc, no sanitizer): forwarded to glibc's own entry points ----
 #if defined(__has_feature)
@@ -165,7 +193,8 @@ void no_alloc(const std::string& what, const std::function<bool()>& fn) {
   const bool ok = fn();
   nomalloc::counting.store(false);
   Eigen::internal::set_is_malloc_allowed(true);
-  const long dn = nomalloc::news.load() - n0, dm = nomalloc::mallocs.load() - m0, de = nomalloc::eigen_flags.load() - e0;
+  const long dn = nomalloc::news.load() - n0, dm = nomalloc::mallocs.load() - m0,
+             de = nomalloc::eigen_flags.load() - e0;
   if (!ok || dn != 0 || dm != 0 || de != 0) {
     std::printf("FAILED %s: %s, %ld operator new, %ld malloc, %ld Eigen heap/assert\n", what.c_str(),
                 ok ? "result ok" : "unexpected status", dn, dm, de);
@@ -212,13 +241,12 @@ void run_shape(i64 d, i64 group, i64 w, i64 l) {
 
   std::size_t ws_bytes = 0;
   for (const kvevict::executor* e : {&serial, &pooled}) {
-    ws_bytes = std::max({ws_bytes, snap.workspace_size(shape, *e), paper.workspace_size(shape, *e),
-                         h2o.workspace_size(shape, *e), knorm.workspace_size(shape, *e),
-                         chunk.workspace_size(shape, *e), dapq.workspace_size(shape, *e),
-                         kvevict::observation_scores_workspace_size(shape, weighted, *e),
-                         kvevict::select_workspace_size(l + 2, *e), kvevict::adakv_workspace_size(hkv, l),
-                         kvevict::evict_workspace_size(keys.view, values.view, *e),
-                         kvevict::evict_workspace_size(paged_keys.view, values.view, *e)});
+    ws_bytes = std::max(
+        {ws_bytes, snap.workspace_size(shape, *e), paper.workspace_size(shape, *e), h2o.workspace_size(shape, *e),
+         knorm.workspace_size(shape, *e), chunk.workspace_size(shape, *e), dapq.workspace_size(shape, *e),
+         kvevict::observation_scores_workspace_size(shape, weighted, *e), kvevict::select_workspace_size(l + 2, *e),
+         kvevict::adakv_workspace_size(hkv, l), kvevict::evict_workspace_size(keys.view, values.view, *e),
+         kvevict::evict_workspace_size(paged_keys.view, values.view, *e)});
   }
   kvevict::deferkv_config dcfg;
   dcfg.window = w;
@@ -279,8 +307,7 @@ void run_shape(i64 d, i64 group, i64 w, i64 l) {
     });
     no_alloc("evict strided K, paged V " + x, [&] {
       if (!kvevict::select(view(), kvevict::budget::ratio(0.5), sp, keep, ws, *e).ok()) return false;
-      return kvevict::evict(keys.view.first_tokens(l), values.view.first_tokens(l), keep, result, ws, nullptr, *e)
-          .ok();
+      return kvevict::evict(keys.view.first_tokens(l), values.view.first_tokens(l), keep, result, ws, nullptr, *e).ok();
     });
     no_alloc("evict paged K " + x, [&] {
       return kvevict::evict(paged_keys.view.first_tokens(l), values.view.first_tokens(l), keep, result, ws, nullptr, *e)

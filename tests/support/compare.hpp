@@ -11,6 +11,7 @@
 #include "kvevict/selection/keep_list.hpp"
 #include "kvevict/views/matrix_view.hpp"
 #include "reference/reference.hpp"
+#include "support/near_tie.hpp"
 
 namespace test {
 
@@ -36,19 +37,6 @@ inline void require_scores_close(kvevict::const_score_view got, const std::vecto
       }
     }
   }
-}
-
-/// True when the reference's k-th and (k+1)-th best candidates are too close to call.
-inline bool near_tie_at(const ref::vec& row, std::int64_t candidates, std::int64_t k) {
-  if (k <= 0 || k >= candidates) return false;
-  ref::vec v(row.begin(), row.begin() + candidates);
-  std::sort(v.begin(), v.end(), [](double a, double b) {
-    if (std::isnan(a) != std::isnan(b)) return std::isnan(b);
-    return a > b;
-  });
-  const double a = v[static_cast<std::size_t>(k - 1)], b = v[static_cast<std::size_t>(k)];
-  if (std::isnan(a) || std::isnan(b)) return false;
-  return std::fabs(a - b) <= 1e-4 * std::max(std::fabs(a), std::fabs(b)) + 1e-6 * std::fabs(v[0]);
 }
 
 inline std::vector<std::int64_t> head_of(const kvevict::const_keep_list_view& k, std::int64_t h) {

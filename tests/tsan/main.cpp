@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kvevict/kvevict.hpp"
+#include "support/checksum.hpp"
 #include "support/test_cache.hpp"
 #include "tsan/thread_pool.hpp"
 
@@ -30,29 +31,18 @@ using i64 = std::int64_t;
 std::atomic<int> failures{0};
 std::mutex print_mutex;
 
-#define TSAN_CHECK(cond, ...)                                                     \
-  do {                                                                            \
-    if (!(cond)) {                                                                \
-      std::lock_guard<std::mutex> lock_(print_mutex);                             \
-      std::printf("FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond);               \
-      std::printf(__VA_ARGS__);                                                   \
-      std::printf("\n");                                                          \
-      ++failures;                                                                 \
-    }                                                                             \
+#define TSAN_CHECK(cond, ...)                                       \
+  do {                                                              \
+    if (!(cond)) {                                                  \
+      std::lock_guard<std::mutex> lock_(print_mutex);               \
+      std::printf("FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+      std::printf(__VA_ARGS__);                                     \
+      std::printf("\n");                                            \
+      ++failures;                                                   \
+    }                                                               \
   } while (0)
 
-std::uint64_t fnv(std::uint64_t x, const void* data, std::size_t bytes) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (std::size_t i = 0; i < bytes; ++i) {
-    x ^= p[i];
-    x *= 1099511628211ull;
-  }
-  return x;
-}
-template <class T>
-std::uint64_t fnv(std::uint64_t x, const std::vector<T>& v) {
-  return fnv(x, v.data(), v.size() * sizeof(T));
-}
+using test::fnv;
 
 /// One layer's whole eviction pipeline. Everything it touches is its own.
 template <class T>
@@ -75,7 +65,7 @@ struct layer_job {
 
   /// Runs the pipeline with `exec` and returns a checksum of every output.
   std::uint64_t run(const kvevict::executor& exec) const {
-    std::uint64_t sum = 1469598103934665603ull;
+    std::uint64_t sum = test::fnv_seed;
     auto keys = test::make_cache<T>(kind, hkv, lp + delay, d, kd, 16, 3 + static_cast<std::uint64_t>(id));
     auto values = test::make_cache<T>(kind, hkv, lp + delay, d, vd, 16, 4 + static_cast<std::uint64_t>(id));
     auto queries = test::make_queries<T>(hkv * group, w, d, qd, qpos);
@@ -183,8 +173,8 @@ struct any_job {
 
 std::vector<any_job> make_jobs() {
   std::vector<any_job> jobs;
-  const test::layout kinds[] = {test::layout::contiguous, test::layout::paged_nhd, test::layout::transposed,
-                                test::layout::paged_hnd, test::layout::token_major, test::layout::padded};
+  const test::layout kinds[] = {test::layout::contiguous, test::layout::paged_nhd,   test::layout::transposed,
+                                test::layout::paged_hnd,  test::layout::token_major, test::layout::padded};
   for (int i = 0; i < 6; ++i) {
     const test::layout kind = kinds[i];
     const std::string name = "layer " + std::to_string(i) + " (" + test::name(kind) + ")";

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kvevict/kvevict.hpp"
+#include "support/checksum.hpp"
 #include "support/test_cache.hpp"
 
 namespace {
@@ -34,19 +35,13 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr i64 kTwo31 = i64{1} << 31;
 constexpr i64 kTwo32 = i64{1} << 32;
 
-std::uint64_t fnv(std::uint64_t x, const void* data, std::size_t bytes) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (std::size_t i = 0; i < bytes; ++i) {
-    x ^= p[i];
-    x *= 1099511628211ull;
-  }
-  return x;
-}
+using test::fnv;
+/// A vector's bytes and its size: a failing call must not resize an output either.
 template <class T>
-std::uint64_t fnv(std::uint64_t x, const std::vector<T>& v) {
-  x = fnv(x, v.data(), v.size() * sizeof(T));
+std::uint64_t fnv_sized(std::uint64_t x, const std::vector<T>& v) {
+  x = test::fnv(x, v);
   const std::uint64_t n = v.size();
-  return fnv(x, &n, sizeof(n));
+  return test::fnv(x, &n, sizeof(n));
 }
 template <class T>
 std::uint64_t fnv_value(std::uint64_t x, const T& v) {
@@ -235,17 +230,18 @@ struct world {
   /// FNV-1a of every cache, input and output buffer, the eviction results and the DeferKV
   /// state's observable contents.
   std::uint64_t checksum() const {
-    std::uint64_t x = 1469598103934665603ull;
+    std::uint64_t x = test::fnv_seed;
     for (const auto* f : {&k, &v, &q, &weights, &lse, &attn, &pool_k, &pool_v, &scores, &sel, &flat, &rot, &bk, &bv,
                           &bpool_k, &bpool_v, &dk})
-      x = fnv(x, *f);
+      x = fnv_sized(x, *f);
     for (const auto* f :
          {&qpos, &kpos, &out_offsets, &out_indices, &head_budgets, &budgets_out, &head_lengths, &positions, &cu,
           &rot_pos, &keep_offsets, &keep_indices, &seq_lens, &pseq_lens, &dpos0, &dpos1})
-      x = fnv(x, *f);
-    for (const auto* f : {&table_k, &table_v, &btable_k, &btable_v, &indptr, &prompt_ids, &pseudo_ids}) x = fnv(x, *f);
-    for (const auto& f : bkeep_offsets) x = fnv(x, f);
-    for (const auto& f : bkeep_indices) x = fnv(x, f);
+      x = fnv_sized(x, *f);
+    for (const auto* f : {&table_k, &table_v, &btable_k, &btable_v, &indptr, &prompt_ids, &pseudo_ids})
+      x = fnv_sized(x, *f);
+    for (const auto& f : bkeep_offsets) x = fnv_sized(x, f);
+    for (const auto& f : bkeep_indices) x = fnv_sized(x, f);
     x = fnv_value(x, result.max_length);
     x = fnv_value(x, result.freed_blocks);
     for (const auto& r : bresults) {
@@ -1783,7 +1779,8 @@ TEMPLATE_TEST_CASE("bad input: malformed cache views of every layout and type", 
         const std::string prefix = target == 2 ? "values" : (target == 3 ? "src" : "keys");
         if (!m.apply(target == 2 ? vv : kv, kind)) continue;
         const std::uint64_t before =
-            fnv(fnv(fnv(fnv(fnv(1469598103934665603ull, kc.buffer), vc.buffer), scores), dst), queries.buffer);
+            fnv_sized(fnv_sized(fnv_sized(fnv_sized(fnv_sized(test::fnv_seed, kc.buffer), vc.buffer), scores), dst),
+                      queries.buffer);
         kvevict::status st;
         switch (target) {
           case 0:
@@ -1807,8 +1804,8 @@ TEMPLATE_TEST_CASE("bad input: malformed cache views of every layout and type", 
         INFO(test::name(kind) << " / target " << target << " / " << want << " -> " << st.message());
         CHECK(st.code() == m.code);
         CHECK(std::string(st.argument()) == want);
-        CHECK(fnv(fnv(fnv(fnv(fnv(1469598103934665603ull, kc.buffer), vc.buffer), scores), dst), queries.buffer) ==
-              before);
+        CHECK(fnv_sized(fnv_sized(fnv_sized(fnv_sized(fnv_sized(test::fnv_seed, kc.buffer), vc.buffer), scores), dst),
+                        queries.buffer) == before);
       }
     }
   }

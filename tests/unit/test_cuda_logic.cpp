@@ -608,6 +608,21 @@ TEST_CASE("workspace plans: the size query covers the run, buffers are disjoint 
   cd::select_workspace sw;
   cd::carve_select_workspace(ms, 256, &sw);
   REQUIRE(ms.used() >= 256 * sizeof(kvevict::cuda::select_row) + 4);
+  // Impossible shapes saturate the size query instead of wrapping to a small size.
+  const std::int64_t huge = std::int64_t{1} << 62;
+  kvevict::detail::arena mh1, mh2, mh3;
+  cd::obs_workspace ow;
+  cd::carve_obs_workspace(mh1, cd::make_obs_dims(8, 32, 32, huge, kvevict::scoring_params{}), false, &ow);
+  REQUIRE(mh1.used() == std::numeric_limits<std::size_t>::max());
+  cd::carve_decode_workspace(mh2, cd::make_obs_dims(huge, huge, 1, huge, kvevict::scoring_params{}), false, &dw);
+  REQUIRE(mh2.used() == std::numeric_limits<std::size_t>::max());
+  cd::compact_dims cdims;
+  cdims.capacity = huge;
+  cdims.key_row_bytes = 256;
+  cdims.value_row_bytes = 256;
+  cd::compact_workspace cw;
+  cd::carve_compact_workspace(mh3, cdims, &cw);
+  REQUIRE(mh3.used() == std::numeric_limits<std::size_t>::max());
 }
 
 TEST_CASE("compaction workspace and block-table relations", "[cuda_logic]") {

@@ -56,7 +56,8 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
 /// over a differently dirty workspace, and once with every other executor; every result must
 /// be bitwise equal to the reference.
 template <class R>
-void require_deterministic(const char* what, const std::function<R(const kvevict::executor&, dirty_workspace&)>& produce) {
+void require_deterministic(const char* what,
+                           const std::function<R(const kvevict::executor&, dirty_workspace&)>& produce) {
   executors ex;
   dirty_workspace ws;
   const R reference = produce(kvevict::executor{}, ws);
@@ -81,12 +82,14 @@ struct layer {
   i64 hq() const { return hkv * group; }
 };
 
-kvevict::scoring_params with_tail(kvevict::window_config c) { return c.params(); }
+kvevict::scoring_params with_tail(kvevict::window_config c) {
+  return c.params();
+}
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("observation scores are bitwise identical across runs, executors and workspaces",
-                   "[determinism]", float, kvevict::bf16) {
+TEMPLATE_TEST_CASE("observation scores are bitwise identical across runs, executors and workspaces", "[determinism]",
+                   float, kvevict::bf16) {
   using T = TestType;
   // Decode-sized (cached logits), prompt windows (two sweeps), and more rows than one GEMM
   // call takes (chunked rows); tiles end mid-row (L not a multiple of the key tile).
@@ -169,9 +172,9 @@ TEST_CASE("selection is deterministic with ties, NaN and long rows, under every 
           kvevict::selection_params{64, kvevict::protected_mode::on_top_of_budget}}) {
       require_deterministic<std::vector<i64>>("select", [&](const kvevict::executor& exec, dirty_workspace& ws) {
         kvevict::keep_list keep(hkv, kvevict::select_capacity(hkv, l, kvevict::budget::tokens(b), sp));
-        const kvevict::status st = kvevict::select(kvevict::const_score_view{scores.data(), hkv, l, l},
-                                                   kvevict::budget::tokens(b), sp, keep,
-                                                   ws.get(kvevict::select_workspace_size(l, exec)), exec);
+        const kvevict::status st =
+            kvevict::select(kvevict::const_score_view{scores.data(), hkv, l, l}, kvevict::budget::tokens(b), sp, keep,
+                            ws.get(kvevict::select_workspace_size(l, exec)), exec);
         REQUIRE(st.ok());
         std::vector<i64> flat;
         for (i64 h = 0; h < hkv; ++h) {
@@ -185,9 +188,8 @@ TEST_CASE("selection is deterministic with ties, NaN and long rows, under every 
   }
   require_deterministic<std::vector<i64>>("select per head", [&](const kvevict::executor& exec, dirty_workspace& ws) {
     kvevict::keep_list keep(hkv, hkv * l);
-    const kvevict::status st =
-        kvevict::select(kvevict::const_score_view{scores.data(), hkv, l, l}, budgets.data(), {}, keep,
-                        ws.get(kvevict::select_workspace_size(l, exec)), exec);
+    const kvevict::status st = kvevict::select(kvevict::const_score_view{scores.data(), hkv, l, l}, budgets.data(), {},
+                                               keep, ws.get(kvevict::select_workspace_size(l, exec)), exec);
     REQUIRE(st.ok());
     std::vector<i64> flat;
     for (i64 h = 0; h < hkv; ++h) {
@@ -201,8 +203,8 @@ TEST_CASE("selection is deterministic with ties, NaN and long rows, under every 
   std::vector<i64> first;
   for (int run = 0; run < 3; ++run) {
     std::vector<i64> out(static_cast<std::size_t>(hkv));
-    REQUIRE(kvevict::adakv_head_budgets({scores.data(), hkv, l, l}, 32, 700, {0.2, run == 2},
-                                        out.data(), ws.get(kvevict::adakv_workspace_size(hkv, l)))
+    REQUIRE(kvevict::adakv_head_budgets({scores.data(), hkv, l, l}, 32, 700, {0.2, run == 2}, out.data(),
+                                        ws.get(kvevict::adakv_workspace_size(hkv, l)))
                 .ok());
     if (run < 2) {
       if (run == 0) first = out;
@@ -262,7 +264,8 @@ TEST_CASE("the DeferKV lifecycle is deterministic under every executor", "[deter
   auto window = test::make_queries<kvevict::bf16>(hkv * group, w, d, s.q, qpos);
   std::vector<std::vector<kvevict::bf16>> decode_q;
   for (i64 step = 0; step < delay; ++step) {
-    std::vector<double> q = test::normal(static_cast<std::size_t>(hkv * group * d), 90 + static_cast<std::uint64_t>(step));
+    std::vector<double> q =
+        test::normal(static_cast<std::size_t>(hkv * group * d), 90 + static_cast<std::uint64_t>(step));
     std::vector<kvevict::bf16> qq;
     for (double x : q) qq.push_back(kvevict::bf16(static_cast<float>(x)));
     decode_q.push_back(qq);
@@ -331,8 +334,9 @@ TEST_CASE("eviction results are identical under every executor", "[determinism]"
           auto k = test::make_cache<kvevict::bf16>(lay, hkv, l, d, dense, 16, 3);
           std::vector<kvevict::bf16> flat(idx.size() * static_cast<std::size_t>(d + 2), kvevict::bf16(-1.0f));
           std::vector<i64> cu(static_cast<std::size_t>(hkv + 1));
-          REQUIRE(kvevict::flatten_varlen(k.view, keep, flat.data(), static_cast<i64>(idx.size()), d + 2, cu.data(), exec)
-                      .ok());
+          REQUIRE(
+              kvevict::flatten_varlen(k.view, keep, flat.data(), static_cast<i64>(idx.size()), d + 2, cu.data(), exec)
+                  .ok());
           return flat;
         });
   }
@@ -351,10 +355,10 @@ TEST_CASE("eviction results are identical under every executor", "[determinism]"
       ktab[i] = static_cast<std::int32_t>((i * 5) % ktab.size());  // a permutation (5 coprime with 3*38)
       vtab[i] = static_cast<std::int32_t>(ktab.size() + i);
     }
-    const auto kb = kvevict::vllm_paged_batch(
-        kvevict::paged_nhd(kp.data(), pool_blocks, block, hkv, d, nullptr, 0), seqs, ktab.data(), maxb, lens.data());
-    const auto vb = kvevict::vllm_paged_batch(
-        kvevict::paged_hnd(vp.data(), pool_blocks, block, hkv, d, nullptr, 0), seqs, vtab.data(), maxb, lens.data());
+    const auto kb = kvevict::vllm_paged_batch(kvevict::paged_nhd(kp.data(), pool_blocks, block, hkv, d, nullptr, 0),
+                                              seqs, ktab.data(), maxb, lens.data());
+    const auto vb = kvevict::vllm_paged_batch(kvevict::paged_hnd(vp.data(), pool_blocks, block, hkv, d, nullptr, 0),
+                                              seqs, vtab.data(), maxb, lens.data());
     std::vector<std::vector<i64>> offs, idxs;
     std::vector<kvevict::const_keep_list_view> keeps;
     for (i64 sq = 0; sq < seqs; ++sq) {
@@ -371,9 +375,8 @@ TEST_CASE("eviction results are identical under every executor", "[determinism]"
       keeps.push_back({hkv, offs[static_cast<std::size_t>(sq)].data(), idxs[static_cast<std::size_t>(sq)].data(),
                        static_cast<i64>(idxs[static_cast<std::size_t>(sq)].size())});
     std::vector<kvevict::eviction_result> results(static_cast<std::size_t>(seqs));
-    const kvevict::status st = kvevict::evict_batch(kb, vb, keeps.data(), results.data(),
-                                                    ws.get(kvevict::evict_batch_workspace_size(kb, vb, exec)), nullptr,
-                                                    exec);
+    const kvevict::status st = kvevict::evict_batch(
+        kb, vb, keeps.data(), results.data(), ws.get(kvevict::evict_batch_workspace_size(kb, vb, exec)), nullptr, exec);
     INFO(st.message());
     REQUIRE(st.ok());
     kp.insert(kp.end(), vp.begin(), vp.end());

@@ -21,6 +21,7 @@
 #include "kvevict/kvevict.hpp"
 #include "reference/reference.hpp"
 #include "support/compare.hpp"
+#include "support/scoring_config.hpp"
 #include "support/test_cache.hpp"
 
 namespace {
@@ -29,30 +30,8 @@ using i64 = std::int64_t;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-struct config {
-  kvevict::scoring_params lib;
-  ref::params ref;
-};
-
-config make_config(kvevict::softmax_domain dom, kvevict::window_aggregation win, kvevict::gqa_reduction red,
-                   kvevict::gqa_order order, kvevict::pooling_kind pool, i64 kernel, i64 protected_tail) {
-  config c;
-  c.lib.domain = dom;
-  c.lib.window = win;
-  c.lib.gqa = red;
-  c.lib.order = order;
-  c.lib.pool = {pool, kernel, true};
-  c.lib.protected_tail = protected_tail;
-  c.ref.dom = dom == kvevict::softmax_domain::visible ? ref::domain::visible : ref::domain::candidates;
-  c.ref.window = static_cast<ref::agg>(static_cast<int>(win));
-  c.ref.reduce = static_cast<ref::gqa>(static_cast<int>(red));
-  c.ref.reduce_before_pool = order == kvevict::gqa_order::before_pooling;
-  c.ref.kind = static_cast<ref::pool>(static_cast<int>(pool));
-  c.ref.kernel = kernel;
-  c.ref.count_padding = true;
-  c.ref.protected_tail = protected_tail;
-  return c;
-}
+using config = test::scoring_config;
+using test::make_config;
 
 std::vector<config> configs() {
   using namespace kvevict;

@@ -10,6 +10,7 @@
 #include "kvevict/selection/select.hpp"
 #include "reference/reference.hpp"
 #include "support/compare.hpp"
+#include "support/scoring_config.hpp"
 #include "support/test_cache.hpp"
 
 using kvevict::bf16;
@@ -17,31 +18,8 @@ using kvevict::fp16;
 
 namespace {
 
-struct config {
-  kvevict::scoring_params lib;
-  ref::params ref;
-};
-
-config make_config(kvevict::softmax_domain dom, kvevict::window_aggregation win, kvevict::gqa_reduction red,
-                   kvevict::gqa_order order, kvevict::pooling_kind pool, std::int64_t kernel, bool count_padding,
-                   std::int64_t protected_tail) {
-  config c;
-  c.lib.domain = dom;
-  c.lib.window = win;
-  c.lib.gqa = red;
-  c.lib.order = order;
-  c.lib.pool = {pool, kernel, count_padding};
-  c.lib.protected_tail = protected_tail;
-  c.ref.dom = dom == kvevict::softmax_domain::visible ? ref::domain::visible : ref::domain::candidates;
-  c.ref.window = static_cast<ref::agg>(static_cast<int>(win));
-  c.ref.reduce = static_cast<ref::gqa>(static_cast<int>(red));
-  c.ref.reduce_before_pool = order == kvevict::gqa_order::before_pooling;
-  c.ref.kind = static_cast<ref::pool>(static_cast<int>(pool));
-  c.ref.kernel = kernel;
-  c.ref.count_padding = count_padding;
-  c.ref.protected_tail = protected_tail;
-  return c;
-}
+using config = test::scoring_config;
+using test::make_config;
 
 struct shape {
   std::int64_t hkv, group, dim, tokens, window;

@@ -83,7 +83,8 @@ void decode(const model& m, kv_cache& cache, std::vector<std::int32_t>& generate
 }
 
 std::int64_t budget_tokens(double fraction, std::int64_t prompt_tokens) {
-  return std::max<std::int64_t>(1, static_cast<std::int64_t>(std::llround(fraction * static_cast<double>(prompt_tokens))));
+  return std::max<std::int64_t>(1,
+                                static_cast<std::int64_t>(std::llround(fraction * static_cast<double>(prompt_tokens))));
 }
 
 /// Per-layer scores of every prompt-time policy, computed once per prompt and reused for
@@ -160,7 +161,8 @@ void evict_all_layers(const model& m, layer_evictor& ev, kv_cache& cache, std::i
                       std::int64_t budget) {
   const std::int64_t layers = m.cfg.layers, hkv = m.cfg.kv_heads;
   if (alloc == allocator::uniform) {
-    for (std::int64_t l = 0; l < layers; ++l) ev.apply(cache, l, tokens, scores[static_cast<std::size_t>(l)], sp, budget);
+    for (std::int64_t l = 0; l < layers; ++l)
+      ev.apply(cache, l, tokens, scores[static_cast<std::size_t>(l)], sp, budget);
     return;
   }
   // Allocators budget the candidates; the protected window (and decoded tokens) come on top.
@@ -204,14 +206,14 @@ outcome run_case(const model& m, const prefill_state& p, const prompt_case& pc, 
     case policy_kind::snapkv:
     case policy_kind::pyramidkv:
     case policy_kind::adakv: {
-      const policy_kind scorer = (spec.kind == policy_kind::pyramidkv || spec.kind == policy_kind::adakv)
-                                     ? policy_kind::snapkv
-                                     : spec.kind;
+      const policy_kind scorer =
+          (spec.kind == policy_kind::pyramidkv || spec.kind == policy_kind::adakv) ? policy_kind::snapkv : spec.kind;
       const int key = static_cast<int>(scorer);
       cache = p.cache;
       if (!memo.scores.count(key)) {
         kvevict::selection_params sp;
-        for (std::int64_t l = 0; l < m.cfg.layers; ++l) memo.scores[key].push_back(prompt_scores(m, p, cache, l, scorer, &sp));
+        for (std::int64_t l = 0; l < m.cfg.layers; ++l)
+          memo.scores[key].push_back(prompt_scores(m, p, cache, l, scorer, &sp));
         memo.selection[key] = sp;
       }
       const allocator alloc = spec.kind == policy_kind::pyramidkv ? allocator::pyramid
@@ -245,8 +247,8 @@ outcome run_case(const model& m, const prefill_state& p, const prompt_case& pc, 
           std::vector<float> rotated(static_cast<std::size_t>(hq * kPseudoTokens * d));
           std::vector<std::int64_t> rotated_pos(static_cast<std::size_t>(kPseudoTokens));
           if (pseudo) {
-            in.queries = kvevict::contiguous_queries<const float>(p.pseudo_queries[static_cast<std::size_t>(l)].data(), hq,
-                                                                  kPseudoTokens, d, p.pseudo_positions.data());
+            in.queries = kvevict::contiguous_queries<const float>(p.pseudo_queries[static_cast<std::size_t>(l)].data(),
+                                                                  hq, kPseudoTokens, d, p.pseudo_positions.data());
           } else {
             // Re-rotation: the last N prompt queries (post-RoPE) moved by N positions.
             kvevict::query_view<const float> moved;
@@ -264,7 +266,8 @@ outcome run_case(const model& m, const prefill_state& p, const prompt_case& pc, 
       // pseudo token, and decoding resumes at Lp.
       for (std::int64_t l = 0; l < m.cfg.layers; ++l) {
         const auto& s = memo.scores[key][static_cast<std::size_t>(l)];
-        kvevict::keep_list keep(hkv, kvevict::select_capacity(hkv, lp, kvevict::budget::tokens(budget), policy.selection()));
+        kvevict::keep_list keep(hkv,
+                                kvevict::select_capacity(hkv, lp, kvevict::budget::tokens(budget), policy.selection()));
         kvevict::workspace sws(kvevict::select_workspace_size(lp));
         check(kvevict::select(kvevict::const_score_view{s.data(), hkv, lp, lp}, kvevict::budget::tokens(budget),
                               policy.selection(), keep, sws));
@@ -320,8 +323,8 @@ int check_logits(const model& m, const std::string& path, bool verbose) {
   }
   const bool ok = prompts > 0 && worst < 1e-3 && argmax_mismatch == 0;
   if (verbose || !ok)
-    std::printf("logits vs PyTorch: %d prompts, max |diff| = %.3g (tolerance 1e-3), argmax mismatches %d: %s\n", prompts,
-                worst, argmax_mismatch, ok ? "ok" : "FAILED");
+    std::printf("logits vs PyTorch: %d prompts, max |diff| = %.3g (tolerance 1e-3), argmax mismatches %d: %s\n",
+                prompts, worst, argmax_mismatch, ok ? "ok" : "FAILED");
   return ok ? 0 : 1;
 }
 
@@ -333,8 +336,9 @@ std::vector<double> parse_doubles(const std::string& s) {
   return v;
 }
 
-int bench(const model& m, const std::vector<prompt_case>& all, std::int64_t per_task, const std::vector<double>& budgets,
-          const std::vector<policy_spec>& policies, const std::string& json_path, bool verbose) {
+int bench(const model& m, const std::vector<prompt_case>& all, std::int64_t per_task,
+          const std::vector<double>& budgets, const std::vector<policy_spec>& policies, const std::string& json_path,
+          bool verbose) {
   std::map<std::string, std::int64_t> taken;
   std::vector<prompt_case> prompts;
   for (const auto& pc : all)
@@ -434,20 +438,33 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) throw std::runtime_error("missing value after " + a);
       return argv[++i];
     };
-    if (a == "--check-logits") mode = "check";
-    else if (a == "--bench") mode = "bench";
-    else if (a == "--ci") mode = "ci";
-    else if (a == "--demo") mode = "demo";
-    else if (a == "--weights") weights = next();
-    else if (a == "--prompts") prompts_path = next();
-    else if (a == "--reference") ref = next();
-    else if (a == "--per-task") per_task = std::stoll(next());
-    else if (a == "--budgets") budget_list = next();
-    else if (a == "--policies") policy_list = next();
-    else if (a == "--json") json = next();
+    if (a == "--check-logits")
+      mode = "check";
+    else if (a == "--bench")
+      mode = "bench";
+    else if (a == "--ci")
+      mode = "ci";
+    else if (a == "--demo")
+      mode = "demo";
+    else if (a == "--weights")
+      weights = next();
+    else if (a == "--prompts")
+      prompts_path = next();
+    else if (a == "--reference")
+      ref = next();
+    else if (a == "--per-task")
+      per_task = std::stoll(next());
+    else if (a == "--budgets")
+      budget_list = next();
+    else if (a == "--policies")
+      policy_list = next();
+    else if (a == "--json")
+      json = next();
     else {
-      std::fprintf(stderr, "usage: %s [--check-logits|--bench|--ci|--demo] [--per-task N] [--budgets f,..] "
-                           "[--policies a,..] [--json out] [--weights f] [--prompts f]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--check-logits|--bench|--ci|--demo] [--per-task N] [--budgets f,..] "
+                   "[--policies a,..] [--json out] [--weights f] [--prompts f]\n",
+                   argv[0]);
       return 2;
     }
   }

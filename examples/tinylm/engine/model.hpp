@@ -46,7 +46,8 @@ struct model {
     const auto t = load_safetensors(path);
     auto mat = [&](const std::string& name, std::int64_t rows, std::int64_t cols) {
       const auto it = t.find(name);
-      if (it == t.end() || it->second.numel() != rows * cols) throw std::runtime_error("weights: bad or missing " + name);
+      if (it == t.end() || it->second.numel() != rows * cols)
+        throw std::runtime_error("weights: bad or missing " + name);
       return matrix(Eigen::Map<const matrix>(it->second.data.data(), rows, cols));
     };
     auto vec = [&](const std::string& name, std::int64_t n) {
@@ -92,9 +93,11 @@ struct kv_cache {
       : capacity(cap),
         kv_heads(c.kv_heads),
         head_dim(c.head_dim),
-        k(static_cast<std::size_t>(c.layers), std::vector<float>(static_cast<std::size_t>(c.kv_heads * cap * c.head_dim))),
+        k(static_cast<std::size_t>(c.layers),
+          std::vector<float>(static_cast<std::size_t>(c.kv_heads * cap * c.head_dim))),
         v(k),
-        lengths(static_cast<std::size_t>(c.layers), std::vector<std::int64_t>(static_cast<std::size_t>(c.kv_heads), 0)) {}
+        lengths(static_cast<std::size_t>(c.layers),
+                std::vector<std::int64_t>(static_cast<std::size_t>(c.kv_heads), 0)) {}
 
   /// kvevict's view of layer l's keys / values, first n tokens of every head.
   kvevict::cache_view<float> keys(std::int64_t l, std::int64_t n) {
@@ -106,7 +109,9 @@ struct kv_cache {
   std::int64_t length(std::int64_t l) const {  // uniform length (before head-adaptive eviction)
     return lengths[static_cast<std::size_t>(l)][0];
   }
-  float* row(std::vector<float>& buf, std::int64_t h, std::int64_t j) { return buf.data() + (h * capacity + j) * head_dim; }
+  float* row(std::vector<float>& buf, std::int64_t h, std::int64_t j) {
+    return buf.data() + (h * capacity + j) * head_dim;
+  }
 };
 
 inline matrix rmsnorm(const matrix& x, const vector& w, float eps) {
@@ -150,8 +155,7 @@ inline matrix forward(const model& m, kv_cache& cache, const std::int32_t* ids, 
       out.resize(static_cast<std::size_t>(c.heads * n * d));
       for (std::int64_t j = 0; j < c.heads; ++j)
         for (std::int64_t t = 0; t < n; ++t)
-          for (std::int64_t e = 0; e < d; ++e)
-            out[static_cast<std::size_t>((j * n + t) * d + e)] = q(t, j * d + e);
+          for (std::int64_t e = 0; e < d; ++e) out[static_cast<std::size_t>((j * n + t) * d + e)] = q(t, j * d + e);
     }
     auto& kbuf = cache.k[static_cast<std::size_t>(l)];
     auto& vbuf = cache.v[static_cast<std::size_t>(l)];

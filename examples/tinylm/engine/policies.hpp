@@ -21,24 +21,25 @@ enum class allocator { uniform, pyramid, ada };
 struct policy_spec {
   std::string name;
   policy_kind kind = policy_kind::full;
-  double eta = 0.9;         // DeferKV
-  std::int64_t delay = 1;   // DeferKV
+  double eta = 0.9;        // DeferKV
+  std::int64_t delay = 1;  // DeferKV
   allocator alloc = allocator::uniform;
 };
 
 /// The bench's policy list (DESIGN.md section 11 / issue: every policy, DeferKV's eta and d
 /// sweeps and its combinations with PyramidKV and AdaKV, DapQ both ways).
 inline std::vector<policy_spec> all_policies() {
-  std::vector<policy_spec> p = {{"full", policy_kind::full},           {"streaming_llm", policy_kind::streaming},
-                                {"knorm", policy_kind::knorm},         {"h2o", policy_kind::h2o},
-                                {"snapkv", policy_kind::snapkv},       {"pyramidkv", policy_kind::pyramidkv},
+  std::vector<policy_spec> p = {{"full", policy_kind::full},     {"streaming_llm", policy_kind::streaming},
+                                {"knorm", policy_kind::knorm},   {"h2o", policy_kind::h2o},
+                                {"snapkv", policy_kind::snapkv}, {"pyramidkv", policy_kind::pyramidkv},
                                 {"adakv", policy_kind::adakv}};
   for (double eta : {1.0, 0.9, 0.7, 0.5}) {
     char name[64];
     std::snprintf(name, sizeof(name), "deferkv_eta%.1f_d1", eta);
     p.push_back({name, policy_kind::deferkv, eta, 1});
   }
-  for (std::int64_t d = 2; d <= 4; ++d) p.push_back({"deferkv_eta0.9_d" + std::to_string(d), policy_kind::deferkv, 0.9, d});
+  for (std::int64_t d = 2; d <= 4; ++d)
+    p.push_back({"deferkv_eta0.9_d" + std::to_string(d), policy_kind::deferkv, 0.9, d});
   p.push_back({"deferkv+pyramidkv", policy_kind::deferkv, 0.9, 1, allocator::pyramid});
   p.push_back({"deferkv+adakv", policy_kind::deferkv, 0.9, 1, allocator::ada});
   p.push_back({"dapq", policy_kind::dapq});
@@ -49,17 +50,17 @@ inline std::vector<policy_spec> all_policies() {
 /// Everything one prompt's prefill leaves behind that the policies read.
 struct prefill_state {
   std::int64_t prompt_tokens = 0;
-  kv_cache cache;                                // after the prompt
-  std::vector<std::vector<float>> queries;       // per layer [Hq, Lp, d] post-RoPE
-  std::vector<std::int64_t> positions;           // 0 .. Lp-1
-  std::int32_t first_token = 0;                  // argmax of the prompt's last logits
+  kv_cache cache;                           // after the prompt
+  std::vector<std::vector<float>> queries;  // per layer [Hq, Lp, d] post-RoPE
+  std::vector<std::int64_t> positions;      // 0 .. Lp-1
+  std::int32_t first_token = 0;             // argmax of the prompt's last logits
   // DapQ: the cache after the pseudo-token prefill and the pseudo queries.
   kv_cache pseudo_cache;
   std::vector<std::vector<float>> pseudo_queries;  // per layer [Hq, N, d]
   std::vector<std::int64_t> pseudo_positions;
 };
 
-constexpr std::int64_t kWindow = 8;        // SnapKV-family observation window (KVCache-Factory's LongBench W)
+constexpr std::int64_t kWindow = 8;         // SnapKV-family observation window (KVCache-Factory's LongBench W)
 constexpr std::int64_t kPseudoTokens = 32;  // DapQ's N
 
 inline void check(const kvevict::status& st) {
@@ -85,8 +86,10 @@ struct layer_evictor {
     }
     kvevict::keep_list keep(hkv, capacity);
     select_ws.reserve(kvevict::select_workspace_size(tokens));
-    if (head_budgets != nullptr) check(kvevict::select(view, head_budgets, sp, keep, select_ws));
-    else check(kvevict::select(view, kvevict::budget::tokens(budget), sp, keep, select_ws));
+    if (head_budgets != nullptr)
+      check(kvevict::select(view, head_budgets, sp, keep, select_ws));
+    else
+      check(kvevict::select(view, kvevict::budget::tokens(budget), sp, keep, select_ws));
     std::vector<std::int64_t> lengths(static_cast<std::size_t>(hkv));
     kvevict::eviction_result result;
     result.head_lengths = lengths.data();

@@ -78,8 +78,10 @@ class json_cursor {
       for (; i_ < s_.size(); ++i_) {
         const char c = s_[i_];
         if (in_string) {
-          if (c == '\\') ++i_;
-          else if (c == '"') in_string = false;
+          if (c == '\\')
+            ++i_;
+          else if (c == '"')
+            in_string = false;
         } else if (c == '"') {
           in_string = true;
         } else if (c == open) {
@@ -127,10 +129,14 @@ inline std::map<std::string, tensor> load_safetensors(const std::string& path) {
     do {
       const std::string key = c.string();
       c.expect(':');
-      if (key == "dtype") dtype = c.string();
-      else if (key == "shape") shape = c.int_array();
-      else if (key == "data_offsets") offsets = c.int_array();
-      else c.skip_value();
+      if (key == "dtype")
+        dtype = c.string();
+      else if (key == "shape")
+        shape = c.int_array();
+      else if (key == "data_offsets")
+        offsets = c.int_array();
+      else
+        c.skip_value();
     } while (c.consume(','));
     c.expect('}');
     if (dtype != "F32") throw std::runtime_error(name + ": only F32 tensors are supported, got " + dtype);

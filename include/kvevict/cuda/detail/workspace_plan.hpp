@@ -5,7 +5,8 @@
 // How each CUDA operation carves the caller's device workspace. Carving is pointer
 // arithmetic on the host (kvevict::detail::arena never dereferences), so a measuring arena
 // gives the size query and a real one gives the run: one sequence, no drift. Host-only and
-// CUDA-free, so the CPU tests check sizes and disjointness.
+// CUDA-free, so the CPU tests check sizes and disjointness. Products saturate, so an
+// impossible shape asks for a size no workspace meets (never a wrapped, small one).
 
 #include <cstdint>
 
@@ -14,6 +15,7 @@
 #include "kvevict/cuda/detail/score_logic.hpp"
 #include "kvevict/cuda/detail/tiling.hpp"
 #include "kvevict/cuda/select_row.hpp"
+#include "kvevict/detail/checked.hpp"
 #include "kvevict/scoring/params.hpp"
 #include "kvevict/workspace.hpp"
 
@@ -41,7 +43,7 @@ struct obs_dims {
   std::int64_t candidates = 0;  ///< C = max(0, L - P)
   bool visible_domain = true;   ///< softmax over every visible key (else over candidates)
 
-  std::int64_t rows() const noexcept { return group * window; }  ///< R per KV head
+  std::int64_t rows() const noexcept { return kvevict::detail::saturating_mul(group, window); }  ///< R per KV head
   std::int64_t softmax_end() const noexcept { return visible_domain ? tokens : candidates; }
   std::int64_t stat_tiles() const noexcept { return num_tiles(softmax_end(), obs_tile_keys); }
 };
@@ -66,10 +68,11 @@ struct obs_workspace {
 
 inline void carve_obs_workspace(kvevict::detail::arena& a, const obs_dims& d, bool engine_lse,
                                 obs_workspace* out) noexcept {
-  const std::int64_t rows = d.kv_heads * d.rows();
-  out->partials = engine_lse ? nullptr : a.take<softmax_partial>(rows * d.stat_tiles());
+  using kvevict::detail::saturating_mul;
+  const std::int64_t rows = saturating_mul(d.kv_heads, d.rows());
+  out->partials = engine_lse ? nullptr : a.take<softmax_partial>(saturating_mul(rows, d.stat_tiles()));
   out->row_lse = engine_lse ? nullptr : a.take<float>(rows);
-  out->acc = a.take<float>(d.kv_heads * d.group * d.candidates);
+  out->acc = a.take<float>(saturating_mul(saturating_mul(d.kv_heads, d.group), d.candidates));
 }
 
 struct decode_workspace {
@@ -83,9 +86,10 @@ inline std::int64_t decode_tiles(const obs_dims& d) noexcept {
 
 inline void carve_decode_workspace(kvevict::detail::arena& a, const obs_dims& d, bool engine_lse,
                                    decode_workspace* out) noexcept {
-  const std::int64_t hq = d.kv_heads * d.group;
-  out->logits = engine_lse ? nullptr : a.take<float>(hq * d.softmax_end());
-  out->partials = engine_lse ? nullptr : a.take<softmax_partial>(hq * decode_tiles(d));
+  using kvevict::detail::saturating_mul;
+  const std::int64_t hq = saturating_mul(d.kv_heads, d.group);
+  out->logits = engine_lse ? nullptr : a.take<float>(saturating_mul(hq, d.softmax_end()));
+  out->partials = engine_lse ? nullptr : a.take<softmax_partial>(saturating_mul(hq, decode_tiles(d)));
 }
 
 /// Compaction: a private status word, the staged rows of K and V, and (paged caches) one
@@ -105,8 +109,8 @@ compact_dims make_compact_dims(const cache_view<KT>& keys, const cache_view<VT>&
   const kv_tables rel = relate_tables(keys, values);
   compact_dims d;
   d.capacity = capacity < 0 ? 0 : capacity;
-  d.key_row_bytes = keys.head_dim * static_cast<std::int64_t>(sizeof(KT));
-  d.value_row_bytes = values.head_dim * static_cast<std::int64_t>(sizeof(VT));
+  d.key_row_bytes = kvevict::detail::saturating_mul(keys.head_dim, static_cast<std::int64_t>(sizeof(KT)));
+  d.value_row_bytes = kvevict::detail::saturating_mul(values.head_dim, static_cast<std::int64_t>(sizeof(VT)));
   d.key_bitmap_ids = keys.is_paged() ? keys.num_pool_blocks : 0;
   d.value_bitmap_ids = values.is_paged() && !rel.same_table && !rel.shared_pool ? values.num_pool_blocks : 0;
   return d;
@@ -121,9 +125,10 @@ struct compact_workspace {
 };
 
 inline void carve_compact_workspace(kvevict::detail::arena& a, const compact_dims& d, compact_workspace* out) noexcept {
+  using kvevict::detail::saturating_mul;
   out->status = a.take<std::uint32_t>(1);
-  out->staged_keys = a.take<unsigned char>(d.capacity * d.key_row_bytes);
-  out->staged_values = a.take<unsigned char>(d.capacity * d.value_row_bytes);
+  out->staged_keys = a.take<unsigned char>(saturating_mul(d.capacity, d.key_row_bytes));
+  out->staged_values = a.take<unsigned char>(saturating_mul(d.capacity, d.value_row_bytes));
   out->key_bitmap = d.key_bitmap_ids > 0 ? a.take<std::uint32_t>(bitmap_words(d.key_bitmap_ids)) : nullptr;
   out->value_bitmap = d.value_bitmap_ids > 0 ? a.take<std::uint32_t>(bitmap_words(d.value_bitmap_ids)) : nullptr;
 }
