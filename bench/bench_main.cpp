@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvevict_bench: Google Benchmark microbenchmarks of kvevict's CPU path (DESIGN.md section
+// kvevict_bench: Google Benchmark microbenchmarks of kvevict's CPU path (design.md section
 // 10; methodology in docs/benchmarks.md). One thread; times are CPU time.
 //
 //   roofline/*          this machine's fp32 FMA peak, DRAM read and memcpy bandwidth, measured

@@ -295,7 +295,7 @@ struct snapkv_layer {
 };
 
 /// DeferKV on one layer: prefill observation (W prompt queries), d decode observations,
-/// scores, select, evict (DESIGN.md section 5).
+/// scores, select, evict (design.md §5).
 template <class T>
 struct deferkv_layer {
   std::shared_ptr<layer<T>> lay;  ///< capacity >= L + d

@@ -6,7 +6,7 @@
 // Counting conventions (docs/benchmarks.md):
 //   - scoring FLOPs are the logit GEMM's multiply-adds, 2 FLOP each; the softmax's exp and
 //     the pooling are not counted. "executed" counts every sweep over the keys (2 without an
-//     engine LSE, 1 with it); "useful" counts one sweep (DESIGN.md section 10's ~256 FLOP
+//     engine LSE, 1 with it); "useful" counts one sweep (design.md §10's ~256 FLOP
 //     per K element at G*W = 128).
 //   - bytes are the bytes the kernel must move at least once: K read once for a decode
 //     observation; kept K and V rows copied once (read + write of the same bytes counted

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvevict_bench_summary: a few seconds of benchmarks. Measures this machine's rooflines
-// (fp32 FMA peak, DRAM read and memcpy bandwidth), then the reference shape of DESIGN.md
+// (fp32 FMA peak, DRAM read and memcpy bandwidth), then the reference shape of design.md
 // section 10 (Llama-3.1-8B layer: Hq = 32, Hkv = 8, d = 128, W = 32, B = 2048, bf16, one
 // thread) at a smaller L, and prints each result as a fraction of its roofline.
 // scripts/bench runs the full set (kvevict_bench, the PyTorch comparison, the report).

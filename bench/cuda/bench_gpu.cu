@@ -1,4 +1,4 @@
-// GPU benchmarks of kvevict::cuda at the reference shape of DESIGN.md section 10
+// GPU benchmarks of kvevict::cuda at the reference shape of design.md §10
 // (Llama-3.1-8B layer: Hq = 32, Hkv = 8, d = 128, L = 32K, W = 32, B = 2048, bf16).
 // Prints a markdown report: each kernel's median time over repetitions (cudaEvents),
 // achieved bandwidth against the K-read lower bound (K read once at the measured

@@ -2,7 +2,7 @@
 #ifndef KVEVICT_CUDA_CUH
 #define KVEVICT_CUDA_CUH
 
-// kvevict's optional CUDA header (DESIGN.md section 8): the scoring, selection and eviction
+// kvevict's optional CUDA header (design.md §8): the scoring, selection and eviction
 // pipeline as kernels, for engines whose caches live on the GPU. Compile with nvcc (C++17).
 // Never included by the CPU headers; includes no Eigen.
 //

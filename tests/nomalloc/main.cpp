@@ -1,4 +1,4 @@
-// No allocation in the hot path (DESIGN.md section 1): once workspaces, keep-lists and the
+// No allocation in the hot path (design.md §1): once workspaces, keep-lists and the
 // DeferKV state are sized, score / select / evict / DeferKV observe calls -- successful and
 // failing -- must not touch the heap. Two independent detectors:
 //   * Eigen's own: EIGEN_RUNTIME_NO_MALLOC with set_is_malloc_allowed(false) flags any

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch oracle for kvevict's kvpress_snapkv preset, written from DESIGN.md section 4 the way
+"""PyTorch oracle for kvevict's kvpress_snapkv preset, written from design.md §4 the way
 kvpress users compute it today: matmul, causal mask, softmax, mean over the window, avg_pool1d
 (k=5, padding counted), mean over the GQA group, top-k, window kept inside the budget.
 

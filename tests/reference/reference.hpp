@@ -1,4 +1,4 @@
-// The slow reference: scalar, double precision, written from DESIGN.md's math on plain
+// The slow reference: scalar, double precision, written from design.md's math on plain
 // dense arrays. It shares no code with the library (no views, no kernels), so agreement
 // between the two is evidence, not tautology.
 #pragma once

@@ -1,4 +1,4 @@
-// Concurrency (DESIGN.md section 9: "concurrent calls on different layers are safe"):
+// Concurrency (design.md §9: "concurrent calls on different layers are safe"):
 //   A. several threads, each owning one layer (its caches, queries, scores, keep-list,
 //      workspace and DeferKV state; nothing shared), run the whole pipeline -- score with
 //      every policy, select, evict, flatten, the DeferKV lifecycle -- over and over;

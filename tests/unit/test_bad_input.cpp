@@ -1,4 +1,4 @@
-// The bad-input matrix (DESIGN.md section 9): every public entry point, fed each kind of bad
+// The bad-input matrix (design.md §9): every public entry point, fed each kind of bad
 // argument, must return an error naming the argument (status::argument() and code()), and
 // every cache, output buffer, keep-list and state must be bit-for-bit what it was (FNV-1a
 // checksums before and after). Cases are table rows: a name, the expected code and

@@ -1,4 +1,4 @@
-// Determinism (DESIGN.md sections 6 and 9): the same inputs give bitwise-identical scores,
+// Determinism (design.md §6 and §9): the same inputs give bitwise-identical scores,
 // keep-lists and compacted caches across repeated runs, across executors (the hook off; 1,
 // 2 and 4 workers of a real thread pool; serial executors that claim 3 workers and run the
 // tasks in reverse or permuted order) and whatever the workspace held before the call.

@@ -1,4 +1,4 @@
-// Observation scoring against the double-precision reference: every parameter of DESIGN.md
+// Observation scoring against the double-precision reference: every parameter of design.md
 // section 4, GQA, odd lengths, L <= W, L < kernel, every dtype and every cache layout.
 #include <catch2/catch.hpp>
 

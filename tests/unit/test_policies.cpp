@@ -190,7 +190,7 @@ TEST_CASE("PyramidKV layer budgets: mean C - w, linear and decreasing", "[polici
       REQUIRE(b[l] <= available);
       if (l > 0) REQUIRE(b[l] <= b[l - 1]);
     }
-    // Within one token of DESIGN.md's real-valued schedule.
+    // Within one token of design.md's real-valued schedule.
     if (k.capacity - k.window < available && k.layers > 1) {
       const double avg = static_cast<double>(k.capacity - k.window);
       double lo = avg / 20.0, hi = 2.0 * avg - lo;

@@ -26,7 +26,7 @@ struct policy_spec {
   allocator alloc = allocator::uniform;
 };
 
-/// The bench's policy list (DESIGN.md section 11 / issue: every policy, DeferKV's eta and d
+/// The bench's policy list (design.md §11 / issue: every policy, DeferKV's eta and d
 /// sweeps and its combinations with PyramidKV and AdaKV, DapQ both ways).
 inline std::vector<policy_spec> all_policies() {
   std::vector<policy_spec> p = {{"full", policy_kind::full},     {"streaming_llm", policy_kind::streaming},

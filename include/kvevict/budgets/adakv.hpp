@@ -2,7 +2,7 @@
 #ifndef KVEVICT_BUDGETS_ADAKV_HPP
 #define KVEVICT_BUDGETS_ADAKV_HPP
 
-// AdaKV head budgets inside a layer (DESIGN.md section 5): heads whose attention is spread
+// AdaKV head budgets inside a layer (design.md §5): heads whose attention is spread
 // out get more of the layer's Hkv*B tokens, concentrated heads fewer, every head at least
 // floor(alpha*B).
 //   1. optionally normalise: scale head h's scores by (sum of its top-B) / (sum of all), the

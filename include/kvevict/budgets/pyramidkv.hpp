@@ -3,7 +3,7 @@
 #define KVEVICT_BUDGETS_PYRAMIDKV_HPP
 
 // PyramidKV layer budgets: lower layers keep more, upper layers less, on a linear schedule
-// whose mean is the uniform budget (DESIGN.md section 5). With capacity C (including the
+// whose mean is the uniform budget (design.md §5). With capacity C (including the
 // observation window w), N layers and beta:
 //   min = (C - w) / beta,  max = 2(C - w) - min;
 //   if max >= L - w:  max = L - w,  min = 2(C - w) - max;

@@ -2,7 +2,7 @@
 #ifndef KVEVICT_CUDA_COMPACT_CUH
 #define KVEVICT_CUDA_COMPACT_CUH
 
-// In-place compaction of one layer's K and V caches on the GPU (DESIGN.md section 7):
+// In-place compaction of one layer's K and V caches on the GPU (design.md §7):
 // afterwards head h's row i holds what its row keep[h][i] held, for contiguous, strided
 // (including llama.cpp's transposed V) and paged layouts; rows at or beyond a head's new
 // length keep their old contents. Element copies only, no conversion.

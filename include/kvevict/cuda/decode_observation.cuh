@@ -11,7 +11,7 @@
 // the G heads (gqa_reduction::mean and ::sum; mean's 1/G is applied at finalisation) or
 // their NaN-propagating max. eta == 0 overwrites the state (it may hold anything then).
 // Scores come from the state with finalize_state_scores (scale 1/Z). This is the library's
-// own definition of DeferKV's running state (DESIGN.md section 5).
+// own definition of DeferKV's running state (design.md §5).
 //
 // One query per head makes this bandwidth-bound: the kernels stream K once.
 //   1. logits: grid (key tiles of 256, Hkv). Half a warp per key: 16 lanes split the head

@@ -2,7 +2,7 @@
 #ifndef KVEVICT_CUDA_OBSERVATION_SCORES_CUH
 #define KVEVICT_CUDA_OBSERVATION_SCORES_CUH
 
-// Fused observation scoring on the GPU (DESIGN.md section 4): the same scores as
+// Fused observation scoring on the GPU (design.md §4): the same scores as
 // kvevict::observation_scores, never materialising the [Hq, W, L] attention.
 //
 // Kernels, in stream order:

@@ -3,7 +3,7 @@
 #define KVEVICT_CUDA_SELECT_CUH
 
 // Batched exact top-B selection on the GPU: many score rows (sequences x layers x heads,
-// ragged lengths, per-row budgets) in one launch, with the CPU's rules (DESIGN.md section 6):
+// ragged lengths, per-row budgets) in one launch, with the CPU's rules (design.md §6):
 // exact top-k of the candidates, equal scores -> smaller index wins, NaN below every number,
 // -0 == +0, output ascending, protected tail appended. Results equal kvevict::select's bit
 // for bit (tests compare them exactly).

@@ -2,7 +2,7 @@
 #ifndef KVEVICT_EVICTION_EVICT_HPP
 #define KVEVICT_EVICTION_EVICT_HPP
 
-// The one eviction every policy shares (DESIGN.md section 7): in-place, stable compaction of
+// The one eviction every policy shares (design.md §7): in-place, stable compaction of
 // one layer's K and V caches by a keep-list. Afterwards head h's row i holds what its row
 // keep[h][i] held before, for every layout a cache_view describes (contiguous, strided,
 // transposed V, paged). Keep-lists are strictly ascending, so keep[h][i] >= i and a forward

@@ -2,7 +2,7 @@
 #ifndef KVEVICT_POLICIES_DAPQ_HPP
 #define KVEVICT_POLICIES_DAPQ_HPP
 
-// DapQ (seed paper 003): decoding-aligned eviction with position-aware pseudo queries. N
+// DapQ ("Decoding-aligned KV cache compression via position-aware pseudo queries"): N
 // pseudo tokens are appended after the prompt at positions Lp .. Lp+N-1 and prefilled; their
 // post-RoPE queries are the observation window, so the window carries the positions of the
 // first N decode steps (the paper finds position dominates query similarity). Scores cover

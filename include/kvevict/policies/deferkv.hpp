@@ -2,10 +2,11 @@
 #ifndef KVEVICT_POLICIES_DEFERKV_HPP
 #define KVEVICT_POLICIES_DEFERKV_HPP
 
-// DeferKV (seed paper 000): eviction moves from the end of prefill to the d-th real decode
-// step, and the importance of a prompt key combines prompt-side and decode-side attention
-// with a temporal discount. The paper does not publish a formula; this definition is
-// kvevict's own (DESIGN.md section 5):
+// DeferKV (Wang et al., "DeferKV: Rethinking Eviction Timing for One-Shot KV Cache
+// Compression"): eviction moves from the end of prefill to the d-th real decode step, and
+// the importance of a prompt key combines prompt-side and decode-side attention with a
+// temporal discount. The paper does not publish a formula; this definition is
+// kvevict's own (design.md §5):
 //
 //   observations in time order: the last W prompt queries, then the first d decode queries;
 //   observation t weighs eta^(T - t) (T the newest), eta in (0, 1];

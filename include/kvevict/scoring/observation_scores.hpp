@@ -3,7 +3,7 @@
 #define KVEVICT_SCORING_OBSERVATION_SCORES_HPP
 
 // Observation scoring: importance scores [Hkv, L] of a layer's keys from the queries that
-// observe them (DESIGN.md section 4). This is the engine under SnapKV, H2O (from queries),
+// observe them (design.md §4). This is the engine under SnapKV, H2O (from queries),
 // DeferKV and DapQ. The library computes the logits itself; engines that ran flash
 // attention may pass its log-sum-exp to skip the first of the two softmax sweeps.
 

@@ -2,7 +2,7 @@
 #ifndef KVEVICT_SCORING_PARAMS_HPP
 #define KVEVICT_SCORING_PARAMS_HPP
 
-// Every choice of the observation-scoring math (DESIGN.md section 4). Peers disagree on
+// Every choice of the observation-scoring math (design.md §4). Peers disagree on
 // each, so each is a parameter; scoring/presets.hpp pins the peers' conventions.
 //
 // For KV head h, query head q of its group, observation t at position p_t:

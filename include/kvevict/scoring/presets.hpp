@@ -3,7 +3,7 @@
 #define KVEVICT_SCORING_PRESETS_HPP
 
 // Named presets that pin peer implementations' conventions for prompt-window scoring
-// (DESIGN.md section 4; sources in docs/peer-conventions.md). Each returns a
+// (design.md §4; sources in docs/peer-conventions.md). Each returns a
 // window_config: the observation window W the engine should collect (its last W prompt
 // queries), the scoring parameters, and how the protected window counts in the budget.
 

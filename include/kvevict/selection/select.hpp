@@ -2,7 +2,7 @@
 #ifndef KVEVICT_SELECTION_SELECT_HPP
 #define KVEVICT_SELECTION_SELECT_HPP
 
-// The one selection every policy shares (DESIGN.md section 6): scores [Hkv, L] and a budget
+// The one selection every policy shares (design.md §6): scores [Hkv, L] and a budget
 // in, per-head ascending keep-lists out. Exact top-B per head; deterministic (equal scores:
 // smaller index wins; NaN ranks below every number); the protected tail is always kept.
 
