@@ -5,9 +5,10 @@
 // kvevict: KV-cache eviction policies for LLM inference engines (CPU path, on Eigen).
 // The CUDA path is separate: #include <kvevict/cuda.cuh>.
 //
-// Folders: views/ (how a cache is laid out), scoring/ (the math), policies/ (what to keep),
-// budgets/ (how many per layer and head), selection/ (top-B keep-lists), eviction/
-// (compacting the cache), rope/ (position helpers).
+// Folders: compressor/ (the planned, one-call-per-layer entry point), views/ (how a cache is
+// laid out), scoring/ (the math), policies/ (what to keep), budgets/ (how many per layer and
+// head), selection/ (top-B keep-lists), eviction/ (compacting the cache), rope/ (position
+// helpers).
 
 #include "kvevict/config.hpp"
 #include "kvevict/dtype.hpp"
@@ -33,6 +34,7 @@
 #include "kvevict/selection/select.hpp"
 
 #include "kvevict/budgets/adakv.hpp"
+#include "kvevict/budgets/layer_budget.hpp"
 #include "kvevict/budgets/pyramidkv.hpp"
 
 #include "kvevict/policies/chunkkv.hpp"
@@ -46,9 +48,14 @@
 
 #include "kvevict/eviction/evict.hpp"
 #include "kvevict/eviction/evict_batch.hpp"
+#include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/eviction/flatten_varlen.hpp"
 #include "kvevict/eviction/keep_positions.hpp"
 
 #include "kvevict/rope/rope.hpp"
+
+#include "kvevict/compressor/compressor.hpp"
+#include "kvevict/compressor/options.hpp"
+#include "kvevict/compressor/sequence.hpp"
 
 #endif  // KVEVICT_KVEVICT_HPP

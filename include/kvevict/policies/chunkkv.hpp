@@ -16,6 +16,7 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/executor.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/selection/budget.hpp"
@@ -30,8 +31,9 @@ struct chunkkv_config {
 };
 
 template <class Base>
-class chunkkv {
+class chunkkv : public scoring_policy<chunkkv<Base>, typename Base::storage_type> {
  public:
+  static constexpr const char* evict_name = "kvevict::chunkkv::evict";
   using storage_type = typename Base::storage_type;
   using config_type = chunkkv_config;
 

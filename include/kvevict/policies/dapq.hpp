@@ -24,6 +24,7 @@
 #include "kvevict/detail/checked.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/executor.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/rope/rope.hpp"
@@ -36,6 +37,12 @@
 
 KVEVICT_NAMESPACE_BEGIN
 
+/// Where DapQ's observation window comes from.
+enum class dapq_source : std::int32_t {
+  pseudo_tokens,     ///< the paper: N pseudo tokens prefilled after the prompt; their queries observe
+  rerotated_window,  ///< kvevict's variant: the last N post-RoPE prompt queries rotated N positions on
+};
+
 struct dapq_config {
   std::int64_t pseudo_tokens = 32;  ///< N
   std::int64_t first = 8;           ///< m: leading prompt tokens in the pseudo content (Llama)
@@ -45,6 +52,10 @@ struct dapq_config {
   scoring_params scoring = {softmax_domain::visible,   window_aggregation::mean,     gqa_reduction::mean,
                             gqa_order::before_pooling, {pooling_kind::max, 7, true}, 0};
   protected_mode protect = protected_mode::inside_budget;
+  /// evict()'s observation window: pseudo-token queries, or the prompt's last queries
+  /// re-rotated (then `rope` describes the model's RoPE).
+  dapq_source source = dapq_source::pseudo_tokens;
+  rope_config rope;
 };
 
 /// Pseudo content "first m + last n": out[0..m) = prompt[0..m), out[m..m+n) = the last n
@@ -142,6 +153,7 @@ class dapq {
  public:
   using storage_type = T;
   using config_type = dapq_config;
+  static constexpr const char* evict_name = "kvevict::dapq::evict";
 
   explicit dapq(const dapq_config& config = {}) noexcept : config_(config) {}
   const dapq_config& config() const noexcept { return config_; }
@@ -176,7 +188,68 @@ class dapq {
   /// Where decoding resumes after eviction: the prompt length (pseudo positions are reused).
   static constexpr std::int64_t next_position(std::int64_t prompt_tokens) noexcept { return prompt_tokens; }
 
+  /// Prompt tokens of a cache of `cache_tokens` observed by `queries` queries: pseudo tokens
+  /// are the cache's last `queries` tokens; a re-rotated window adds none.
+  std::int64_t prompt_tokens(std::int64_t cache_tokens, std::int64_t queries) const noexcept {
+    return config_.source == dapq_source::pseudo_tokens ? cache_tokens - queries : cache_tokens;
+  }
+
+  std::size_t evict_workspace_size(const layer_shape& shape, const layer_budget& b,
+                                   const executor& exec = {}) const noexcept {
+    detail::arena a;
+    carve_rotation(a, shape.num_query_heads, shape.num_queries, shape.head_dim);
+    return detail::saturating_add(a.used(), detail::evict_layer_workspace_size(shape, shape.num_tokens, selection(),
+                                                                               workspace_size(shape, exec), b, exec));
+  }
+
+  /// Scores the prompt's keys with the observation window of config().source, selects under
+  /// `b`, and compacts K and V in place: every pseudo token is dropped.
+  ///
+  ///   cache:    pseudo_tokens: [Hkv, Lp + N, d] after the pseudo prefill;
+  ///             rerotated_window: [Hkv, Lp, d] after the prompt's prefill
+  ///   observed: queries [Hq, N, d]: the pseudo tokens' queries (positions Lp ..), or the
+  ///             prompt's last N post-RoPE queries (positions Lp - N ..), rotated here
+  ///   result:   as kvevict::evict fills it; decoding resumes at position Lp
+  status evict(const layer_cache<T>& cache, const layer_observations<T>& observed, const layer_budget& b,
+               eviction_result& result, workspace_span ws, const executor& exec = {}) const {
+    static constexpr const char* fn = evict_name;
+    KVEVICT_RETURN_IF_ERROR(detail::validate_query_view(observed.queries, fn, "queries"));
+    KVEVICT_RETURN_IF_ERROR(detail::validate_layer_cache(cache, b, fn));
+    const query_view<const T>& q = observed.queries;
+    const std::int64_t prompt = prompt_tokens(cache.keys.num_tokens, q.num_queries);
+    if (prompt < 0)
+      return status::error(errc::invalid_shape, fn, "cache.keys.num_tokens",
+                           "expected the prompt and its %lld pseudo tokens, got %lld tokens",
+                           static_cast<long long>(q.num_queries), static_cast<long long>(cache.keys.num_tokens));
+    detail::arena a(ws);
+    rotation r = carve_rotation(a, q.num_heads, q.num_queries, q.head_dim);
+    if (a.overflowed())
+      return status::error(errc::workspace_too_small, fn, "ws",
+                           "expected at least %zu bytes (dapq::evict_workspace_size), got %zu", a.used(), ws.size);
+    layer_observations<T> window = observed;
+    if (config_.source == dapq_source::rerotated_window)
+      KVEVICT_RETURN_IF_ERROR(dapq_rerotate(q, config_.rope, q.num_queries, r.queries, r.positions, &window.queries));
+    const workspace_span rest{static_cast<unsigned char*>(ws.data) + a.used(), ws.size - a.used()};
+    const layer_inputs<T> in = inputs_of(cache, window);
+    const layer_shape shape{q.num_heads, cache.keys.num_heads, cache.keys.head_dim, prompt, q.num_queries};
+    return detail::evict_layer(fn, cache, window, prompt, workspace_size(shape, exec), selection(), b, result, rest,
+                               exec,
+                               [&](score_view scores, workspace_span sws) { return score(in, scores, sws, exec); });
+  }
+
  private:
+  struct rotation {
+    T* queries = nullptr;
+    std::int64_t* positions = nullptr;
+  };
+  rotation carve_rotation(detail::arena& a, std::int64_t heads, std::int64_t queries, std::int64_t dim) const noexcept {
+    rotation r;
+    if (config_.source != dapq_source::rerotated_window) return r;
+    r.queries = a.take<T>(detail::saturating_mul(detail::saturating_mul(heads, queries), dim));
+    r.positions = a.take<std::int64_t>(queries);
+    return r;
+  }
+
   dapq_config config_;
 };
 

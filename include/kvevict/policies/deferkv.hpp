@@ -19,17 +19,16 @@
 // reduced before pooling) bit for bit. Candidates are the prompt tokens before the window;
 // the window and the decoded tokens are protected.
 //
-// Lifecycle per layer and sequence (engine-shaped):
-//   reserve(Hkv, max_prompt_tokens)               once; the only allocation
-//   observe_prefill(layer, {keys[Lp], queries[W]})  end of prefill
-//   observe_decode(layer, step, {keys[Lp+step+1], queries[1]})   steps 0 .. d-1
-//   ready() -> scores(out) -> select(out, budget, selection()) -> evict via mark_evicted()
-//   reset()                                         before the next sequence
+// Two forms of the lifecycle: deferkv<T>, a policy whose state lives in caller memory (what the
+// compressor uses: one block per sequence for all layers), and deferkv_state<T>, an owning
+// convenience for one layer. Both run the same code.
 
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <exception>
+#include <limits>
 #include <new>
 #include <vector>
 
@@ -39,6 +38,7 @@
 #include "kvevict/detail/observe.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/executor.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/scoring/observation_scores.hpp"
@@ -75,82 +75,133 @@ struct deferkv_config {
 };
 
 namespace detail {
-/// v = n zeros, or false (v unchanged) when the memory cannot be allocated: no exception
-/// leaves a status-returning call, with or without exceptions enabled.
-inline bool assign_zeros(std::vector<float>& v, std::size_t n) noexcept {
+
+/// The scalar part of one layer's running state, at the start of its caller memory; the
+/// sums S[h][j] follow at deferkv_sums_offset. Plain data: the engine may move the block.
+struct deferkv_header {
+  std::uint64_t magic = 0;  ///< deferkv_magic once initialised
+  std::int64_t heads_capacity = 0, tokens_capacity = 0;
+  std::int64_t heads = 0, group = 1;
+  std::int64_t prompt_tokens = 0, steps = 0;
+  double z = 0.0;  ///< Z, the sum of the observations' weights
+  std::int32_t phase = 0;
+  std::int32_t reserved = 0;
+};
+constexpr std::uint64_t deferkv_magic = 0x6b76657672644b56ull;  // "VKdrvevk"
+constexpr std::size_t deferkv_sums_offset = (sizeof(deferkv_header) + 63) / 64 * 64;
+enum deferkv_phase : std::int32_t { deferkv_empty = 0, deferkv_prefilled = 1, deferkv_ready = 2, deferkv_evicted = 3 };
+
+/// v = n bytes of zeros, or false (v unchanged) when the memory cannot be allocated: no
+/// exception leaves a status-returning call, with or without exceptions enabled.
+inline bool assign_zeros(std::vector<std::uint64_t>& v, std::size_t n) noexcept {
 #if KVEVICT_HAS_EXCEPTIONS
   try {
-    v.assign(n, 0.0f);  // strong guarantee: v is unchanged if this throws
+    v.assign(n, 0);  // strong guarantee: v is unchanged if this throws
   } catch (const std::exception&) {
     return false;
   }
 #else
   // Without exceptions a failed allocation inside std::vector aborts: ask first, nothrow.
   if (n > v.capacity()) {
-    void* probe = ::operator new(n * sizeof(float), std::nothrow);
+    void* probe = ::operator new(n * sizeof(std::uint64_t), std::nothrow);
     if (probe == nullptr) return false;
     ::operator delete(probe);
   }
-  v.assign(n, 0.0f);
+  v.assign(n, 0);
 #endif
   return true;
 }
 }  // namespace detail
 
+/// DeferKV as a policy: score() and evict() like every other policy, plus the lifecycle hooks
+/// observe_prefill() and observe_decode() that fold observations into the layer's running
+/// state. The state is caller memory passed in layer_observations::state (state_size() bytes
+/// per layer and sequence, 8-byte aligned, set up by init_state()); this object holds only the
+/// configuration, so one instance serves every layer and sequence.
+///
+/// Per layer and sequence:
+///   init_state(state, Hkv, max_prompt)       once per sequence (or reset_state to reuse)
+///   observe_prefill({keys [Lp], queries [W'], state})   end of prefill
+///   observe_decode({keys [Lp+k+1], queries [1], state})  decode steps k = 0 .. d-1
+///   ready(state) -> evict(cache, {state}, budget, ...)  or score() + your own selection
 template <class T>
-class deferkv_state {
+class deferkv {
  public:
   using storage_type = T;
   using config_type = deferkv_config;
+  static constexpr const char* evict_name = "kvevict::deferkv::evict";
 
-  explicit deferkv_state(const deferkv_config& config = {}, std::int64_t layer = 0) : config_(config), layer_(layer) {}
-
+  explicit deferkv(const deferkv_config& config = {}) noexcept : config_(config) {}
   const deferkv_config& config() const noexcept { return config_; }
-  std::int64_t layer() const noexcept { return layer_; }
 
-  /// Allocates the running state: [num_kv_heads, max_prompt_tokens] floats. Call before the
-  /// first prefill; observe_* never allocate. A state that does not fit or cannot be allocated
-  /// is errc::overflow (`max_prompt_tokens`), never an exception; the old state is then kept.
-  status reserve(std::int64_t num_kv_heads, std::int64_t max_prompt_tokens) {
-    static constexpr const char* fn = "kvevict::deferkv_state::reserve";
+  /// Bytes of state for one layer of one sequence: Hkv x max_prompt_tokens floats plus a
+  /// header. SIZE_MAX when that does not fit (init_state then reports overflow).
+  static std::size_t state_size(std::int64_t num_kv_heads, std::int64_t max_prompt_tokens) noexcept {
+    if (num_kv_heads < 0 || max_prompt_tokens < 0) return std::numeric_limits<std::size_t>::max();
+    const std::size_t floats =
+        detail::saturating_mul(static_cast<std::size_t>(num_kv_heads), static_cast<std::size_t>(max_prompt_tokens));
+    return detail::saturating_add(detail::deferkv_sums_offset, detail::saturating_mul(floats, sizeof(float)));
+  }
+
+  /// Makes `state` an empty state for up to num_kv_heads x max_prompt_tokens (a new sequence).
+  status init_state(policy_state state, std::int64_t num_kv_heads, std::int64_t max_prompt_tokens) const noexcept {
+    static constexpr const char* fn = "kvevict::deferkv::init_state";
     if (num_kv_heads < 1)
       return status::error(errc::invalid_argument, fn, "num_kv_heads", "expected >= 1, got %lld",
                            static_cast<long long>(num_kv_heads));
     if (max_prompt_tokens < 0)
       return status::error(errc::invalid_argument, fn, "max_prompt_tokens", "expected >= 0, got %lld",
                            static_cast<long long>(max_prompt_tokens));
-    std::int64_t count = 0;
-    if (!detail::checked_mul(num_kv_heads, max_prompt_tokens, &count) ||
-        static_cast<std::uint64_t>(count) > sums_.max_size())
+    const std::size_t need = state_size(num_kv_heads, max_prompt_tokens);
+    if (need == std::numeric_limits<std::size_t>::max())
       return status::error(errc::overflow, fn, "max_prompt_tokens",
                            "a state of %lld x %lld floats does not fit in memory", static_cast<long long>(num_kv_heads),
                            static_cast<long long>(max_prompt_tokens));
-    if (!detail::assign_zeros(sums_, static_cast<std::size_t>(count)))
-      return status::error(errc::overflow, fn, "max_prompt_tokens", "could not allocate a state of %lld x %lld floats",
-                           static_cast<long long>(num_kv_heads), static_cast<long long>(max_prompt_tokens));
-    heads_capacity_ = num_kv_heads;
-    tokens_capacity_ = max_prompt_tokens;
-    reset();
+    KVEVICT_RETURN_IF_ERROR(check_memory(state, need, fn));
+    detail::deferkv_header h;
+    h.magic = detail::deferkv_magic;
+    h.heads_capacity = num_kv_heads;
+    h.tokens_capacity = max_prompt_tokens;
+    std::memcpy(state.data, &h, sizeof(h));
     return status();
   }
 
-  /// Workspace for observe_prefill / observe_decode / scores with caches of up to
+  /// Forgets the sequence, keeping the state's capacity (same as init_state with it).
+  status reset_state(policy_state state) const noexcept {
+    detail::deferkv_header* h = nullptr;
+    KVEVICT_RETURN_IF_ERROR(header(state, "kvevict::deferkv::reset_state", &h));
+    h->heads = 0;
+    h->group = 1;
+    h->prompt_tokens = 0;
+    h->steps = 0;
+    h->z = 0.0;
+    h->phase = detail::deferkv_empty;
+    return status();
+  }
+
+  /// Scoring workspace for observe_prefill / observe_decode / score with caches of up to
   /// shape.num_tokens tokens (prompt + delay) and shape.num_queries = W.
   std::size_t workspace_size(const layer_shape& shape, const executor& exec = {}) const noexcept {
     layer_shape s = shape;
     s.num_queries = s.num_queries < 1 ? 1 : s.num_queries;
     return observation_scores_workspace_size(s, config_.params(), exec);
   }
+  std::size_t evict_workspace_size(const layer_shape& shape, const layer_budget& b,
+                                   const executor& exec = {}) const noexcept {
+    const selection_params largest{config_.window + (config_.delay > 0 ? config_.delay : 0), config_.protect};
+    return detail::evict_layer_workspace_size(shape, shape.num_tokens, largest, workspace_size(shape, exec), b, exec);
+  }
 
   /// End of prefill. in.keys: [Hkv, Lp, d] the prompt's keys; in.queries: [Hq, W', d] the last
-  /// W' <= W prompt queries in time order, with positions.
-  status observe_prefill(std::int64_t layer, const layer_inputs<T>& in, workspace_span ws, const executor& exec = {}) {
-    static constexpr const char* fn = "kvevict::deferkv_state::observe_prefill";
+  /// W' <= W prompt queries in time order, with positions; in.state: an empty state.
+  status observe_prefill(const layer_inputs<T>& in, workspace_span ws, const executor& exec = {}) const {
+    static constexpr const char* fn = "kvevict::deferkv::observe_prefill";
     KVEVICT_RETURN_IF_ERROR(check_config(fn));
-    KVEVICT_RETURN_IF_ERROR(check_layer(fn, layer));
-    if (phase_ != phase::empty)
+    detail::deferkv_header* h = nullptr;
+    KVEVICT_RETURN_IF_ERROR(header(in.state, fn, &h));
+    if (h->phase != detail::deferkv_empty)
       return status::error(errc::invalid_state, fn, "state",
-                           "prefill was already observed for this sequence; call reset() first");
+                           "prefill was already observed for this sequence; call reset_state() first");
     if (in.queries.num_queries > config_.window)
       return status::error(errc::invalid_shape, fn, "queries.num_queries", "expected at most W = %lld, got %lld",
                            static_cast<long long>(config_.window), static_cast<long long>(in.queries.num_queries));
@@ -166,116 +217,111 @@ class deferkv_state {
       weights[t] = static_cast<float>(std::pow(config_.effective_eta(), static_cast<double>(w - 1 - t)));
       z += static_cast<double>(weights[t]);
     }
-    KVEVICT_RETURN_IF_ERROR(observe(fn, in, prompt, prompt, weights, /*first=*/true, ws, exec));
-    prompt_tokens_ = prompt;
-    z_ = z;
-    steps_ = 0;
-    phase_ = config_.decode_feedback && config_.delay > 0 ? phase::prefilled : phase::ready;
+    KVEVICT_RETURN_IF_ERROR(observe(fn, *h, sums(in.state), in, prompt, prompt, weights, /*first=*/true, ws, exec));
+    h->prompt_tokens = prompt;
+    h->z = z;
+    h->steps = 0;
+    h->phase = config_.decode_feedback && config_.delay > 0 ? detail::deferkv_prefilled : detail::deferkv_ready;
     return status();
   }
 
-  /// Decode step `step` (0-based, observed in order, none skipped). in.keys: [Hkv, Lp+step+1, d]
-  /// (the cache now holds the decoded tokens too); in.queries: [Hq, 1, d] this step's query.
-  status observe_decode(std::int64_t layer, std::int64_t step, const layer_inputs<T>& in, workspace_span ws,
-                        const executor& exec = {}) {
-    static constexpr const char* fn = "kvevict::deferkv_state::observe_decode";
-    KVEVICT_RETURN_IF_ERROR(check_layer(fn, layer));
-    if (phase_ == phase::empty)
-      return status::error(errc::invalid_state, fn, "state", "no prefill observed yet; call observe_prefill first");
-    if (!config_.decode_feedback)
-      return status::error(errc::invalid_state, fn, "state", "decode feedback is off: evict after prefill");
-    if (phase_ == phase::ready || phase_ == phase::evicted)
-      return status::error(errc::invalid_state, fn, "state", "already ready after %lld decode steps; evict now",
-                           static_cast<long long>(steps_));
-    if (step != steps_)
-      return status::error(errc::invalid_state, fn, "step",
-                           "expected decode step %lld (steps are observed in order, none skipped), got %lld",
-                           static_cast<long long>(steps_), static_cast<long long>(step));
-    if (in.queries.num_queries != 1)
-      return status::error(errc::invalid_shape, fn, "queries.num_queries", "expected 1 query per head, got %lld",
-                           static_cast<long long>(in.queries.num_queries));
-    if (in.keys.num_tokens != prompt_tokens_ + step + 1)
-      return status::error(errc::invalid_shape, fn, "keys.num_tokens",
-                           "expected prompt + decoded tokens = %lld, got %lld (wrong layer or step?)",
-                           static_cast<long long>(prompt_tokens_ + step + 1),
-                           static_cast<long long>(in.keys.num_tokens));
+  /// The next decode step (observed in order, none skipped). in.keys: [Hkv, Lp+k+1, d] (the
+  /// cache now holds the decoded tokens too); in.queries: [Hq, 1, d] this step's query.
+  status observe_decode(const layer_inputs<T>& in, workspace_span ws, const executor& exec = {}) const {
+    static constexpr const char* fn = "kvevict::deferkv::observe_decode";
+    detail::deferkv_header* h = nullptr;
+    KVEVICT_RETURN_IF_ERROR(header(in.state, fn, &h));
+    KVEVICT_RETURN_IF_ERROR(check_decode(*h, in, fn));
     const float one = 1.0f;
-    KVEVICT_RETURN_IF_ERROR(observe(fn, in, prompt_tokens_, prompt_tokens_, &one, /*first=*/false, ws, exec));
-    z_ = config_.effective_eta() * z_ + 1.0;
-    ++steps_;
-    if (steps_ >= config_.delay) phase_ = phase::ready;
+    KVEVICT_RETURN_IF_ERROR(
+        observe(fn, *h, sums(in.state), in, h->prompt_tokens, h->prompt_tokens, &one, /*first=*/false, ws, exec));
+    h->z = config_.effective_eta() * h->z + 1.0;
+    ++h->steps;
+    if (h->steps >= config_.delay) h->phase = detail::deferkv_ready;
     return status();
   }
 
-  bool ready() const noexcept { return phase_ == phase::ready; }
-  std::int64_t steps_observed() const noexcept { return steps_; }
-  std::int64_t prompt_tokens() const noexcept { return prompt_tokens_; }
+  /// Whether the state is ready for score() / evict().
+  bool ready(policy_state state) const noexcept { return phase_of(state) == detail::deferkv_ready; }
+  /// Whether the prefill was observed (the state is past empty).
+  bool started(policy_state state) const noexcept { return phase_of(state) > detail::deferkv_empty; }
+  /// Whether evict() already ran for this sequence.
+  bool evicted(policy_state state) const noexcept { return phase_of(state) == detail::deferkv_evicted; }
+  /// Decode steps observed so far.
+  std::int64_t steps_observed(policy_state state) const noexcept {
+    const detail::deferkv_header* h = peek(state);
+    return h != nullptr ? h->steps : 0;
+  }
+  /// Prompt tokens of the observed prefill.
+  std::int64_t prompt_tokens(policy_state state) const noexcept {
+    const detail::deferkv_header* h = peek(state);
+    return h != nullptr ? h->prompt_tokens : 0;
+  }
   /// Tokens in the cache when eviction happens: prompt + observed decode steps.
-  std::int64_t num_tokens() const noexcept { return prompt_tokens_ + steps_; }
+  std::int64_t num_tokens(policy_state state) const noexcept { return prompt_tokens(state) + steps_observed(state); }
   /// Protected tail at eviction: the window and every decoded token.
-  selection_params selection() const noexcept {
-    const std::int64_t window = config_.window < prompt_tokens_ ? config_.window : prompt_tokens_;
-    return {window + steps_, config_.protect};
+  selection_params selection(policy_state state) const noexcept {
+    const std::int64_t prompt = prompt_tokens(state);
+    const std::int64_t window = config_.window < prompt ? config_.window : prompt;
+    return {window + steps_observed(state), config_.protect};
   }
 
-  /// Scores [Hkv, num_tokens()]: prompt candidates scored, window and decoded tokens +inf.
-  status scores(score_view out, workspace_span ws) const {
-    static constexpr const char* fn = "kvevict::deferkv_state::scores";
-    if (phase_ != phase::ready)
-      return status::error(errc::invalid_state, fn, "state",
-                           phase_ == phase::evicted ? "this sequence was already evicted; call reset()"
-                                                    : "not ready: observe prefill and %lld decode step(s) first",
-                           static_cast<long long>(config_.delay));
-    KVEVICT_RETURN_IF_ERROR(detail::validate_matrix_view(out, heads_, num_tokens(), fn, "out"));
-    detail::arena a(ws);
-    float* row = a.take<float>(candidates());
-    if (a.overflowed())
-      return status::error(errc::workspace_too_small, fn, "ws", "expected at least %zu bytes, got %zu", a.used(),
-                           ws.size);
-    detail::window_normaliser norm;
-    norm.scale = static_cast<float>(1.0 / z_);
-    const scoring_params params = config_.params();
-    for (std::int64_t h = 0; h < heads_; ++h) {
-      const float* s = sums_.data() + h * tokens_capacity_;
-      for (std::int64_t j = 0; j < candidates(); ++j) row[j] = s[j];
-      detail::finalize_reduced_row(row, group_, candidates(), num_tokens(), params, norm, out.row(h));
-    }
+  /// Scores [Hkv, num_tokens(state)] from the ready state in in.state: prompt candidates
+  /// scored, window and decoded tokens +inf. The keys are not read (the observations were).
+  status score(const layer_inputs<T>& in, score_view out, workspace_span ws, const executor& = {}) const {
+    static constexpr const char* fn = "kvevict::deferkv::score";
+    const detail::deferkv_header* h = nullptr;
+    KVEVICT_RETURN_IF_ERROR(ready_header(in.state, fn, &h));
+    return finalize(*h, sums(in.state), out, ws, fn);
+  }
+
+  /// score -> budgets -> select -> compact, then marks the state evicted. cache: K and V with
+  /// num_tokens(state) tokens; observed.state: the ready state (observed.observation's key
+  /// positions, if any, give result.positions).
+  status evict(const layer_cache<T>& cache, const layer_observations<T>& observed, const layer_budget& b,
+               eviction_result& result, workspace_span ws, const executor& exec = {}) const {
+    static constexpr const char* fn = evict_name;
+    detail::deferkv_header* h = nullptr;
+    KVEVICT_RETURN_IF_ERROR(ready_header(observed.state, fn, &h));
+    if (cache.keys.num_tokens != h->prompt_tokens + h->steps)
+      return status::error(
+          errc::invalid_shape, fn, "cache.keys.num_tokens", "expected prompt + decoded tokens = %lld, got %lld",
+          static_cast<long long>(h->prompt_tokens + h->steps), static_cast<long long>(cache.keys.num_tokens));
+    if (cache.keys.num_heads != h->heads)
+      return status::error(errc::invalid_shape, fn, "cache.keys.num_heads",
+                           "expected the observed %lld KV heads, got %lld", static_cast<long long>(h->heads),
+                           static_cast<long long>(cache.keys.num_heads));
+    const float* s = sums(observed.state);
+    KVEVICT_RETURN_IF_ERROR(detail::evict_layer(
+        fn, cache, observed, cache.keys.num_tokens, finalize_workspace_size(*h), selection(observed.state), b, result,
+        ws, exec, [&](score_view scores, workspace_span sws) { return finalize(*h, s, scores, sws, fn); }));
+    h->phase = detail::deferkv_evicted;
     return status();
   }
 
-  /// Marks the sequence evicted (after the engine applied the keep-list); further
-  /// observations or scores need reset().
-  status mark_evicted() {
-    if (phase_ != phase::ready)
-      return status::error(errc::invalid_state, "kvevict::deferkv_state::mark_evicted", "state",
-                           "evict only when ready()");
-    phase_ = phase::evicted;
+  /// Marks a ready state evicted, for engines that evicted through score() and their own
+  /// selection and compaction.
+  status mark_evicted(policy_state state) const noexcept {
+    detail::deferkv_header* h = nullptr;
+    KVEVICT_RETURN_IF_ERROR(header(state, "kvevict::deferkv::mark_evicted", &h));
+    if (h->phase != detail::deferkv_ready)
+      return status::error(errc::invalid_state, "kvevict::deferkv::mark_evicted", "state", "evict only when ready()");
+    h->phase = detail::deferkv_evicted;
     return status();
   }
 
-  /// Forgets the sequence; the reserved state is kept.
-  void reset() noexcept {
-    phase_ = phase::empty;
-    prompt_tokens_ = 0;
-    steps_ = 0;
-    z_ = 0.0;
+  /// Read access to S[h][j] and Z of a state, for tests and tools (0 outside the state).
+  float state_sum(policy_state state, std::int64_t h, std::int64_t j) const noexcept {
+    const detail::deferkv_header* hd = peek(state);
+    if (hd == nullptr || h < 0 || h >= hd->heads_capacity || j < 0 || j >= hd->tokens_capacity) return 0.0f;
+    return sums(state)[h * hd->tokens_capacity + j];
+  }
+  double state_normaliser(policy_state state) const noexcept {
+    const detail::deferkv_header* hd = peek(state);
+    return hd != nullptr ? hd->z : 0.0;
   }
 
-  /// Read access to the running state S[h][j] (candidates of head h) and Z, for tests/tools.
-  float state_sum(std::int64_t h, std::int64_t j) const noexcept {
-    return sums_[static_cast<std::size_t>(h * tokens_capacity_ + j)];
-  }
-  double state_normaliser() const noexcept { return z_; }
-
- private:
-  enum class phase { empty, prefilled, ready, evicted };
-  static constexpr std::int64_t max_window_weights = 4096;
-
-  std::int64_t candidates() const noexcept {
-    const std::int64_t window = config_.window < prompt_tokens_ ? config_.window : prompt_tokens_;
-    return prompt_tokens_ - window;
-  }
-
+  /// Checks of the configuration (also run by every observation).
   status check_config(const char* fn) const noexcept {
     if (config_.window < 0)
       return status::error(errc::invalid_argument, fn, "config.window", "expected >= 0, got %lld",
@@ -291,16 +337,144 @@ class deferkv_state {
     return detail::validate_scoring_params(config_.params(), fn);
   }
 
-  status check_layer(const char* fn, std::int64_t layer) const noexcept {
-    if (layer != layer_)
-      return status::error(errc::invalid_state, fn, "layer", "this state belongs to layer %lld, got layer %lld",
-                           static_cast<long long>(layer_), static_cast<long long>(layer));
+  /// The checks observe_decode runs before it touches the state, for callers that must
+  /// validate a whole batch first (the compressor): the state's phase, then the inputs.
+  status check_decode(const policy_state state, const layer_inputs<T>& in, const char* fn) const noexcept {
+    const detail::deferkv_header* h = nullptr;
+    KVEVICT_RETURN_IF_ERROR(header(state, fn, &h));
+    return check_decode(*h, in, fn);
+  }
+  status check_decode_phase(const policy_state state, const char* fn) const noexcept {
+    const detail::deferkv_header* h = nullptr;
+    KVEVICT_RETURN_IF_ERROR(header(state, fn, &h));
+    return check_decode_phase(*h, fn);
+  }
+
+ private:
+  static constexpr std::int64_t max_window_weights = 4096;
+
+  static status check_memory(policy_state state, std::size_t need, const char* fn) noexcept {
+    if (state.data == nullptr) return status::error(errc::null_pointer, fn, "state.data", "expected non-null");
+    if (reinterpret_cast<std::uintptr_t>(state.data) % alignof(detail::deferkv_header) != 0)
+      return status::error(errc::invalid_argument, fn, "state.data", "expected %zu-byte alignment",
+                           alignof(detail::deferkv_header));
+    if (state.size < need)
+      return status::error(errc::invalid_shape, fn, "state.size", "expected at least %zu bytes (state_size), got %zu",
+                           need, state.size);
+    return status();
+  }
+
+  /// The header of an initialised state that is as large as it claims.
+  static status header(policy_state state, const char* fn, detail::deferkv_header** out) noexcept {
+    KVEVICT_RETURN_IF_ERROR(check_memory(state, sizeof(detail::deferkv_header), fn));
+    auto* h = static_cast<detail::deferkv_header*>(state.data);
+    if (h->magic != detail::deferkv_magic)
+      return status::error(errc::invalid_state, fn, "state",
+                           "not an initialised DeferKV state: call init_state() (or reserve()) first");
+    if (state.size < state_size(h->heads_capacity, h->tokens_capacity))
+      return status::error(errc::invalid_shape, fn, "state.size",
+                           "expected at least %zu bytes for a %lld x %lld state, got %zu",
+                           state_size(h->heads_capacity, h->tokens_capacity), static_cast<long long>(h->heads_capacity),
+                           static_cast<long long>(h->tokens_capacity), state.size);
+    *out = h;
+    return status();
+  }
+  template <class H>
+  static status header(policy_state state, const char* fn, const H** out) noexcept {
+    detail::deferkv_header* h = nullptr;
+    KVEVICT_RETURN_IF_ERROR(header(state, fn, &h));
+    *out = h;
+    return status();
+  }
+
+  status ready_header(policy_state state, const char* fn, detail::deferkv_header** out) const noexcept {
+    KVEVICT_RETURN_IF_ERROR(header(state, fn, out));
+    if ((*out)->phase != detail::deferkv_ready)
+      return status::error(errc::invalid_state, fn, "state",
+                           (*out)->phase == detail::deferkv_evicted
+                               ? "this sequence was already evicted; call reset_state()"
+                               : "not ready: observe prefill and %lld decode step(s) first",
+                           static_cast<long long>(config_.delay));
+    return status();
+  }
+  status ready_header(policy_state state, const char* fn, const detail::deferkv_header** out) const noexcept {
+    detail::deferkv_header* h = nullptr;
+    KVEVICT_RETURN_IF_ERROR(ready_header(state, fn, &h));
+    *out = h;
+    return status();
+  }
+
+  static const detail::deferkv_header* peek(policy_state state) noexcept {
+    if (state.data == nullptr || state.size < sizeof(detail::deferkv_header)) return nullptr;
+    const auto* h = static_cast<const detail::deferkv_header*>(state.data);
+    return h->magic == detail::deferkv_magic ? h : nullptr;
+  }
+  static std::int32_t phase_of(policy_state state) noexcept {
+    const detail::deferkv_header* h = peek(state);
+    return h != nullptr ? h->phase : -1;
+  }
+  static float* sums(policy_state state) noexcept {
+    return reinterpret_cast<float*>(static_cast<unsigned char*>(state.data) + detail::deferkv_sums_offset);
+  }
+
+  static std::int64_t candidates(const detail::deferkv_header& h, std::int64_t window) noexcept {
+    const std::int64_t w = window < h.prompt_tokens ? window : h.prompt_tokens;
+    return h.prompt_tokens - w;
+  }
+  std::size_t finalize_workspace_size(const detail::deferkv_header& h) const noexcept {
+    detail::arena a;
+    (void)a.take<float>(candidates(h, config_.window));
+    return a.used();
+  }
+
+  /// Scores [heads, prompt + steps] from S / Z.
+  status finalize(const detail::deferkv_header& h, const float* state_sums, score_view out, workspace_span ws,
+                  const char* fn) const {
+    const std::int64_t tokens = h.prompt_tokens + h.steps, cand = candidates(h, config_.window);
+    KVEVICT_RETURN_IF_ERROR(detail::validate_matrix_view(out, h.heads, tokens, fn, "out"));
+    detail::arena a(ws);
+    float* row = a.take<float>(cand);
+    if (a.overflowed())
+      return status::error(errc::workspace_too_small, fn, "ws", "expected at least %zu bytes, got %zu", a.used(),
+                           ws.size);
+    detail::window_normaliser norm;
+    norm.scale = static_cast<float>(1.0 / h.z);
+    const scoring_params params = config_.params();
+    for (std::int64_t head = 0; head < h.heads; ++head) {
+      const float* s = state_sums + head * h.tokens_capacity;
+      for (std::int64_t j = 0; j < cand; ++j) row[j] = s[j];
+      detail::finalize_reduced_row(row, h.group, cand, tokens, params, norm, out.row(head));
+    }
+    return status();
+  }
+
+  status check_decode(const detail::deferkv_header& h, const layer_inputs<T>& in, const char* fn) const noexcept {
+    KVEVICT_RETURN_IF_ERROR(check_decode_phase(h, fn));
+    if (in.queries.num_queries != 1)
+      return status::error(errc::invalid_shape, fn, "queries.num_queries", "expected 1 query per head, got %lld",
+                           static_cast<long long>(in.queries.num_queries));
+    if (in.keys.num_tokens != h.prompt_tokens + h.steps + 1)
+      return status::error(errc::invalid_shape, fn, "keys.num_tokens",
+                           "expected prompt + decoded tokens = %lld, got %lld (wrong layer or step?)",
+                           static_cast<long long>(h.prompt_tokens + h.steps + 1),
+                           static_cast<long long>(in.keys.num_tokens));
+    return status();
+  }
+  status check_decode_phase(const detail::deferkv_header& h, const char* fn) const noexcept {
+    if (h.phase == detail::deferkv_empty)
+      return status::error(errc::invalid_state, fn, "state", "no prefill observed yet; call observe_prefill first");
+    if (!config_.decode_feedback)
+      return status::error(errc::invalid_state, fn, "state", "decode feedback is off: evict after prefill");
+    if (h.phase == detail::deferkv_ready || h.phase == detail::deferkv_evicted)
+      return status::error(errc::invalid_state, fn, "state", "already ready after %lld decode steps; evict now",
+                           static_cast<long long>(h.steps));
     return status();
   }
 
   /// Adds this observation batch into S (after discounting S unless first).
-  status observe(const char* fn, const layer_inputs<T>& in, std::int64_t prompt, std::int64_t state_tokens,
-                 const float* weights, bool first, workspace_span ws, const executor& exec) {
+  status observe(const char* fn, detail::deferkv_header& h, float* state_sums, const layer_inputs<T>& in,
+                 std::int64_t prompt, std::int64_t state_tokens, const float* weights, bool first, workspace_span ws,
+                 const executor& exec) const {
     KVEVICT_RETURN_IF_ERROR(detail::validate_query_view(in.queries, fn, "queries"));
     KVEVICT_RETURN_IF_ERROR(detail::validate_cache_view(in.keys, fn, "keys"));
     if (in.queries.head_dim != in.keys.head_dim)
@@ -311,15 +485,15 @@ class deferkv_state {
                            "expected a multiple of keys.num_heads = %lld (GQA), got %lld",
                            static_cast<long long>(in.keys.num_heads), static_cast<long long>(in.queries.num_heads));
     if (first) {
-      if (in.keys.num_heads > heads_capacity_ || state_tokens > tokens_capacity_)
+      if (in.keys.num_heads > h.heads_capacity || state_tokens > h.tokens_capacity)
         return status::error(errc::invalid_state, fn, "state",
-                             "reserved for %lld heads x %lld prompt tokens, got %lld x %lld; call reserve()",
-                             static_cast<long long>(heads_capacity_), static_cast<long long>(tokens_capacity_),
+                             "sized for %lld heads x %lld prompt tokens, got %lld x %lld; use a larger state",
+                             static_cast<long long>(h.heads_capacity), static_cast<long long>(h.tokens_capacity),
                              static_cast<long long>(in.keys.num_heads), static_cast<long long>(state_tokens));
-    } else if (in.keys.num_heads != heads_ || in.queries.num_heads != heads_ * group_) {
+    } else if (in.keys.num_heads != h.heads || in.queries.num_heads != h.heads * h.group) {
       return status::error(errc::invalid_shape, fn, "keys.num_heads",
                            "expected the prefill's %lld KV heads and %lld query heads, got %lld and %lld",
-                           static_cast<long long>(heads_), static_cast<long long>(heads_ * group_),
+                           static_cast<long long>(h.heads), static_cast<long long>(h.heads * h.group),
                            static_cast<long long>(in.keys.num_heads), static_cast<long long>(in.queries.num_heads));
     }
     if (in.observation.lse != nullptr || in.observation.weights != nullptr)
@@ -343,11 +517,11 @@ class deferkv_state {
     detail::carve_observation_layout(a, p, false, workers, &layout);
     if (a.overflowed())
       return status::error(errc::workspace_too_small, fn, "ws",
-                           "expected at least %zu bytes (deferkv_state::workspace_size), got %zu", a.used(), ws.size);
+                           "expected at least %zu bytes (deferkv::workspace_size), got %zu", a.used(), ws.size);
 
     if (first) {
-      heads_ = in.keys.num_heads;
-      group_ = in.queries.num_heads / in.keys.num_heads;
+      h.heads = in.keys.num_heads;
+      h.group = in.queries.num_heads / in.keys.num_heads;
     }
     struct task_context {
       const layer_inputs<T>* in;
@@ -357,18 +531,18 @@ class deferkv_state {
       std::int64_t stride;
       float decay;
       bool first;
-    } ctx{&in, &p, &layout, sums_.data(), tokens_capacity_, static_cast<float>(config_.effective_eta()), first};
+    } ctx{&in, &p, &layout, state_sums, h.tokens_capacity, static_cast<float>(config_.effective_eta()), first};
     exec.run(
         in.keys.num_heads,
-        [](void* arg, std::int64_t h, int worker) {
+        [](void* arg, std::int64_t head, int worker) {
           const auto& c = *static_cast<const task_context*>(arg);
           const detail::observation_scratch& s = c.layout->workers[worker];
-          detail::observe_head(c.in->queries, c.in->keys, h, *c.p, s);
+          detail::observe_head(c.in->queries, c.in->keys, head, *c.p, s);
           float* tmp = c.layout->tmp[worker];
           const std::int64_t n = c.p->candidates;
           for (std::int64_t g = 0; g < c.p->group; ++g)
             detail::reduce_into(tmp, s.acc + g * n, n, gqa_reduction::sum, g == 0);
-          float* state = c.sums + h * c.stride;
+          float* state = c.sums + head * c.stride;
           if (c.first) {
             for (std::int64_t j = 0; j < n; ++j) state[j] = tmp[j];
           } else {
@@ -380,13 +554,126 @@ class deferkv_state {
   }
 
   deferkv_config config_;
+};
+
+/// An owning DeferKV state for one layer (allocated by reserve()), for callers that do not
+/// manage the memory themselves: the lifecycle of deferkv<T> with the state inside and the
+/// layer it belongs to checked on every call. Engines use the compressor (one state block
+/// per sequence for all layers) or deferkv<T> over their own memory instead.
+template <class T>
+class deferkv_state {
+ public:
+  using storage_type = T;
+  using config_type = deferkv_config;
+
+  explicit deferkv_state(const deferkv_config& config = {}, std::int64_t layer = 0) : policy_(config), layer_(layer) {}
+
+  const deferkv_config& config() const noexcept { return policy_.config(); }
+  std::int64_t layer() const noexcept { return layer_; }
+  const deferkv<T>& policy() const noexcept { return policy_; }
+  /// The state memory, as deferkv<T> takes it.
+  policy_state memory() noexcept { return {words_.data(), words_.size() * sizeof(std::uint64_t)}; }
+
+  /// Allocates the running state: [num_kv_heads, max_prompt_tokens] floats. Call before the
+  /// first prefill; observe_* never allocate. A state that does not fit or cannot be allocated
+  /// is errc::overflow (`max_prompt_tokens`), never an exception; the old state is then kept.
+  status reserve(std::int64_t num_kv_heads, std::int64_t max_prompt_tokens) {
+    static constexpr const char* fn = "kvevict::deferkv_state::reserve";
+    if (num_kv_heads < 1)
+      return status::error(errc::invalid_argument, fn, "num_kv_heads", "expected >= 1, got %lld",
+                           static_cast<long long>(num_kv_heads));
+    if (max_prompt_tokens < 0)
+      return status::error(errc::invalid_argument, fn, "max_prompt_tokens", "expected >= 0, got %lld",
+                           static_cast<long long>(max_prompt_tokens));
+    const std::size_t bytes = deferkv<T>::state_size(num_kv_heads, max_prompt_tokens);
+    const std::size_t words = bytes / sizeof(std::uint64_t) + 1;
+    if (bytes == std::numeric_limits<std::size_t>::max() || words > words_.max_size())
+      return status::error(errc::overflow, fn, "max_prompt_tokens",
+                           "a state of %lld x %lld floats does not fit in memory", static_cast<long long>(num_kv_heads),
+                           static_cast<long long>(max_prompt_tokens));
+    if (!detail::assign_zeros(words_, words))
+      return status::error(errc::overflow, fn, "max_prompt_tokens", "could not allocate a state of %lld x %lld floats",
+                           static_cast<long long>(num_kv_heads), static_cast<long long>(max_prompt_tokens));
+    return policy_.init_state(memory(), num_kv_heads, max_prompt_tokens);
+  }
+
+  std::size_t workspace_size(const layer_shape& shape, const executor& exec = {}) const noexcept {
+    return policy_.workspace_size(shape, exec);
+  }
+
+  status observe_prefill(std::int64_t layer, const layer_inputs<T>& in, workspace_span ws, const executor& exec = {}) {
+    static constexpr const char* fn = "kvevict::deferkv_state::observe_prefill";
+    KVEVICT_RETURN_IF_ERROR(policy_.check_config(fn));
+    KVEVICT_RETURN_IF_ERROR(check_layer(fn, layer));
+    return policy_.observe_prefill(with_state(in), ws, exec);
+  }
+
+  /// Decode step `step` (0-based, observed in order, none skipped).
+  status observe_decode(std::int64_t layer, std::int64_t step, const layer_inputs<T>& in, workspace_span ws,
+                        const executor& exec = {}) {
+    static constexpr const char* fn = "kvevict::deferkv_state::observe_decode";
+    KVEVICT_RETURN_IF_ERROR(check_layer(fn, layer));
+    const layer_inputs<T> s = with_state(in);
+    KVEVICT_RETURN_IF_ERROR(policy_.check_decode_phase(s.state, fn));
+    if (step != steps_observed())
+      return status::error(errc::invalid_state, fn, "step",
+                           "expected decode step %lld (steps are observed in order, none skipped), got %lld",
+                           static_cast<long long>(steps_observed()), static_cast<long long>(step));
+    return policy_.observe_decode(s, ws, exec);
+  }
+
+  bool ready() const noexcept { return policy_.ready(view()); }
+  std::int64_t steps_observed() const noexcept { return policy_.steps_observed(view()); }
+  std::int64_t prompt_tokens() const noexcept { return policy_.prompt_tokens(view()); }
+  std::int64_t num_tokens() const noexcept { return policy_.num_tokens(view()); }
+  selection_params selection() const noexcept { return policy_.selection(view()); }
+
+  /// Scores [Hkv, num_tokens()]: prompt candidates scored, window and decoded tokens +inf.
+  status scores(score_view out, workspace_span ws) const {
+    if (words_.empty())
+      return status::error(errc::invalid_state, "kvevict::deferkv_state::scores", "state",
+                           "not ready: call reserve() and observe first");
+    layer_inputs<T> in;
+    in.state = view();
+    return policy_.score(in, out, ws);
+  }
+
+  status mark_evicted() {
+    if (!ready())
+      return status::error(errc::invalid_state, "kvevict::deferkv_state::mark_evicted", "state",
+                           "evict only when ready()");
+    return policy_.mark_evicted(memory());
+  }
+
+  /// Forgets the sequence; the reserved state is kept.
+  void reset() noexcept {
+    if (!words_.empty()) (void)policy_.reset_state(memory());
+  }
+
+  float state_sum(std::int64_t h, std::int64_t j) const noexcept { return policy_.state_sum(view(), h, j); }
+  double state_normaliser() const noexcept { return policy_.state_normaliser(view()); }
+
+ private:
+  policy_state view() const noexcept {
+    return {const_cast<std::uint64_t*>(words_.data()), words_.size() * sizeof(std::uint64_t)};
+  }
+  layer_inputs<T> with_state(const layer_inputs<T>& in) noexcept {
+    layer_inputs<T> s = in;
+    s.state = memory();
+    return s;
+  }
+  status check_layer(const char* fn, std::int64_t layer) const noexcept {
+    if (layer != layer_)
+      return status::error(errc::invalid_state, fn, "layer", "this state belongs to layer %lld, got layer %lld",
+                           static_cast<long long>(layer_), static_cast<long long>(layer));
+    if (words_.empty())
+      return status::error(errc::invalid_state, fn, "state", "reserved for 0 heads x 0 prompt tokens; call reserve()");
+    return status();
+  }
+
+  deferkv<T> policy_;
   std::int64_t layer_ = 0;
-  std::vector<float> sums_;
-  std::int64_t heads_capacity_ = 0, tokens_capacity_ = 0;
-  std::int64_t heads_ = 0, group_ = 1;
-  std::int64_t prompt_tokens_ = 0, steps_ = 0;
-  double z_ = 0.0;
-  phase phase_ = phase::empty;
+  std::vector<std::uint64_t> words_;
 };
 
 KVEVICT_NAMESPACE_END

@@ -15,6 +15,7 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/executor.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/scoring/attention_scores.hpp"
@@ -43,8 +44,9 @@ struct h2o_config {
 };
 
 template <class T>
-class h2o {
+class h2o : public scoring_policy<h2o<T>, T> {
  public:
+  static constexpr const char* evict_name = "kvevict::h2o::evict";
   using storage_type = T;
   using config_type = h2o_config;
 

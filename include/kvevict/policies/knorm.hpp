@@ -14,6 +14,7 @@
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/detail/widen.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/executor.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/selection/budget.hpp"
@@ -29,8 +30,9 @@ struct knorm_config {
 };
 
 template <class T>
-class knorm {
+class knorm : public scoring_policy<knorm<T>, T> {
  public:
+  static constexpr const char* evict_name = "kvevict::knorm::evict";
   using storage_type = T;
   using config_type = knorm_config;
 

@@ -11,6 +11,7 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/executor.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/scoring/observation_scores.hpp"
@@ -22,8 +23,9 @@
 KVEVICT_NAMESPACE_BEGIN
 
 template <class T>
-class snapkv {
+class snapkv : public scoring_policy<snapkv<T>, T> {
  public:
+  static constexpr const char* evict_name = "kvevict::snapkv::evict";
   using storage_type = T;
   using config_type = window_config;
 
@@ -40,9 +42,14 @@ class snapkv {
   /// in.queries: [Hq, W', d] the last W' <= W prompt queries with positions; in.keys:
   /// [Hkv, L, d]; scores: [Hkv, L] out (the last W tokens +inf).
   status score(const layer_inputs<T>& in, score_view scores, workspace_span ws, const executor& exec = {}) const {
+    static constexpr const char* fn = "kvevict::snapkv::score";
     if (config_.window < 0)
-      return status::error(errc::invalid_argument, "kvevict::snapkv::score", "config.window", "expected >= 0, got %lld",
+      return status::error(errc::invalid_argument, fn, "config.window", "expected >= 0, got %lld",
                            static_cast<long long>(config_.window));
+    // More observations than W would score with queries the protected window does not cover.
+    if (in.queries.num_queries > config_.window)
+      return status::error(errc::invalid_shape, fn, "queries.num_queries", "expected at most W = %lld, got %lld",
+                           static_cast<long long>(config_.window), static_cast<long long>(in.queries.num_queries));
     return observation_scores(in.queries, in.keys, config_.params(), scores, ws, in.observation, exec);
   }
 

@@ -14,6 +14,7 @@
 #include "kvevict/config.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/executor.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/selection/budget.hpp"
@@ -28,8 +29,9 @@ struct streaming_llm_config {
 };
 
 template <class T>
-class streaming_llm {
+class streaming_llm : public scoring_policy<streaming_llm<T>, T> {
  public:
+  static constexpr const char* evict_name = "kvevict::streaming_llm::evict";
   using storage_type = T;
   using config_type = streaming_llm_config;
 

@@ -21,11 +21,16 @@ struct budget {
   static constexpr budget tokens(std::int64_t n) noexcept { return {kind::tokens, n, 0.0}; }
   static constexpr budget ratio(double compression_ratio) noexcept { return {kind::ratio, 0, compression_ratio}; }
 
-  /// Tokens to keep out of `num_tokens` (may exceed num_tokens; selection clamps).
+  /// Tokens to keep out of `num_tokens` (a token count may exceed num_tokens; selection
+  /// clamps). Total for every input, so size queries can call it before validation: a ratio
+  /// outside [0, 1] or NaN (which select() rejects) resolves to a count clamped to
+  /// [0, num_tokens] instead of an out-of-range float-to-integer conversion.
   constexpr std::int64_t resolve(std::int64_t num_tokens) const noexcept {
-    return type == kind::tokens
-               ? count
-               : static_cast<std::int64_t>(static_cast<double>(num_tokens) * (1.0 - compression_ratio));
+    if (type == kind::tokens) return count;
+    const double kept = static_cast<double>(num_tokens) * (1.0 - compression_ratio);
+    if (!(kept > 0.0)) return 0;  // also NaN
+    if (kept >= static_cast<double>(num_tokens)) return num_tokens < 0 ? 0 : num_tokens;
+    return static_cast<std::int64_t>(kept);
   }
 };
 

@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/checked.hpp"
 #include "kvevict/detail/topk.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
@@ -129,11 +130,13 @@ inline std::size_t select_workspace_size(std::int64_t num_tokens, const executor
   return a.used();
 }
 
-/// Keep-list capacity (total indices) `select` needs for these budgets.
+/// Keep-list capacity (total indices) `select` needs for these budgets. Total: an invalid
+/// budget (rejected by select) or shape gives a size, never undefined behaviour.
 inline std::int64_t select_capacity(std::int64_t num_heads, std::int64_t num_tokens, budget b,
                                     const selection_params& params = {}) noexcept {
   const std::int64_t per_head = b.resolve(num_tokens);
-  return num_heads * tokens_kept(per_head < 0 ? 0 : per_head, num_tokens, params);
+  return detail::saturating_mul(num_heads < 0 ? 0 : num_heads,
+                                tokens_kept(per_head < 0 ? 0 : per_head, num_tokens < 0 ? 0 : num_tokens, params));
 }
 
 /// Uniform budget: every KV head keeps the same number of tokens.

@@ -1,0 +1,166 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_COMPRESSOR_OPTIONS_HPP
+#define KVEVICT_COMPRESSOR_OPTIONS_HPP
+
+// What a compressor is planned from (compressor/compressor.hpp): the model's shape, the policy
+// and its configuration, the budget and how it spreads over heads and layers, the limits of
+// the calls it will serve, and the executor. Everything is a plain value chosen at run time
+// (an engine reads it from its configuration), so one compressor type serves every policy.
+
+#include <cstdint>
+
+#include "kvevict/budgets/adakv.hpp"
+#include "kvevict/budgets/layer_budget.hpp"
+#include "kvevict/config.hpp"
+#include "kvevict/dtype.hpp"
+#include "kvevict/executor.hpp"
+#include "kvevict/policies/dapq.hpp"
+#include "kvevict/policies/deferkv.hpp"
+#include "kvevict/policies/h2o.hpp"
+#include "kvevict/policies/knorm.hpp"
+#include "kvevict/policies/streaming_llm.hpp"
+#include "kvevict/scoring/presets.hpp"
+#include "kvevict/selection/budget.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+
+/// The attention shape of every layer of the model.
+struct model_shape {
+  std::int64_t num_layers = 0;
+  std::int64_t num_query_heads = 0;  ///< Hq
+  std::int64_t num_kv_heads = 0;     ///< Hkv (Hq must be a multiple)
+  std::int64_t head_dim = 0;         ///< d of K (and of the queries)
+  std::int64_t value_head_dim = 0;   ///< d of V; 0 means head_dim
+  dtype storage = dtype::bf16;       ///< element type of K, V and the queries
+};
+
+enum class policy_kind : std::int32_t { streaming_llm, knorm, h2o, snapkv, deferkv, dapq };
+
+inline const char* to_string(policy_kind k) noexcept {
+  switch (k) {
+    case policy_kind::streaming_llm:
+      return "streaming_llm";
+    case policy_kind::knorm:
+      return "knorm";
+    case policy_kind::h2o:
+      return "h2o";
+    case policy_kind::snapkv:
+      return "snapkv";
+    case policy_kind::deferkv:
+      return "deferkv";
+    case policy_kind::dapq:
+      return "dapq";
+  }
+  return "unknown";
+}
+
+/// A policy and its configuration: `kind` says which member is used. Build one with the
+/// functions of namespace kvevict::policy (policy::snapkv(presets::kvpress_snapkv()),
+/// policy::deferkv(cfg), ...). chunk_length > 0 applies ChunkKV on top of StreamingLLM,
+/// KNorm, H2O or SnapKV scores.
+struct policy_config {
+  policy_kind kind = policy_kind::snapkv;
+  streaming_llm_config streaming_llm;
+  knorm_config knorm;
+  h2o_config h2o;
+  window_config snapkv = presets::kvpress_snapkv();
+  deferkv_config deferkv;
+  dapq_config dapq;
+  std::int64_t chunk_length = 0;
+
+  /// This policy's scores averaged per chunk of `length` tokens (ChunkKV).
+  policy_config chunked(std::int64_t length = 20) const noexcept {
+    policy_config p = *this;
+    p.chunk_length = length;
+    return p;
+  }
+};
+
+namespace policy {
+inline policy_config streaming_llm(const streaming_llm_config& c = {}) noexcept {
+  policy_config p;
+  p.kind = policy_kind::streaming_llm;
+  p.streaming_llm = c;
+  return p;
+}
+inline policy_config knorm(const knorm_config& c = {}) noexcept {
+  policy_config p;
+  p.kind = policy_kind::knorm;
+  p.knorm = c;
+  return p;
+}
+inline policy_config h2o(const h2o_config& c = {}) noexcept {
+  policy_config p;
+  p.kind = policy_kind::h2o;
+  p.h2o = c;
+  return p;
+}
+inline policy_config snapkv(const window_config& c = presets::kvpress_snapkv()) noexcept {
+  policy_config p;
+  p.kind = policy_kind::snapkv;
+  p.snapkv = c;
+  return p;
+}
+inline policy_config deferkv(const deferkv_config& c = {}) noexcept {
+  policy_config p;
+  p.kind = policy_kind::deferkv;
+  p.deferkv = c;
+  return p;
+}
+inline policy_config dapq(const dapq_config& c = {}) noexcept {
+  policy_config p;
+  p.kind = policy_kind::dapq;
+  p.dapq = c;
+  return p;
+}
+}  // namespace policy
+
+/// How the model's budget spreads over its layers.
+enum class layer_allocation : std::int32_t {
+  uniform,    ///< every layer keeps the same number of tokens per head
+  pyramidkv,  ///< PyramidKV: lower layers more, upper layers less, the same mean
+};
+
+/// The most a call will see. Workspace and state sizes follow from these and the model
+/// shape alone (never from views: a paged cache whose block table is not filled yet sizes
+/// the same).
+struct compressor_limits {
+  std::int64_t max_sequences = 1;  ///< sequences per run() call
+  std::int64_t max_tokens = 0;     ///< cache tokens of one sequence at any call (prompt + decoded)
+  /// Observation queries per sequence and call; 0 takes the policy's window (SnapKV and
+  /// DeferKV W, DapQ N; H2O max_tokens, since every prompt query observes).
+  std::int64_t max_queries = 0;
+};
+
+/// A called-back summary of each successful run(), for engines' metrics and for tests that
+/// count calls. Called on the thread that called run().
+struct run_trace {
+  std::int64_t layer = 0;
+  std::int64_t sequences = 0;
+  std::int64_t observed = 0;  ///< sequences whose state took an observation and did not evict
+  std::int64_t evicted = 0;   ///< sequences whose cache was compacted
+};
+struct compressor_tracer {
+  void* context = nullptr;
+  void (*on_run)(void* context, const run_trace& trace) = nullptr;
+};
+
+/// Everything a compressor is planned from.
+struct compressor_options {
+  model_shape model;
+  policy_config policy;
+  /// B: tokens each KV head keeps (or a compression ratio of its tokens), counting the
+  /// policy's protected tokens as its configuration says (protected_mode).
+  budget per_head = budget::ratio(0.5);
+  head_allocation heads = head_allocation::uniform;
+  adakv_params adakv;  ///< with head_allocation::adakv
+  layer_allocation layers = layer_allocation::uniform;
+  double pyramid_beta = 20.0;  ///< with layer_allocation::pyramidkv
+  compressor_limits limits;
+  executor exec;  ///< heads run through it; scratch is sized for its workers
+  compressor_tracer tracer;
+};
+
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_COMPRESSOR_OPTIONS_HPP
