@@ -80,6 +80,17 @@ struct io_name {
   operator const char*() const noexcept { return text; }
 };
 
+/// `st` (an error about one sequence's argument) renamed to that sequence: "keys.block_table[3]"
+/// becomes "seqs[2].keys.block_table[3]", the message keeps its text.
+inline status in_sequence(const status& st, std::int64_t s, const char* fn) noexcept {
+  if (st.ok()) return st;
+  const char* text = std::strstr(st.message(), ": ");
+  text = text != nullptr ? std::strstr(text + 2, ": ") : nullptr;  // past "function: argument: "
+  char name[2 * status::max_argument];  // status::error truncates it to max_argument
+  std::snprintf(name, sizeof(name), "seqs[%lld].%s", static_cast<long long>(s), st.argument());
+  return status::error(st.code(), fn, name, "%s", text != nullptr ? text + 2 : st.message());
+}
+
 /// A query view of the last `keep` observations of `q` (all of them when it has fewer).
 template <class T>
 query_view<const T> last_queries(const query_view<const T>& q, std::int64_t keep) noexcept {
@@ -566,8 +577,10 @@ class compressor {
         std::int32_t* ids = a.take<std::int32_t>(detail::block_id_scratch(1, kseq, vseq));
         if (a.overflowed())
           return status::error(errc::workspace_too_small, fn, "ws", "block tables longer than limits.max_tokens");
-        KVEVICT_RETURN_IF_ERROR(detail::check_block_ids(1, kseq, vseq, detail::same_block_table(io.keys, io.values),
-                                                        detail::same_block_pool(io.keys, io.values), ids, fn, false));
+        KVEVICT_RETURN_IF_ERROR(
+            detail::in_sequence(detail::check_block_ids(1, kseq, vseq, detail::same_block_table(io.keys, io.values),
+                                                        detail::same_block_pool(io.keys, io.values), ids, fn, false),
+                                s, fn));
       }
     }
     return status();
@@ -678,7 +691,7 @@ class compressor {
       layer_inputs<T> in;
       in.keys = io.keys;
       in.queries = q;
-      return d.check_decode(layer_state(io.state, layer), in, fn);
+      return detail::in_sequence(d.check_decode(layer_state(io.state, layer), in, fn), s, fn);
     }
     return status();
   }

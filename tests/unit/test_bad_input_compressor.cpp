@@ -1,0 +1,682 @@
+// The bad-input matrix (design.md §9) for the planned entry points: compressor::plan,
+// reset_sequence and run, every policy's evict(), DeferKV's state over caller memory and
+// select_layer. As in test_bad_input.cpp, every row makes one argument bad and requires the
+// error code, the argument's name in status::argument() and the message, and that every cache,
+// state, report, output buffer and the compressor itself are byte for byte what they were.
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kvevict/kvevict.hpp"
+#include "support/checksum.hpp"
+#include "support/test_cache.hpp"
+
+namespace {
+
+using kvevict::errc;
+using i64 = std::int64_t;
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+/// A planned SnapKV and DeferKV compressor over two layers and three sequences (two strided,
+/// one paged), with valid inputs for a prefill_end call, and every buffer a call may write.
+struct world {
+  static constexpr i64 layers = 2, hq = 4, hkv = 2, d = 8, l = 24, w = 4, block = 8, pool = 6;
+
+  std::vector<float> k0, v0, k1, v1, pool_k, pool_v, q, dq;
+  std::vector<std::int32_t> table_k{4, 0, 2, 5}, table_v{1, 5, 3, 0};  // 4 blocks: room for decode
+  std::vector<i64> qpos, dqpos{l};
+  std::vector<std::uint64_t> state0, state1, state2;
+  std::vector<kvevict::sequence_report> reports;
+  std::vector<i64> lengths, kept;
+  std::vector<unsigned char> ws;
+  kvevict::compressor snap, defer, unplanned;
+  kvevict::compressor target;  ///< what plan() rows plan into (must stay as it was)
+
+  static std::vector<float> data(std::size_t n, std::uint64_t seed) {
+    const std::vector<double> x = test::normal(n, seed);
+    return std::vector<float>(x.begin(), x.end());
+  }
+  static kvevict::compressor_options options(kvevict::policy_config p) {
+    kvevict::compressor_options o;
+    o.model = {layers, hq, hkv, d, 0, kvevict::dtype::f32};
+    o.policy = p;
+    o.per_head = kvevict::budget::tokens(10);
+    o.limits.max_sequences = 3;
+    o.limits.max_tokens = l + 2;
+    return o;
+  }
+  static kvevict::policy_config snapkv_policy() {
+    kvevict::window_config c = kvevict::presets::kvpress_snapkv();
+    c.window = w;
+    return kvevict::policy::snapkv(c);
+  }
+  static kvevict::policy_config deferkv_policy() {
+    kvevict::deferkv_config c;
+    c.window = w;
+    c.delay = 2;
+    return kvevict::policy::deferkv(c);
+  }
+
+  world() {
+    k0 = data(hkv * (l + 2) * d, 1);
+    v0 = data(hkv * (l + 2) * d, 2);
+    k1 = data(hkv * (l + 2) * d, 3);
+    v1 = data(hkv * (l + 2) * d, 4);
+    pool_k = data(pool * block * hkv * d, 5);
+    pool_v = data(pool * block * hkv * d, 6);
+    q = data(hq * w * d, 7);
+    dq = data(hq * d, 8);
+    for (i64 t = 0; t < w; ++t) qpos.push_back(l - w + t);
+    REQUIRE(kvevict::compressor::plan(options(snapkv_policy()), &snap).ok());
+    REQUIRE(kvevict::compressor::plan(options(deferkv_policy()), &defer).ok());
+    target = snap;
+    for (auto* s : {&state0, &state1, &state2}) {
+      s->assign(defer.sequence_state_size() / 8 + 1, 0);
+      REQUIRE(defer.reset_sequence(s->data(), s->size() * 8).ok());
+    }
+    reports.assign(3, kvevict::sequence_report{kvevict::sequence_action::observed, -1, -2, -3, -4, -5});
+    lengths.assign(3 * hkv, -6);
+    kept.assign(3 * static_cast<std::size_t>(defer.keep_capacity()), -7);
+    ws.assign(std::max(snap.workspace_size(), defer.workspace_size()), 0);
+  }
+
+  kvevict::cache_view<float> strided(std::vector<float>& buf, i64 n) {
+    return kvevict::hf_contiguous(buf.data(), hkv, n, d, l + 2);
+  }
+  /// A valid prefill_end batch: two strided sequences and a paged one.
+  std::vector<kvevict::sequence_io<float>> prefill(bool with_state) {
+    std::vector<kvevict::sequence_io<float>> io(3);
+    io[0].keys = strided(k0, l);
+    io[0].values = strided(v0, l);
+    io[1].keys = strided(k1, l);
+    io[1].values = strided(v1, l);
+    io[2].keys = kvevict::vllm_paged(pool_k.data(), pool, block, hkv, d, table_k.data(), l);
+    io[2].values = kvevict::vllm_paged(pool_v.data(), pool, block, hkv, d, table_v.data(), l);
+    std::uint64_t* states[] = {state0.data(), state1.data(), state2.data()};
+    for (std::size_t s = 0; s < 3; ++s) {
+      io[s].event = kvevict::sequence_event::prefill_end;
+      io[s].queries = kvevict::contiguous_queries<const float>(q.data(), hq, w, d, qpos.data());
+      io[s].state = with_state ? states[s] : nullptr;
+      io[s].head_lengths = lengths.data() + s * hkv;
+      io[s].kept_positions = kept.data() + s * static_cast<std::size_t>(defer.keep_capacity());
+    }
+    return io;
+  }
+  /// The DeferKV batch after every sequence's prefill was observed: one decode step.
+  std::vector<kvevict::sequence_io<float>> decode_after_prefill() {
+    auto io = prefill(true);
+    for (i64 layer = 0; layer < layers; ++layer) REQUIRE(defer.run(layer, io.data(), 3, reports.data(), span()).ok());
+    reports.assign(3, kvevict::sequence_report{kvevict::sequence_action::observed, -1, -2, -3, -4, -5});
+    for (auto& s : io) {
+      s.event = kvevict::sequence_event::decode;
+      s.keys.num_tokens = s.values.num_tokens = l + 1;
+      s.queries = kvevict::contiguous_queries<const float>(dq.data(), hq, 1, d, dqpos.data());
+    }
+    io[2].keys.num_tokens = io[2].values.num_tokens = l + 1;
+    return io;
+  }
+  kvevict::workspace_span span() { return {ws.data(), ws.size()}; }
+
+  std::uint64_t checksum() const {
+    std::uint64_t x = test::fnv_seed;
+    for (const auto* f : {&k0, &v0, &k1, &v1, &pool_k, &pool_v, &q, &dq}) x = test::fnv(x, *f);
+    for (const auto* f : {&state0, &state1, &state2}) x = test::fnv(x, *f);
+    x = test::fnv(x, reports.data(), reports.size() * sizeof(kvevict::sequence_report));
+    x = test::fnv(x, lengths);
+    x = test::fnv(x, kept);
+    x = test::fnv(x, &target, sizeof(target));
+    return x;
+  }
+};
+
+using call_fn = std::function<kvevict::status()>;
+struct bad_case {
+  std::string name;
+  errc code;
+  std::string argument;
+  std::function<call_fn(world&)> prepare;
+};
+
+void run_table(const char* entry, const std::vector<bad_case>& rows) {
+  for (const bad_case& c : rows) {
+    world wd;
+    const call_fn call = c.prepare(wd);
+    const std::uint64_t before = wd.checksum();
+    const kvevict::status st = call();
+    INFO(entry << " / " << c.name << " -> " << kvevict::to_string(st.code()) << " [" << st.argument() << "] "
+               << st.message());
+    CHECK(st.code() == c.code);
+    CHECK(std::string(st.argument()) == c.argument);
+    const std::string message = st.message();
+    CHECK(message.rfind("kvevict::", 0) == 0);
+    CHECK(message.find(c.argument) != std::string::npos);
+    CHECK(wd.checksum() == before);
+  }
+}
+
+using mutate_options = std::function<void(kvevict::compressor_options&)>;
+bad_case plan_row(std::string name, errc code, std::string arg, kvevict::policy_config p, mutate_options m) {
+  return {std::move(name), code, std::move(arg), [p, m](world& wd) -> call_fn {
+            kvevict::compressor_options o = world::options(p);
+            m(o);
+            return [&wd, o] { return kvevict::compressor::plan(o, &wd.target); };
+          }};
+}
+
+using mutate_batch = std::function<void(world&, std::vector<kvevict::sequence_io<float>>&)>;
+/// A row that runs `c` (snap or defer) at layer 1 on a batch prepared by `m`.
+bad_case run_row(std::string name, errc code, std::string arg, bool deferred, bool decode, mutate_batch m) {
+  return {std::move(name), code, std::move(arg), [deferred, decode, m](world& wd) -> call_fn {
+            auto io = std::make_shared<std::vector<kvevict::sequence_io<float>>>(decode ? wd.decode_after_prefill()
+                                                                                        : wd.prefill(deferred));
+            m(wd, *io);
+            const kvevict::compressor* c = deferred ? &wd.defer : &wd.snap;
+            return [&wd, io, c] { return c->run(1, io->data(), 3, wd.reports.data(), wd.span()); };
+          }};
+}
+
+}  // namespace
+
+TEST_CASE("bad-input matrix: the unmutated compressor world is accepted", "[errors]") {
+  world wd;
+  auto io = wd.prefill(false);
+  REQUIRE(wd.snap.run(1, io.data(), 3, wd.reports.data(), wd.span()).ok());
+  REQUIRE(wd.reports[2].action == kvevict::sequence_action::evicted);
+  world wd2;
+  auto dio = wd2.decode_after_prefill();
+  REQUIRE(wd2.defer.run(0, dio.data(), 3, wd2.reports.data(), wd2.span()).ok());
+  REQUIRE(wd2.reports[1].action == kvevict::sequence_action::observed);
+}
+
+TEST_CASE("bad input: compressor::plan", "[errors]") {
+  using kvevict::policy_config;
+  const policy_config snap = world::snapkv_policy(), defer = world::deferkv_policy();
+  auto r = [](std::string n, errc e, std::string a, policy_config p, mutate_options m) {
+    return plan_row(std::move(n), e, std::move(a), p, std::move(m));
+  };
+  kvevict::dapq_config rerotate;
+  rerotate.source = kvevict::dapq_source::rerotated_window;
+  rerotate.rope.head_dim = world::d + 2;
+  run_table(
+      "compressor::plan",
+      {
+          {"null out", errc::null_pointer, "out",
+           [](world&) -> call_fn { return [] { return kvevict::compressor::plan(world::options({}), nullptr); }; }},
+          r("no layers", errc::invalid_shape, "model.num_layers", snap, [](auto& o) { o.model.num_layers = 0; }),
+          r("no KV heads", errc::invalid_shape, "model.num_kv_heads", snap, [](auto& o) { o.model.num_kv_heads = 0; }),
+          r("Hq not a multiple", errc::invalid_shape, "model.num_query_heads", snap,
+            [](auto& o) { o.model.num_query_heads = 5; }),
+          r("head_dim 0", errc::invalid_shape, "model.head_dim", snap, [](auto& o) { o.model.head_dim = 0; }),
+          r("negative value head_dim", errc::invalid_shape, "model.value_head_dim", snap,
+            [](auto& o) { o.model.value_head_dim = -1; }),
+          r("unknown dtype", errc::invalid_argument, "model.storage", snap,
+            [](auto& o) { o.model.storage = static_cast<kvevict::dtype>(7); }),
+          r("no sequences", errc::invalid_shape, "limits.max_sequences", snap,
+            [](auto& o) { o.limits.max_sequences = 0; }),
+          r("no tokens", errc::invalid_shape, "limits.max_tokens", snap, [](auto& o) { o.limits.max_tokens = 0; }),
+          r("2^32 tokens", errc::invalid_shape, "limits.max_tokens", snap,
+            [](auto& o) { o.limits.max_tokens = i64{1} << 32; }),
+          r("AdaKV: Hkv * L >= 2^32", errc::invalid_shape, "limits.max_tokens", snap,
+            [](auto& o) {
+              o.heads = kvevict::head_allocation::adakv;
+              o.limits.max_tokens = (i64{1} << 31) + 1;
+            }),
+          r("negative max_queries", errc::invalid_shape, "limits.max_queries", snap,
+            [](auto& o) { o.limits.max_queries = -1; }),
+          r("max_queries below the window", errc::invalid_shape, "limits.max_queries", snap,
+            [](auto& o) { o.limits.max_queries = world::w - 1; }),
+          r("unknown policy", errc::invalid_argument, "policy.kind", snap,
+            [](auto& o) { o.policy.kind = static_cast<kvevict::policy_kind>(9); }),
+          r("negative chunk length", errc::invalid_argument, "policy.chunk_length", snap,
+            [](auto& o) { o.policy.chunk_length = -1; }),
+          r("chunks on DeferKV", errc::unsupported, "policy.chunk_length", defer,
+            [](auto& o) { o.policy.chunk_length = 8; }),
+          r("StreamingLLM: negative sinks", errc::invalid_argument, "policy.streaming_llm.sinks",
+            kvevict::policy::streaming_llm({-1}), [](auto&) {}),
+          r("StreamingLLM: above 2^24 tokens", errc::overflow, "limits.max_tokens", kvevict::policy::streaming_llm(),
+            [](auto& o) { o.limits.max_tokens = (i64{1} << 24) + 1; }),
+          r("KNorm: negative tail", errc::invalid_argument, "policy.knorm.protected_tail",
+            kvevict::policy::knorm({-1, kvevict::protected_mode::inside_budget}), [](auto&) {}),
+          r("KNorm: unknown mode", errc::invalid_argument, "policy.knorm.protect",
+            kvevict::policy::knorm({2, static_cast<kvevict::protected_mode>(4)}), [](auto&) {}),
+          r("H2O: negative window", errc::invalid_argument, "policy.h2o.recent_window", kvevict::policy::h2o({-2}),
+            [](auto&) {}),
+          r("SnapKV: window 0", errc::invalid_argument, "policy.snapkv.window", snap,
+            [](auto& o) { o.policy.snapkv.window = 0; }),
+          r("SnapKV: even pooling kernel", errc::invalid_argument, "params.pool.kernel", snap,
+            [](auto& o) { o.policy.snapkv.scoring.pool.kernel = 4; }),
+          r("SnapKV: weighted window", errc::unsupported, "policy.snapkv.scoring.window", snap,
+            [](auto& o) { o.policy.snapkv.scoring.window = kvevict::window_aggregation::weighted; }),
+          r("DeferKV: eta 0", errc::invalid_argument, "config.eta", defer, [](auto& o) { o.policy.deferkv.eta = 0.0; }),
+          r("DeferKV: eta NaN", errc::invalid_argument, "config.eta", defer,
+            [](auto& o) { o.policy.deferkv.eta = kNaN; }),
+          r("DeferKV: max GQA", errc::unsupported, "config.gqa", defer,
+            [](auto& o) { o.policy.deferkv.gqa = kvevict::gqa_reduction::max; }),
+          r("DeferKV: negative delay", errc::invalid_argument, "config.delay", defer,
+            [](auto& o) { o.policy.deferkv.delay = -1; }),
+          r("DeferKV: window 0", errc::invalid_argument, "policy.deferkv.window", defer,
+            [](auto& o) { o.policy.deferkv.window = 0; }),
+          r("DapQ: no pseudo tokens", errc::invalid_argument, "policy.dapq.pseudo_tokens", kvevict::policy::dapq(),
+            [](auto& o) { o.policy.dapq.pseudo_tokens = 0; }),
+          r("DapQ: unknown source", errc::invalid_argument, "policy.dapq.source", kvevict::policy::dapq(),
+            [](auto& o) { o.policy.dapq.source = static_cast<kvevict::dapq_source>(3); }),
+          r("DapQ re-rotated: RoPE head_dim differs", errc::invalid_shape, "policy.dapq.rope.head_dim",
+            kvevict::policy::dapq(rerotate), [](auto&) {}),
+          r("DapQ re-rotated: odd rotary_dim", errc::invalid_argument, "rope.rotary_dim",
+            kvevict::policy::dapq(rerotate),
+            [](auto& o) {
+              o.policy.dapq.rope.head_dim = world::d;
+              o.policy.dapq.rope.rotary_dim = 3;
+            }),
+          r("ratio NaN", errc::invalid_argument, "budget.per_head", snap,
+            [](auto& o) { o.per_head = kvevict::budget::ratio(kNaN); }),
+          r("ratio 1.5", errc::invalid_argument, "budget.per_head", snap,
+            [](auto& o) { o.per_head = kvevict::budget::ratio(1.5); }),
+          r("negative tokens", errc::invalid_argument, "budget.per_head", snap,
+            [](auto& o) { o.per_head = kvevict::budget::tokens(-3); }),
+          r("unknown head allocation", errc::invalid_argument, "budget.heads", snap,
+            [](auto& o) { o.heads = static_cast<kvevict::head_allocation>(5); }),
+          r("AdaKV alpha 2", errc::invalid_argument, "budget.adakv.alpha", snap,
+            [](auto& o) {
+              o.heads = kvevict::head_allocation::adakv;
+              o.adakv.alpha = 2.0;
+            }),
+          r("unknown layer allocation", errc::invalid_argument, "layers", snap,
+            [](auto& o) { o.layers = static_cast<kvevict::layer_allocation>(3); }),
+          r("PyramidKV beta 0.5", errc::invalid_argument, "pyramid_beta", snap,
+            [](auto& o) {
+              o.layers = kvevict::layer_allocation::pyramidkv;
+              o.pyramid_beta = 0.5;
+            }),
+          r("PyramidKV beta inf", errc::invalid_argument, "pyramid_beta", snap,
+            [](auto& o) {
+              o.layers = kvevict::layer_allocation::pyramidkv;
+              o.pyramid_beta = std::numeric_limits<double>::infinity();
+            }),
+      });
+}
+
+TEST_CASE("bad input: compressor::reset_sequence", "[errors]") {
+  run_table("compressor::reset_sequence",
+            {
+                {"unplanned", errc::invalid_state, "compressor",
+                 [](world& wd) -> call_fn {
+                   return [&wd] { return wd.unplanned.reset_sequence(wd.state0.data(), wd.state0.size() * 8); };
+                 }},
+                {"null state", errc::null_pointer, "state",
+                 [](world& wd) -> call_fn {
+                   return [&wd] { return wd.defer.reset_sequence(nullptr, wd.state0.size() * 8); };
+                 }},
+                {"misaligned state", errc::invalid_argument, "state",
+                 [](world& wd) -> call_fn {
+                   return [&wd] {
+                     return wd.defer.reset_sequence(reinterpret_cast<unsigned char*>(wd.state0.data()) + 4,
+                                                    wd.state0.size() * 8 - 4);
+                   };
+                 }},
+                {"too small", errc::invalid_shape, "bytes",
+                 [](world& wd) -> call_fn {
+                   return
+                       [&wd] { return wd.defer.reset_sequence(wd.state0.data(), wd.defer.sequence_state_size() - 1); };
+                 }},
+            });
+}
+
+TEST_CASE("bad input: compressor::run", "[errors]") {
+  auto r = [](std::string n, errc e, std::string a, mutate_batch m) {
+    return run_row(std::move(n), e, std::move(a), false, false, std::move(m));
+  };
+  auto d = [](std::string n, errc e, std::string a, mutate_batch m) {
+    return run_row(std::move(n), e, std::move(a), true, false, std::move(m));
+  };
+  auto dd = [](std::string n, errc e, std::string a, mutate_batch m) {
+    return run_row(std::move(n), e, std::move(a), true, true, std::move(m));
+  };
+  using io_vec = std::vector<kvevict::sequence_io<float>>;
+  static std::vector<i64> negative_pos{20, -1, 22, 23}, early_pos{0, 1, 2, 3};
+  static std::vector<float> lse(world::hq * world::w, 2.0f);
+  static std::vector<float> bf16_pool(10);
+  run_table(
+      "compressor::run",
+      {
+          {"unplanned", errc::invalid_state, "compressor",
+           [](world& wd) -> call_fn {
+             return [&wd] {
+               auto io = wd.prefill(false);
+               return wd.unplanned.run(0, io.data(), 3, wd.reports.data(), wd.span());
+             };
+           }},
+          {"views of another type", errc::invalid_argument, "seqs",
+           [](world& wd) -> call_fn {
+             return [&wd] {
+               kvevict::sequence_io<kvevict::bf16> io;
+               return wd.snap.run(0, &io, 1, wd.reports.data(), wd.span());
+             };
+           }},
+          {"layer -1", errc::out_of_range, "layer",
+           [](world& wd) -> call_fn {
+             return [&wd] {
+               auto io = wd.prefill(false);
+               return wd.snap.run(-1, io.data(), 3, wd.reports.data(), wd.span());
+             };
+           }},
+          {"layer past the model", errc::out_of_range, "layer",
+           [](world& wd) -> call_fn {
+             return [&wd] {
+               auto io = wd.prefill(false);
+               return wd.snap.run(world::layers, io.data(), 3, wd.reports.data(), wd.span());
+             };
+           }},
+          {"more sequences than planned", errc::invalid_shape, "num_seqs",
+           [](world& wd) -> call_fn {
+             return [&wd] {
+               auto io = wd.prefill(false);
+               io.push_back(io[0]);
+               return wd.snap.run(0, io.data(), 4, wd.reports.data(), wd.span());
+             };
+           }},
+          {"negative count", errc::invalid_shape, "num_seqs",
+           [](world& wd) -> call_fn {
+             return [&wd] {
+               auto io = wd.prefill(false);
+               return wd.snap.run(0, io.data(), -1, wd.reports.data(), wd.span());
+             };
+           }},
+          {"null seqs", errc::null_pointer, "seqs",
+           [](world& wd) -> call_fn {
+             return [&wd] { return wd.snap.run<float>(0, nullptr, 2, wd.reports.data(), wd.span()); };
+           }},
+          {"null reports", errc::null_pointer, "reports",
+           [](world& wd) -> call_fn {
+             return [&wd] {
+               auto io = wd.prefill(false);
+               return wd.snap.run(0, io.data(), 3, nullptr, wd.span());
+             };
+           }},
+          {"workspace too small", errc::workspace_too_small, "ws",
+           [](world& wd) -> call_fn {
+             return [&wd] {
+               auto io = wd.prefill(false);
+               return wd.snap.run(0, io.data(), 3, wd.reports.data(), {wd.ws.data(), wd.snap.workspace_size() / 2});
+             };
+           }},
+          r("unknown event", errc::invalid_argument, "seqs[1].event",
+            [](world&, io_vec& io) { io[1].event = static_cast<kvevict::sequence_event>(7); }),
+          r("keys: wrong head count", errc::invalid_shape, "seqs[0].values.num_heads",
+            [](world&, io_vec& io) { io[0].keys.num_heads = 1; }),
+          r("keys and values: both wrong head count", errc::invalid_shape, "seqs[0].keys",
+            [](world&, io_vec& io) { io[0].keys.num_heads = io[0].values.num_heads = 1; }),
+          r("keys: head_dim differs from the model", errc::invalid_shape, "seqs[2].keys",
+            [](world&, io_vec& io) { io[2].keys.head_dim = 4; }),
+          r("values: head_dim differs from the model", errc::invalid_shape, "seqs[2].values.head_dim",
+            [](world&, io_vec& io) { io[2].values.head_dim = 4; }),
+          r("more tokens than planned", errc::invalid_shape, "seqs[1].keys.num_tokens",
+            [](world& wd, io_vec& io) {
+              io[1].keys = kvevict::hf_contiguous(wd.k1.data(), world::hkv, world::l + 3, world::d, world::l + 3);
+              io[1].values = kvevict::hf_contiguous(wd.v1.data(), world::hkv, world::l + 3, world::d, world::l + 3);
+            }),
+          r("K and V lengths differ", errc::invalid_shape, "seqs[1].values.num_tokens",
+            [](world&, io_vec& io) { io[1].values.num_tokens = world::l - 1; }),
+          r("K and V are one buffer", errc::invalid_argument, "seqs[0].values.data",
+            [](world&, io_vec& io) { io[0].values = io[0].keys; }),
+          r("overlapping key strides", errc::invalid_stride, "seqs[0].keys.token_stride",
+            [](world&, io_vec& io) { io[0].keys.token_stride = 2; }),
+          r("null key data", errc::null_pointer, "seqs[1].keys.data",
+            [](world&, io_vec& io) { io[1].keys.data = nullptr; }),
+          r("block id outside the pool", errc::out_of_range, "seqs[2].keys.block_table[1]",
+            [](world& wd, io_vec&) { wd.table_k[1] = world::pool; }),
+          r("block id repeated", errc::invalid_argument, "seqs[2].keys.block_table[2]",
+            [](world& wd, io_vec&) { wd.table_k[2] = wd.table_k[0]; }),
+          r("no queries", errc::invalid_shape, "seqs[0].queries.num_heads",
+            [](world&, io_vec& io) { io[0].queries = {}; }),
+          r("queries of another model", errc::invalid_shape, "seqs[1].queries",
+            [](world& wd, io_vec& io) {
+              io[1].queries =
+                  kvevict::contiguous_queries<const float>(wd.q.data(), 2, world::w, world::d, wd.qpos.data());
+            }),
+          r("negative query position", errc::out_of_range, "seqs[2].queries.positions[1]",
+            [](world&, io_vec& io) { io[2].queries.positions = negative_pos.data(); }),
+          r("null query positions", errc::null_pointer, "seqs[0].queries.positions",
+            [](world&, io_vec& io) { io[0].queries.positions = nullptr; }),
+          r("LSE rows closer than W", errc::invalid_stride, "seqs[0].lse_head_stride",
+            [](world&, io_vec& io) {
+              io[0].lse = lse.data();
+              io[0].lse_head_stride = world::w - 1;
+            }),
+          {"more queries than planned (H2O over at most 4)", errc::invalid_shape, "seqs[0].queries.num_queries",
+           [](world& wd) -> call_fn {
+             kvevict::compressor_options o = world::options(kvevict::policy::h2o());
+             o.limits.max_queries = world::w - 1;
+             auto c = std::make_shared<kvevict::compressor>();
+             REQUIRE(kvevict::compressor::plan(o, c.get()).ok());
+             return [&wd, c] {
+               auto io = wd.prefill(false);
+               return c->run(0, io.data(), 3, wd.reports.data(), wd.span());
+             };
+           }},
+          {"DapQ: pseudo positions inside the prompt", errc::out_of_range, "seqs[0].queries.positions",
+           [](world& wd) -> call_fn {
+             kvevict::dapq_config q;
+             q.pseudo_tokens = world::w;
+             auto c = std::make_shared<kvevict::compressor>();
+             REQUIRE(kvevict::compressor::plan(world::options(kvevict::policy::dapq(q)), c.get()).ok());
+             return [&wd, c] {
+               auto io = wd.prefill(false);
+               io[0].queries.positions = early_pos.data();
+               return c->run(0, io.data(), 3, wd.reports.data(), wd.span());
+             };
+           }},
+          d("DeferKV: null state", errc::null_pointer, "seqs[1].state",
+            [](world&, io_vec& io) { io[1].state = nullptr; }),
+          d("DeferKV: state never reset", errc::invalid_state, "seqs[2].state",
+            [](world& wd, io_vec&) { std::fill(wd.state2.begin(), wd.state2.end(), 0); }),
+          d("DeferKV: misaligned state", errc::invalid_argument, "seqs[0].state",
+            [](world&, io_vec& io) { io[0].state = static_cast<unsigned char*>(io[0].state) + 4; }),
+          d("DeferKV: one state for two sequences", errc::invalid_argument, "seqs[2].state",
+            [](world&, io_vec& io) { io[2].state = io[0].state; }),
+          d("DeferKV: a decode step before prefill", errc::invalid_state, "seqs[1].event",
+            [](world& wd, io_vec& io) {
+              io[1].event = kvevict::sequence_event::decode;
+              io[1].queries =
+                  kvevict::contiguous_queries<const float>(wd.dq.data(), world::hq, 1, world::d, wd.dqpos.data());
+            }),
+          d("DeferKV: LSE passed", errc::unsupported, "seqs[0].lse",
+            [](world&, io_vec& io) { io[0].lse = lse.data(); }),
+          dd("DeferKV: prefill twice", errc::invalid_state, "seqs[0].state",
+             [](world&, io_vec& io) { io[0].event = kvevict::sequence_event::prefill_end; }),
+          dd("DeferKV: decode with two queries", errc::invalid_shape, "seqs[1].queries.num_queries",
+             [](world& wd, io_vec& io) {
+               io[1].queries =
+                   kvevict::contiguous_queries<const float>(wd.q.data(), world::hq, 2, world::d, wd.qpos.data());
+             }),
+          dd("DeferKV: decode without the new token", errc::invalid_shape, "seqs[2].keys.num_tokens",
+             [](world&, io_vec& io) { io[2].keys.num_tokens = io[2].values.num_tokens = world::l; }),
+      });
+}
+
+TEST_CASE("bad input: policy evict(), select_layer and deferkv over caller memory", "[errors]") {
+  struct evict_world {
+    std::vector<float> k, v, q;
+    std::vector<i64> pos;
+    std::vector<i64> lengths;
+    kvevict::eviction_result result;
+    std::vector<unsigned char> ws;
+  };
+  auto c = [](std::string n, errc e, std::string a, std::function<kvevict::status(world&)> f) {
+    return bad_case{std::move(n), e, std::move(a), [f](world& wd) -> call_fn { return [&wd, f] { return f(wd); }; }};
+  };
+  auto cache = [](world& wd) {
+    return kvevict::layer_cache<float>{wd.strided(wd.k0, world::l), wd.strided(wd.v0, world::l)};
+  };
+  auto observed = [](world& wd) {
+    kvevict::layer_observations<float> o;
+    o.queries = kvevict::contiguous_queries<const float>(wd.q.data(), world::hq, world::w, world::d, wd.qpos.data());
+    return o;
+  };
+  auto result = [](world& wd) {
+    kvevict::eviction_result r;
+    r.head_lengths = wd.lengths.data();
+    r.positions = wd.kept.data();
+    return r;
+  };
+  auto budget = [](kvevict::budget b) {
+    kvevict::layer_budget lb;
+    lb.per_head = b;
+    return lb;
+  };
+  kvevict::window_config press = kvevict::presets::kvpress_snapkv();
+  press.window = world::w;
+  run_table(
+      "policy evict()",
+      {
+          c("snapkv: ratio NaN", errc::invalid_argument, "budget.per_head",
+            [=](world& wd) {
+              auto r = result(wd);
+              return kvevict::snapkv<float>(press).evict(cache(wd), observed(wd), budget(kvevict::budget::ratio(kNaN)),
+                                                         r, wd.span());
+            }),
+          c("snapkv: negative layer candidates", errc::invalid_argument, "budget.layer_candidates",
+            [=](world& wd) {
+              auto r = result(wd);
+              kvevict::layer_budget b = budget(kvevict::budget::tokens(8));
+              b.layer_candidates = -2;
+              return kvevict::snapkv<float>(press).evict(cache(wd), observed(wd), b, r, wd.span());
+            }),
+          c("snapkv: workspace too small", errc::workspace_too_small, "ws",
+            [=](world& wd) {
+              auto r = result(wd);
+              const kvevict::snapkv<float> p(press);
+              const auto b = budget(kvevict::budget::tokens(8));
+              const std::size_t need = p.evict_workspace_size({world::hq, world::hkv, world::d, world::l, world::w}, b);
+              return p.evict(cache(wd), observed(wd), b, r, {wd.ws.data(), need / 2});
+            }),
+          c("snapkv: more queries than W", errc::invalid_shape, "queries.num_queries",
+            [=](world& wd) {
+              auto r = result(wd);
+              kvevict::window_config small = press;
+              small.window = world::w - 1;
+              return kvevict::snapkv<float>(small).evict(cache(wd), observed(wd), budget(kvevict::budget::tokens(8)), r,
+                                                         wd.span());
+            }),
+          c("knorm: V shorter than K", errc::invalid_shape, "cache.values.num_tokens",
+            [=](world& wd) {
+              auto r = result(wd);
+              auto kv = cache(wd);
+              kv.values.num_tokens -= 1;
+              return kvevict::knorm<float>().evict(kv, {}, budget(kvevict::budget::tokens(8)), r, wd.span());
+            }),
+          c("streaming_llm: K and V one buffer", errc::invalid_argument, "cache.values.data",
+            [=](world& wd) {
+              auto r = result(wd);
+              auto kv = cache(wd);
+              kv.values = kv.keys;
+              return kvevict::streaming_llm<float>().evict(kv, {}, budget(kvevict::budget::tokens(8)), r, wd.span());
+            }),
+          c("h2o: AdaKV alpha NaN", errc::invalid_argument, "budget.adakv.alpha",
+            [=](world& wd) {
+              auto r = result(wd);
+              kvevict::layer_budget b = budget(kvevict::budget::tokens(8));
+              b.heads = kvevict::head_allocation::adakv;
+              b.adakv.alpha = kNaN;
+              return kvevict::h2o<float>().evict(cache(wd), observed(wd), b, r, wd.span());
+            }),
+          c("chunkkv: chunk length 0", errc::invalid_argument, "config.chunk_length",
+            [=](world& wd) {
+              auto r = result(wd);
+              return kvevict::chunkkv<kvevict::knorm<float>>(kvevict::knorm<float>(), {0})
+                  .evict(cache(wd), {}, budget(kvevict::budget::tokens(8)), r, wd.span());
+            }),
+          c("dapq: fewer tokens than pseudo queries", errc::invalid_shape, "cache.keys.num_tokens",
+            [=](world& wd) {
+              auto r = result(wd);
+              auto kv = cache(wd);
+              kv.keys.num_tokens = kv.values.num_tokens = world::w - 1;
+              return kvevict::dapq<float>().evict(kv, observed(wd), budget(kvevict::budget::tokens(8)), r, wd.span());
+            }),
+          c("dapq re-rotated: RoPE of another head_dim", errc::invalid_shape, "rope.head_dim",
+            [=](world& wd) {
+              auto r = result(wd);
+              kvevict::dapq_config q;
+              q.source = kvevict::dapq_source::rerotated_window;
+              q.rope.head_dim = world::d * 2;
+              return kvevict::dapq<float>(q).evict(cache(wd), observed(wd), budget(kvevict::budget::tokens(8)), r,
+                                                   wd.span());
+            }),
+          c("deferkv: evict before ready", errc::invalid_state, "state",
+            [=](world& wd) {
+              auto r = result(wd);
+              kvevict::layer_observations<float> o;
+              o.state = {wd.state0.data() + 8, wd.state0.size() * 8 - 64};  // layer 0's state (empty)
+              return kvevict::deferkv<float>(world::deferkv_policy().deferkv)
+                  .evict(cache(wd), o, budget(kvevict::budget::tokens(8)), r, wd.span());
+            }),
+          c("deferkv: uninitialised memory", errc::invalid_state, "state",
+            [=](world& wd) {
+              auto r = result(wd);
+              kvevict::layer_observations<float> o;
+              o.state = {wd.state0.data(), 256};  // the sequence header, not a layer state
+              return kvevict::deferkv<float>().evict(cache(wd), o, budget(kvevict::budget::tokens(8)), r, wd.span());
+            }),
+          c("deferkv: init_state into too little memory", errc::invalid_shape, "state.size",
+            [=](world& wd) {
+              // Writes nothing: the state is too small for 2 x 24.
+              return kvevict::deferkv<float>().init_state({wd.kept.data(), 64}, world::hkv, world::l);
+            }),
+          c("deferkv: observe_decode before prefill", errc::invalid_state, "state",
+            [=](world& wd) {
+              kvevict::layer_inputs<float> in;
+              in.keys = wd.strided(wd.k0, world::l + 1);
+              in.queries =
+                  kvevict::contiguous_queries<const float>(wd.dq.data(), world::hq, 1, world::d, wd.dqpos.data());
+              in.state = {wd.state0.data() + 8, wd.state0.size() * 8 - 64};
+              return kvevict::deferkv<float>(world::deferkv_policy().deferkv).observe_decode(in, wd.span());
+            }),
+          c("select_layer: no heads", errc::invalid_shape, "scores.rows",
+            [=](world& wd) {
+              std::vector<float> s(4);
+              kvevict::keep_list keep(1, 4);
+              return kvevict::select_layer({s.data(), 0, 4, 4}, {}, budget(kvevict::budget::tokens(2)), keep,
+                                           wd.span());
+            }),
+          c("select_layer: negative tail", errc::invalid_argument, "sel.protected_tail",
+            [=](world& wd) {
+              std::vector<float> s(8);
+              kvevict::keep_list keep(2, 8);
+              return kvevict::select_layer({s.data(), 2, 4, 4}, {-1, kvevict::protected_mode::inside_budget},
+                                           budget(kvevict::budget::tokens(2)), keep, wd.span());
+            }),
+      });
+}
+
+TEST_CASE("regression: select_capacity is defined for NaN and out-of-range ratios", "[errors]") {
+  const kvevict::selection_params sel{4, kvevict::protected_mode::inside_budget};
+  // Before the fix, budget::resolve cast L * (1 - ratio) to int64 unchecked: UB under UBSan.
+  CHECK(kvevict::select_capacity(8, 1000, kvevict::budget::ratio(kNaN), sel) == 8 * 4);
+  CHECK(kvevict::select_capacity(8, 1000, kvevict::budget::ratio(-1e300), sel) == 8 * 1000);
+  CHECK(kvevict::select_capacity(8, 1000, kvevict::budget::ratio(2.0), sel) == 8 * 4);
+  CHECK(kvevict::select_capacity(8, 1000, kvevict::budget::ratio(0.25), sel) == 8 * 750);
+  CHECK(kvevict::budget::ratio(kNaN).resolve(1000) == 0);
+  CHECK(kvevict::select_capacity(i64{1} << 40, i64{1} << 40, kvevict::budget::ratio(0.0)) == INT64_MAX);
+}
+
+TEST_CASE("regression: snapkv::score rejects more window queries than W", "[errors]") {
+  world wd;
+  std::vector<float> scores(world::hkv * world::l, 5.0f);
+  kvevict::window_config c = kvevict::presets::kvpress_snapkv();
+  c.window = world::w - 1;
+  kvevict::layer_inputs<float> in;
+  in.keys = wd.strided(wd.k0, world::l);
+  in.queries = kvevict::contiguous_queries<const float>(wd.q.data(), world::hq, world::w, world::d, wd.qpos.data());
+  const kvevict::status st =
+      kvevict::snapkv<float>(c).score(in, {scores.data(), world::hkv, world::l, world::l}, wd.span());
+  CHECK(st.code() == errc::invalid_shape);
+  CHECK(std::string(st.argument()) == "queries.num_queries");
+  for (float x : scores) CHECK(x == 5.0f);
+}
