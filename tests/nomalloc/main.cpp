@@ -229,8 +229,12 @@ void run_shape(i64 d, i64 group, i64 w, i64 l) {
   in.queries = queries.view;
   kvevict::layer_inputs<T> with_attn = in;
   with_attn.attention = kvevict::contiguous_attention(attn.data(), hq, w, l, qpos.data());
-  const kvevict::snapkv<T> snap(kvevict::presets::kvpress_snapkv());
-  const kvevict::snapkv<T> paper(kvevict::presets::snapkv_paper());
+  const auto with_window = [w](kvevict::window_config c) {
+    c.window = std::max<std::int64_t>(c.window, w);  // at least the observations handed in
+    return c;
+  };
+  const kvevict::snapkv<T> snap(with_window(kvevict::presets::kvpress_snapkv()));
+  const kvevict::snapkv<T> paper(with_window(kvevict::presets::snapkv_paper()));
   const kvevict::h2o<T> h2o(kvevict::h2o_config{8});
   const kvevict::knorm<T> knorm;
   const kvevict::streaming_llm<T> streaming;
@@ -254,6 +258,13 @@ void run_shape(i64 d, i64 group, i64 w, i64 l) {
   kvevict::deferkv_state<T> state(dcfg, 0);
   if (!state.reserve(hkv, l).ok()) ++failures;
   for (const kvevict::executor* e : {&serial, &pooled}) ws_bytes = std::max(ws_bytes, state.workspace_size(shape, *e));
+  // The compressor's run() (both layers share these caches: values do not matter here).
+  auto compressor_keys = test::make_cache<T>(test::layout::paged_nhd, hkv, l + 2, d,
+                                             test::normal(static_cast<std::size_t>(hkv * (l + 2) * d), 6), 16, 6);
+  auto compressor_values = test::make_cache<T>(test::layout::contiguous, hkv, l + 2, d,
+                                               test::normal(static_cast<std::size_t>(hkv * (l + 2) * d), 7), 16, 7);
+  std::vector<std::uint64_t> compressor_state(static_cast<std::size_t>(2 * (hkv * (l + 2) + 64) + 64));
+  ws_bytes = std::max<std::size_t>(ws_bytes, std::size_t{1} << 22);
   kvevict::workspace ws(ws_bytes);
   const kvevict::selection_params sp = snap.selection();
   kvevict::keep_list keep(hkv, hkv * (l + 2));
@@ -337,6 +348,42 @@ void run_shape(i64 d, i64 group, i64 w, i64 l) {
         }
       }
       return state.scores({scores.data(), hkv, l + 2, l + 2}, ws).ok() && state.mark_evicted().ok();
+    });
+    no_alloc("compressor: DeferKV + AdaKV + PyramidKV, prefill and two decode steps " + x, [&] {
+      kvevict::compressor_options opt;
+      opt.model = {2, hq, hkv, d, 0, kvevict::dtype_of<T>::value};
+      opt.policy = kvevict::policy::deferkv(dcfg);
+      opt.per_head = kvevict::budget::tokens(l / 4);
+      opt.heads = kvevict::head_allocation::adakv;
+      opt.layers = kvevict::layer_allocation::pyramidkv;
+      opt.limits.max_tokens = l + 2;
+      opt.exec = *e;
+      kvevict::compressor c;
+      if (!kvevict::compressor::plan(opt, &c).ok() || c.workspace_size() > ws.size() ||
+          c.sequence_state_size() > compressor_state.size() * 8 ||
+          !c.reset_sequence(compressor_state.data(), compressor_state.size() * 8).ok())
+        return false;
+      kvevict::sequence_io<T> io;
+      io.event = kvevict::sequence_event::prefill_end;
+      io.keys = compressor_keys.view.first_tokens(l);
+      io.values = compressor_values.view.first_tokens(l);
+      io.queries = queries.view;
+      io.state = compressor_state.data();
+      io.head_lengths = lengths.data();
+      kvevict::sequence_report report;
+      for (i64 layer = 0; layer < 2; ++layer)
+        if (!c.run(layer, &io, 1, &report, ws).ok()) return false;
+      io.event = kvevict::sequence_event::decode;
+      for (i64 step = 0; step < 2; ++step) {
+        const i64 pos = l + step;
+        io.queries = decode_q.view;
+        io.queries.positions = &pos;
+        io.keys = compressor_keys.view.first_tokens(l + step + 1);
+        io.values = compressor_values.view.first_tokens(l + step + 1);
+        for (i64 layer = 0; layer < 2; ++layer)
+          if (!c.run(layer, &io, 1, &report, ws).ok()) return false;
+      }
+      return report.action == kvevict::sequence_action::evicted;
     });
     // Failing calls build their message in the status itself: no allocation either.
     no_alloc("errors " + x, [&] {

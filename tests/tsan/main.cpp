@@ -5,7 +5,8 @@
 //   B. kvevict's executor hook on a real std::thread pool, heads in parallel, for every
 //      entry point that takes an executor;
 //   C. both at once: layer threads each with their own pool, and layer threads sharing one
-//      pool (the pool serialises its parallel_for calls).
+//      pool (the pool serialises its parallel_for calls);
+//   D. the compressor: one plan, one sequence state, run() of each layer on its own thread.
 // Every result must equal the single-threaded one bit for bit. Built as `kvevict_tsan`;
 // under -fsanitize=thread (scripts/test's tsan stage) any data race fails the run, and in
 // ordinary builds it is a threaded correctness test. Exit status 0 on success.
@@ -84,12 +85,16 @@ struct layer_job {
       TSAN_CHECK(st.ok(), "layer %d: %s", id, st.message());
       sum = fnv(sum, scores);
     };
-    score_with(kvevict::snapkv<T>(kvevict::presets::kvcache_factory_longbench()));
+    kvevict::window_config factory = kvevict::presets::kvcache_factory_longbench();
+    factory.window = in.queries.num_queries;  // the window is the observations handed in
+    score_with(kvevict::snapkv<T>(factory));
     score_with(kvevict::h2o<T>(kvevict::h2o_config{4}));
     score_with(kvevict::knorm<T>());
     score_with(kvevict::streaming_llm<T>());
     score_with(kvevict::chunkkv<kvevict::knorm<T>>(kvevict::knorm<T>(), {8}));
-    const kvevict::snapkv<T> snap(kvevict::presets::kvpress_snapkv());
+    kvevict::window_config press = kvevict::presets::kvpress_snapkv();
+    press.window = in.queries.num_queries;
+    const kvevict::snapkv<T> snap(press);
     score_with(snap);
 
     // Select (uniform and per head), then evict and flatten.
@@ -192,6 +197,77 @@ std::vector<any_job> make_jobs() {
   return jobs;
 }
 
+/// D. One compressor and one DeferKV sequence state shared by layer threads: each thread
+/// runs its own layer's calls (prefill_end, two decode steps: observe, then evict) on its own
+/// caches and workspace, touching only its layer's part of the state. Returns the checksum
+/// of every layer's cache and state afterwards.
+std::uint64_t compressor_layers(bool threaded, const kvevict::executor& exec) {
+  constexpr i64 layers = 4, hkv = 2, group = 3, d = 24, lp = 150, w = 12;
+  kvevict::deferkv_config cfg;
+  cfg.window = w;
+  cfg.delay = 2;
+  kvevict::compressor_options opt;
+  opt.model = {layers, hkv * group, hkv, d, 0, kvevict::dtype::bf16};
+  opt.policy = kvevict::policy::deferkv(cfg);
+  opt.per_head = kvevict::budget::tokens(40);
+  opt.heads = kvevict::head_allocation::adakv;
+  opt.limits.max_tokens = lp + 2;
+  opt.exec = exec;
+  kvevict::compressor c;
+  kvevict::status st = kvevict::compressor::plan(opt, &c);
+  TSAN_CHECK(st.ok(), "compressor: %s", st.message());
+  std::vector<std::uint64_t> state(c.sequence_state_size() / 8 + 1);
+  st = c.reset_sequence(state.data(), state.size() * 8);
+  TSAN_CHECK(st.ok(), "compressor: %s", st.message());
+  std::vector<test::test_cache<kvevict::bf16>> k, v;
+  std::vector<test::test_queries<kvevict::bf16>> q, dq0, dq1;
+  std::vector<i64> qpos;
+  for (i64 t = 0; t < w; ++t) qpos.push_back(lp - w + t);
+  for (i64 l = 0; l < layers; ++l) {
+    const auto seed = static_cast<std::uint64_t>(500 + 10 * l);
+    k.push_back(test::make_cache<kvevict::bf16>(test::layout::paged_nhd, hkv, lp + 2, d,
+                                                test::normal(static_cast<std::size_t>(hkv * (lp + 2) * d), seed), 16,
+                                                seed));
+    v.push_back(test::make_cache<kvevict::bf16>(test::layout::contiguous, hkv, lp + 2, d,
+                                                test::normal(static_cast<std::size_t>(hkv * (lp + 2) * d), seed + 1)));
+    q.push_back(test::make_queries<kvevict::bf16>(
+        hkv * group, w, d, test::normal(static_cast<std::size_t>(hkv * group * w * d), seed + 2), qpos));
+    dq0.push_back(test::make_queries<kvevict::bf16>(
+        hkv * group, 1, d, test::normal(static_cast<std::size_t>(hkv * group * d), seed + 3), {lp}));
+    dq1.push_back(test::make_queries<kvevict::bf16>(
+        hkv * group, 1, d, test::normal(static_cast<std::size_t>(hkv * group * d), seed + 4), {lp + 1}));
+  }
+  auto run_layer = [&](i64 l) {
+    kvevict::workspace ws(c.workspace_size());
+    kvevict::sequence_io<kvevict::bf16> io;
+    io.state = state.data();
+    kvevict::sequence_report r;
+    for (i64 step = 0; step < 3; ++step) {
+      const i64 n = lp + step;
+      io.event = step == 0 ? kvevict::sequence_event::prefill_end : kvevict::sequence_event::decode;
+      io.keys = k[static_cast<std::size_t>(l)].view.first_tokens(n);
+      io.values = v[static_cast<std::size_t>(l)].view.first_tokens(n);
+      io.queries =
+          step == 0 ? q[static_cast<std::size_t>(l)].view : (step == 1 ? dq0 : dq1)[static_cast<std::size_t>(l)].view;
+      const kvevict::status s = c.run(l, &io, 1, &r, ws);
+      TSAN_CHECK(s.ok(), "compressor layer %lld: %s", static_cast<long long>(l), s.message());
+    }
+    TSAN_CHECK(r.action == kvevict::sequence_action::evicted, "compressor layer %lld did not evict",
+               static_cast<long long>(l));
+  };
+  if (threaded) {
+    std::vector<std::thread> threads;
+    for (i64 l = 0; l < layers; ++l) threads.emplace_back(run_layer, l);
+    for (std::thread& t : threads) t.join();
+  } else {
+    for (i64 l = 0; l < layers; ++l) run_layer(l);
+  }
+  std::uint64_t sum = fnv(test::fnv_seed, state);
+  for (i64 l = 0; l < layers; ++l)
+    sum = fnv(fnv(sum, k[static_cast<std::size_t>(l)].buffer), v[static_cast<std::size_t>(l)].buffer);
+  return sum;
+}
+
 }  // namespace
 
 int main() {
@@ -249,6 +325,15 @@ int main() {
     for (std::thread& t : threads) t.join();
   }
   std::printf("C. layer threads with own and shared pools: done\n");
+
+  // D. The compressor: layer threads on one sequence state, with and without a pool.
+  {
+    const std::uint64_t serial = compressor_layers(false, kvevict::executor{});
+    TSAN_CHECK(compressor_layers(true, kvevict::executor{}) == serial, "compressor: layer threads");
+    test::thread_pool pool(2);
+    TSAN_CHECK(compressor_layers(true, pool.executor()) == serial, "compressor: layer threads on a shared pool");
+  }
+  std::printf("D. compressor run() per layer on 4 threads, one sequence state: done\n");
 
   if (failures.load() != 0) {
     std::printf("kvevict_tsan: %d check(s) failed\n", failures.load());

@@ -86,7 +86,7 @@ inline status in_sequence(const status& st, std::int64_t s, const char* fn) noex
   if (st.ok()) return st;
   const char* text = std::strstr(st.message(), ": ");
   text = text != nullptr ? std::strstr(text + 2, ": ") : nullptr;  // past "function: argument: "
-  char name[2 * status::max_argument];  // status::error truncates it to max_argument
+  char name[2 * status::max_argument];                             // status::error truncates it to max_argument
   std::snprintf(name, sizeof(name), "seqs[%lld].%s", static_cast<long long>(s), st.argument());
   return status::error(st.code(), fn, name, "%s", text != nullptr ? text + 2 : st.message());
 }
@@ -728,10 +728,14 @@ class compressor {
     return b;
   }
 
+  /// One past the newest token's position: a decode step's query position, else the
+  /// cache's last token (its key position, or its index).
   template <class T>
   static std::int64_t next_position_after(const sequence_io<T>& io) noexcept {
+    if (io.event == sequence_event::decode && io.queries.positions != nullptr && io.queries.num_queries > 0)
+      return io.queries.positions[io.queries.num_queries - 1] + 1;
     const std::int64_t l = io.keys.num_tokens;
-    if (l == 0) return 0;
+    if (l <= 0) return 0;
     return (io.key_positions != nullptr ? io.key_positions[l - 1] : l - 1) + 1;
   }
 

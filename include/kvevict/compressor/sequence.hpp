@@ -64,8 +64,9 @@ struct sequence_report {
   /// Where the next token's K/V row goes: `length`. After eviction this is NOT the next
   /// token's position.
   std::int64_t next_slot = 0;
-  /// The RoPE position of the next token: one past the newest token's position, whatever
-  /// was evicted (DapQ: the prompt length, as its pseudo tokens are taken back).
+  /// The RoPE position of the next token: one past the newest token's position (a decode
+  /// step's query position; else the cache's last key position, or L), whatever was evicted
+  /// (DapQ: the prompt length, as its pseudo tokens are taken back).
   std::int64_t next_position = 0;
   /// Paged caches: trailing block-table entries no head uses any more (return them to the
   /// allocator). 0 when strided or not evicted.
