@@ -277,8 +277,9 @@ namespace {
 // A policy written by a user against the shared contract: keep the tokens whose keys have
 // the largest first channel. It needs nothing from kvevict but the views.
 template <class T>
-struct first_channel_policy {
+struct first_channel_policy : kvevict::scoring_policy<first_channel_policy<T>, T> {
   using storage_type = T;
+  static constexpr const char* evict_name = "first_channel_policy::evict";
   std::size_t workspace_size(const kvevict::layer_shape&, const kvevict::executor& = {}) const { return 0; }
   kvevict::selection_params selection() const { return {2, kvevict::protected_mode::on_top_of_budget}; }
   kvevict::status score(const kvevict::layer_inputs<T>& in, kvevict::score_view out, kvevict::workspace_span,
@@ -303,4 +304,20 @@ TEST_CASE("a user-defined policy plugs into the shared selection", "[policies]")
   const auto keep = select_all(scores, 1, 10, kvevict::budget::tokens(3), policy.selection());
   // Channel 0 of tokens 0..7 is 0,7,4,1,8,5,2,9: the top 3 are tokens 7 (9), 4 (8), 1 (7); plus the tail 8, 9.
   REQUIRE(keep.head(0) == std::vector<std::int64_t>{1, 4, 7, 8, 9});
+
+  // The contract's evict(), inherited from scoring_policy: score -> select -> compact.
+  std::vector<fp16> v = k;
+  kvevict::layer_budget b;
+  b.per_head = kvevict::budget::tokens(3);
+  std::vector<std::int64_t> lengths(1), positions(5);
+  kvevict::eviction_result r;
+  r.head_lengths = lengths.data();
+  r.positions = positions.data();
+  kvevict::workspace ws(policy.evict_workspace_size({1, 1, 2, 10, 0}, b));
+  const kvevict::status st = policy.evict(
+      {kvevict::hf_contiguous(k.data(), 1, 10, 2), kvevict::hf_contiguous(v.data(), 1, 10, 2)}, {}, b, r, ws);
+  REQUIRE(st.ok());
+  REQUIRE(lengths[0] == 5);
+  REQUIRE(positions == std::vector<std::int64_t>{1, 4, 7, 8, 9});
+  for (int i = 0; i < 5; ++i) REQUIRE(static_cast<float>(k[2 * i]) == static_cast<float>((positions[i] * 7) % 10));
 }

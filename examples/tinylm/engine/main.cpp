@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 #include <string>
@@ -72,14 +73,24 @@ prefill_state prefill(const model& m, const prompt_case& pc, bool with_pseudo) {
   return p;
 }
 
+/// The attention hook of a decode step: the layer, its post-RoPE queries [1, Hq * d] and the
+/// position of the token being decoded.
+using decode_hook = std::function<void(std::int64_t layer, const float* queries, std::int64_t position)>;
+
 /// Greedy decoding until `generated` holds n tokens; the next fed token is generated.back()
-/// at `position`.
-void decode(const model& m, kv_cache& cache, std::vector<std::int32_t>& generated, std::int64_t position,
-            std::size_t n) {
+/// at `position`. Returns the number of model steps run.
+std::int64_t decode(const model& m, kv_cache& cache, std::vector<std::int32_t>& generated, std::int64_t position,
+                    std::size_t n, const decode_hook& hook = nullptr) {
+  std::int64_t steps = 0;
   while (generated.size() < n) {
-    const matrix logits = forward(m, cache, &generated.back(), 1, position++);
+    const std::int64_t here = position;
+    attention_hook h = nullptr;
+    if (hook) h = [&](std::int64_t layer, const float* q, std::int64_t) { hook(layer, q, here); };
+    const matrix logits = forward(m, cache, &generated.back(), 1, position++, nullptr, h);
     generated.push_back(argmax(logits, 0));
+    ++steps;
   }
+  return steps;
 }
 
 std::int64_t budget_tokens(double fraction, std::int64_t prompt_tokens) {
@@ -87,201 +98,89 @@ std::int64_t budget_tokens(double fraction, std::int64_t prompt_tokens) {
                                 static_cast<std::int64_t>(std::llround(fraction * static_cast<double>(prompt_tokens))));
 }
 
-/// Per-layer scores of every prompt-time policy, computed once per prompt and reused for
-/// every budget (scores do not depend on the budget).
-struct prompt_scores_cache {
-  std::map<int, std::vector<std::vector<float>>> scores;
-  std::map<int, kvevict::selection_params> selection;
-};
-
 struct outcome {
   bool correct = false;
   bool evicted_before_answer = true;  // false when the answer was complete before eviction
 };
 
-/// DeferKV's part before eviction is budget-independent: the d decode steps with the full
-/// cache, the state's scores, the tokens generated so far.
-struct deferred {
-  kv_cache cache;
-  std::vector<std::int32_t> generated;
-  std::vector<std::vector<float>> scores;  // per layer [Hkv, Lp + d]
-  kvevict::selection_params selection;
-  std::int64_t tokens = 0;
+struct call_counter {
+  std::int64_t calls = 0;
+  static void on_run(void* ctx, const kvevict::run_trace&) { ++static_cast<call_counter*>(ctx)->calls; }
 };
 
-deferred run_deferral(const model& m, const prefill_state& p, const policy_spec& spec) {
-  const std::int64_t hkv = m.cfg.kv_heads, hq = m.cfg.heads, d = m.cfg.head_dim, lp = p.prompt_tokens;
-  kvevict::deferkv_config cfg;
-  cfg.window = kWindow;
-  cfg.delay = spec.delay;
-  cfg.eta = spec.eta;
-  cfg.protect = kvevict::protected_mode::inside_budget;
-  deferred out;
-  out.cache = p.cache;
-  std::vector<kvevict::deferkv_state<float>> states;
-  kvevict::workspace ws;
-  for (std::int64_t l = 0; l < m.cfg.layers; ++l) {
-    states.emplace_back(cfg, l);
-    check(states.back().reserve(hkv, lp));
-    ws.reserve(states.back().workspace_size({hq, hkv, d, lp + spec.delay, kWindow}));
-    kvevict::layer_inputs<float> in;
-    in.keys = out.cache.keys(l, lp);
-    in.queries = window_queries(p, m, l, kWindow);
-    check(states.back().observe_prefill(l, in, ws));
-  }
-  out.generated = {p.first_token};
-  for (std::int64_t step = 0; step < spec.delay; ++step) {
-    std::vector<std::vector<float>> q;
-    const matrix logits = forward(m, out.cache, &out.generated.back(), 1, lp + step, &q);
-    out.generated.push_back(argmax(logits, 0));
-    const std::int64_t position = lp + step;
-    for (std::int64_t l = 0; l < m.cfg.layers; ++l) {
-      kvevict::layer_inputs<float> in;
-      in.keys = out.cache.keys(l, lp + step + 1);
-      in.queries = kvevict::contiguous_queries<const float>(q[static_cast<std::size_t>(l)].data(), hq, 1, d, &position);
-      check(states[static_cast<std::size_t>(l)].observe_decode(l, step, in, ws));
-    }
-  }
-  out.tokens = lp + spec.delay;
-  for (std::int64_t l = 0; l < m.cfg.layers; ++l) {
-    auto& st = states[static_cast<std::size_t>(l)];
-    if (!st.ready()) throw std::runtime_error("DeferKV state not ready");
-    std::vector<float> s(static_cast<std::size_t>(hkv * out.tokens));
-    check(st.scores({s.data(), hkv, out.tokens, out.tokens}, ws));
-    out.scores.push_back(std::move(s));
-    out.selection = st.selection();
-    check(st.mark_evicted());
-  }
-  return out;
-}
-
-/// Evicts with per-layer scores under the policy's allocator and returns the cache.
-void evict_all_layers(const model& m, layer_evictor& ev, kv_cache& cache, std::int64_t tokens,
-                      const std::vector<std::vector<float>>& scores, kvevict::selection_params sp, allocator alloc,
-                      std::int64_t budget) {
-  const std::int64_t layers = m.cfg.layers, hkv = m.cfg.kv_heads;
-  if (alloc == allocator::uniform) {
-    for (std::int64_t l = 0; l < layers; ++l)
-      ev.apply(cache, l, tokens, scores[static_cast<std::size_t>(l)], sp, budget);
-    return;
-  }
-  // Allocators budget the candidates; the protected window (and decoded tokens) come on top.
-  const std::int64_t protect = sp.protected_tail;
-  sp.mode = kvevict::protected_mode::on_top_of_budget;
-  const std::int64_t per_head = std::max<std::int64_t>(0, budget - kWindow);
-  if (alloc == allocator::pyramid) {
-    std::vector<std::int64_t> layer_budgets(static_cast<std::size_t>(layers));
-    check(kvevict::pyramidkv_layer_budgets(per_head + kWindow, kWindow, layers, tokens - (protect - kWindow),
-                                           layer_budgets.data()));
-    for (std::int64_t l = 0; l < layers; ++l)
-      ev.apply(cache, l, tokens, scores[static_cast<std::size_t>(l)], sp, layer_budgets[static_cast<std::size_t>(l)]);
-    return;
-  }
-  kvevict::workspace ws(kvevict::adakv_workspace_size(hkv, tokens));
-  for (std::int64_t l = 0; l < layers; ++l) {
-    std::vector<std::int64_t> head_budgets(static_cast<std::size_t>(hkv));
-    check(kvevict::adakv_head_budgets({scores[static_cast<std::size_t>(l)].data(), hkv, tokens, tokens}, protect,
-                                      per_head, {0.2, false}, head_budgets.data(), ws));
-    ev.apply(cache, l, tokens, scores[static_cast<std::size_t>(l)], sp, 0, head_budgets.data());
-  }
-}
-
+/// One policy at one budget on one prompt, as an engine runs it: the prompt's prefill (shared
+/// by every case, so its hook calls are made here on the saved queries), DapQ's pseudo-token
+/// prefill, then greedy decoding -- with exactly one compressor run() per layer per model
+/// step. Throws if the call count differs.
 outcome run_case(const model& m, const prefill_state& p, const prompt_case& pc, const policy_spec& spec,
-                 double fraction, prompt_scores_cache& memo, std::map<std::string, deferred>& deferrals,
-                 layer_evictor& ev) {
+                 double fraction) {
   const std::int64_t lp = p.prompt_tokens, hq = m.cfg.heads, hkv = m.cfg.kv_heads, d = m.cfg.head_dim;
-  const std::int64_t budget = budget_tokens(fraction, lp);
   const std::size_t n = pc.answer.size();
   std::vector<std::int32_t> generated = {p.first_token};
   outcome out;
-  kv_cache cache;
-  std::int64_t next_position = lp;
-  switch (spec.kind) {
-    case policy_kind::full:
-      cache = p.cache;
-      break;
-    case policy_kind::streaming:
-    case policy_kind::knorm:
-    case policy_kind::h2o:
-    case policy_kind::snapkv:
-    case policy_kind::pyramidkv:
-    case policy_kind::adakv: {
-      const policy_kind scorer =
-          (spec.kind == policy_kind::pyramidkv || spec.kind == policy_kind::adakv) ? policy_kind::snapkv : spec.kind;
-      const int key = static_cast<int>(scorer);
-      cache = p.cache;
-      if (!memo.scores.count(key)) {
-        kvevict::selection_params sp;
-        for (std::int64_t l = 0; l < m.cfg.layers; ++l)
-          memo.scores[key].push_back(prompt_scores(m, p, cache, l, scorer, &sp));
-        memo.selection[key] = sp;
-      }
-      const allocator alloc = spec.kind == policy_kind::pyramidkv ? allocator::pyramid
-                              : spec.kind == policy_kind::adakv   ? allocator::ada
-                                                                  : allocator::uniform;
-      evict_all_layers(m, ev, cache, lp, memo.scores[key], memo.selection[key], alloc, budget);
-      break;
-    }
-    case policy_kind::deferkv: {
-      auto it = deferrals.find(spec.name);
-      if (it == deferrals.end()) it = deferrals.emplace(spec.name, run_deferral(m, p, spec)).first;
-      const deferred& dfr = it->second;
-      cache = dfr.cache;
-      generated = dfr.generated;
-      next_position = lp + spec.delay;
-      out.evicted_before_answer = generated.size() < n;
-      evict_all_layers(m, ev, cache, dfr.tokens, dfr.scores, dfr.selection, spec.alloc, budget);
-      break;
-    }
-    case policy_kind::dapq:
-    case policy_kind::dapq_rerotate: {
-      kvevict::dapq<float> policy;
-      const int key = static_cast<int>(spec.kind);
-      const bool pseudo = spec.kind == policy_kind::dapq;
-      cache = pseudo ? p.pseudo_cache : p.cache;
-      const std::int64_t tokens = pseudo ? lp + kPseudoTokens : lp;
-      if (!memo.scores.count(key)) {
-        for (std::int64_t l = 0; l < m.cfg.layers; ++l) {
-          kvevict::layer_inputs<float> in;
-          in.keys = cache.keys(l, tokens);
-          std::vector<float> rotated(static_cast<std::size_t>(hq * kPseudoTokens * d));
-          std::vector<std::int64_t> rotated_pos(static_cast<std::size_t>(kPseudoTokens));
-          if (pseudo) {
-            in.queries = kvevict::contiguous_queries<const float>(p.pseudo_queries[static_cast<std::size_t>(l)].data(),
-                                                                  hq, kPseudoTokens, d, p.pseudo_positions.data());
-          } else {
-            // Re-rotation: the last N prompt queries (post-RoPE) moved by N positions.
-            kvevict::query_view<const float> moved;
-            check(kvevict::dapq_rerotate(window_queries(p, m, l, kPseudoTokens), m.rope, kPseudoTokens, rotated.data(),
-                                         rotated_pos.data(), &moved));
-            in.queries = moved;
-          }
-          std::vector<float> s(static_cast<std::size_t>(hkv * lp));
-          kvevict::workspace ws(policy.workspace_size({hq, hkv, d, lp, kPseudoTokens}));
-          check(policy.score(in, {s.data(), hkv, lp, lp}, ws));
-          memo.scores[key].push_back(std::move(s));
-        }
-      }
-      // Keep-lists cover prompt tokens only; eviction of the (Lp + N)-token cache drops every
-      // pseudo token, and decoding resumes at Lp.
-      for (std::int64_t l = 0; l < m.cfg.layers; ++l) {
-        const auto& s = memo.scores[key][static_cast<std::size_t>(l)];
-        kvevict::keep_list keep(hkv,
-                                kvevict::select_capacity(hkv, lp, kvevict::budget::tokens(budget), policy.selection()));
-        kvevict::workspace sws(kvevict::select_workspace_size(lp));
-        check(kvevict::select(kvevict::const_score_view{s.data(), hkv, lp, lp}, kvevict::budget::tokens(budget),
-                              policy.selection(), keep, sws));
-        std::vector<std::int64_t> lengths(static_cast<std::size_t>(hkv));
-        kvevict::eviction_result r;
-        r.head_lengths = lengths.data();
-        check(kvevict::evict(cache.keys(l, tokens), cache.values(l, tokens), keep, r));
-        cache.lengths[static_cast<std::size_t>(l)] = lengths;
-      }
-      next_position = kvevict::dapq<float>::next_position(lp);
-      break;
-    }
+  if (spec.kind == policy_kind::full) {
+    kv_cache cache = p.cache;
+    decode(m, cache, generated, lp, n);
+    generated.resize(n);
+    out.correct = generated == pc.answer;
+    return out;
   }
-  decode(m, cache, generated, next_position, n);
+  const bool pseudo = spec.kind == policy_kind::dapq;
+  kv_cache cache = pseudo ? p.pseudo_cache : p.cache;
+  kvevict::compressor_options options = compressor_for(m, spec, budget_tokens(fraction, lp), cache.capacity);
+  call_counter counter;
+  options.tracer = {&counter, &call_counter::on_run};
+  kvevict::compressor compressor;
+  check(kvevict::compressor::plan(options, &compressor));
+  kvevict::workspace ws(compressor.workspace_size());
+  std::vector<std::uint64_t> state(compressor.sequence_state_size() / 8 + 1);
+  check(compressor.reset_sequence(state.data(), state.size() * 8));
+  std::vector<std::int64_t> lengths(static_cast<std::size_t>(hkv));
+  std::int64_t next_position = lp;
+  bool evicted = false;
+  // The hook: one run() for this layer (tinylm's batch is one sequence).
+  auto run = [&](std::int64_t layer, kvevict::sequence_event event, kvevict::query_view<const float> queries) {
+    kvevict::sequence_io<float> io;
+    io.event = event;
+    io.keys = cache.keys(layer, cache.length(layer));
+    io.values = cache.values(layer, cache.length(layer));
+    io.queries = queries;
+    io.state = state.data();
+    io.head_lengths = lengths.data();
+    kvevict::sequence_report report;
+    check(compressor.run(layer, &io, 1, &report, ws));
+    if (report.action == kvevict::sequence_action::evicted) {
+      cache.lengths[static_cast<std::size_t>(layer)] = lengths;  // per head (AdaKV)
+      next_position = report.next_position;
+      evicted = true;
+    }
+  };
+  std::int64_t steps = 1;
+  if (pseudo) {  // the prompt's step: nothing to do yet; then the pseudo tokens' step
+    for (std::int64_t l = 0; l < m.cfg.layers; ++l) run(l, kvevict::sequence_event::idle, {});
+    ++steps;
+    for (std::int64_t l = 0; l < m.cfg.layers; ++l)
+      run(l, kvevict::sequence_event::prefill_end,
+          kvevict::contiguous_queries<const float>(p.pseudo_queries[static_cast<std::size_t>(l)].data(), hq,
+                                                   kPseudoTokens, d, p.pseudo_positions.data()));
+  } else {
+    for (std::int64_t l = 0; l < m.cfg.layers; ++l)
+      run(l, kvevict::sequence_event::prefill_end,
+          kvevict::contiguous_queries<const float>(p.queries[static_cast<std::size_t>(l)].data(), hq, lp, d,
+                                                   p.positions.data()));
+  }
+  if (!evicted) next_position = lp;  // DeferKV: eviction comes at a decode step
+  std::size_t generated_at_eviction = 0;
+  steps +=
+      decode(m, cache, generated, next_position, n, [&](std::int64_t layer, const float* q, std::int64_t position) {
+        const bool before = evicted;
+        run(layer, kvevict::sequence_event::decode, kvevict::token_major_queries<const float>(q, hq, 1, d, &position));
+        if (!before && evicted) generated_at_eviction = generated.size() + 1;
+      });
+  if (spec.kind == policy_kind::deferkv) out.evicted_before_answer = evicted && generated_at_eviction < n;
+  if (counter.calls != m.cfg.layers * steps)
+    throw std::runtime_error(spec.name + ": " + std::to_string(counter.calls) + " compressor calls for " +
+                             std::to_string(steps) + " steps of " + std::to_string(m.cfg.layers) + " layers");
   generated.resize(n);
   out.correct = generated == pc.answer;
   return out;
@@ -349,17 +248,14 @@ int bench(const model& m, const std::vector<prompt_case>& all, std::int64_t per_
   std::map<std::string, int> late;
   bool need_pseudo = false;
   for (const auto& s : policies) need_pseudo |= s.kind == policy_kind::dapq;
-  layer_evictor ev(m);
   for (std::size_t i = 0; i < prompts.size(); ++i) {
     const prompt_case& pc = prompts[i];
     const prefill_state p = prefill(m, pc, need_pseudo);
-    prompt_scores_cache memo;
-    std::map<std::string, deferred> deferrals;
     for (const auto& spec : policies) {
       auto& per_budget = results[spec.name];
       per_budget.resize(budgets.size());
       for (std::size_t b = 0; b < budgets.size(); ++b) {
-        const outcome o = run_case(m, p, pc, spec, budgets[b], memo, deferrals, ev);
+        const outcome o = run_case(m, p, pc, spec, budgets[b]);
         auto& cell = per_budget[b][pc.task];
         cell.first += o.correct ? 1 : 0;
         cell.second += 1;
@@ -394,8 +290,8 @@ int bench(const model& m, const std::vector<prompt_case>& all, std::int64_t per_
 
   if (!json_path.empty()) {
     std::ofstream j(json_path);
-    j << "{\n  \"prompts_per_task\": " << per_task << ",\n  \"context_tokens\": 1024,\n  \"seconds\": " << seconds
-      << ",\n  \"budgets\": [";
+    // No timings in the file: the results of a run are a function of the code and the data.
+    j << "{\n  \"prompts_per_task\": " << per_task << ",\n  \"context_tokens\": 1024,\n  \"budgets\": [";
     for (std::size_t b = 0; b < budgets.size(); ++b) j << (b ? ", " : "") << budgets[b];
     j << "],\n  \"tasks\": [";
     for (std::size_t t = 0; t < tasks.size(); ++t) j << (t ? ", " : "") << '"' << tasks[t] << '"';

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <map>
 #include <stdexcept>
@@ -123,11 +124,17 @@ inline matrix rmsnorm(const matrix& x, const vector& w, float eps) {
   return out;
 }
 
+/// Called after each layer's attention: the layer and its post-RoPE queries of this step,
+/// token-major [n, Hq * d] (the cache already holds the step's K/V). Engines put the KV-cache
+/// compressor here.
+using attention_hook = std::function<void(std::int64_t layer, const float* queries, std::int64_t n)>;
+
 /// Runs ids[0..n) at positions first_position.. through the model. Their K/V are appended
 /// to every head of every layer at that head's current length. Returns logits [n, vocab].
 /// queries (optional): per layer, the post-RoPE queries [Hq, n, d] (head-major).
 inline matrix forward(const model& m, kv_cache& cache, const std::int32_t* ids, std::int64_t n,
-                      std::int64_t first_position, std::vector<std::vector<float>>* queries = nullptr) {
+                      std::int64_t first_position, std::vector<std::vector<float>>* queries = nullptr,
+                      const attention_hook& hook = nullptr) {
   const config& c = m.cfg;
   const std::int64_t d = c.head_dim, g = c.group();
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -182,6 +189,7 @@ inline matrix forward(const model& m, kv_cache& cache, const std::int32_t* ids, 
       attended.block(0, j * d, n, d) = s * V;
     }
     for (std::int64_t i = 0; i < c.kv_heads; ++i) lens[static_cast<std::size_t>(i)] += n;
+    if (hook) hook(l, q.data(), n);
     x += attended * w.wo.transpose();
     const matrix h2 = rmsnorm(x, w.ffn_norm, c.eps);
     matrix gate = h2 * w.w1.transpose();

@@ -1,6 +1,7 @@
-// How tinylm applies each policy to its cache, through kvevict's public API only, exactly as
-// an engine would: views over its own buffers, score -> select -> evict per layer, the
-// DeferKV lifecycle at the first decode steps, DapQ's pseudo-token prefill or re-rotation.
+// How tinylm applies each policy to its cache: through kvevict's compressor only, exactly as
+// an engine would -- a plan per policy and budget, and one run() per layer per model step
+// from the attention hook (the prompt's prefill, DapQ's pseudo-token prefill, every decode
+// step), with views over tinylm's own cache.
 #pragma once
 
 #include <kvevict/kvevict.hpp>
@@ -26,8 +27,8 @@ struct policy_spec {
   allocator alloc = allocator::uniform;
 };
 
-/// The bench's policy list (design.md §11 / issue: every policy, DeferKV's eta and d
-/// sweeps and its combinations with PyramidKV and AdaKV, DapQ both ways).
+/// The bench's policy list (design.md §11: every policy, DeferKV's eta and d sweeps and its
+/// combinations with PyramidKV and AdaKV, DapQ both ways).
 inline std::vector<policy_spec> all_policies() {
   std::vector<policy_spec> p = {{"full", policy_kind::full},     {"streaming_llm", policy_kind::streaming},
                                 {"knorm", policy_kind::knorm},   {"h2o", policy_kind::h2o},
@@ -47,7 +48,7 @@ inline std::vector<policy_spec> all_policies() {
   return p;
 }
 
-/// Everything one prompt's prefill leaves behind that the policies read.
+/// Everything one prompt's prefill leaves behind, shared by every policy and budget.
 struct prefill_state {
   std::int64_t prompt_tokens = 0;
   kv_cache cache;                           // after the prompt
@@ -67,54 +68,6 @@ inline void check(const kvevict::status& st) {
   if (!st.ok()) throw std::runtime_error(st.message());
 }
 
-/// One layer: scores [Hkv, L] -> keep-list -> eviction of that layer's K and V.
-struct layer_evictor {
-  const model& m;
-  kvevict::workspace ws, select_ws, evict_ws;
-
-  explicit layer_evictor(const model& mm) : m(mm) {}
-
-  void apply(kv_cache& cache, std::int64_t layer, std::int64_t tokens, const std::vector<float>& scores,
-             const kvevict::selection_params& sp, std::int64_t budget, const std::int64_t* head_budgets = nullptr) {
-    const std::int64_t hkv = m.cfg.kv_heads;
-    const kvevict::const_score_view view{scores.data(), hkv, tokens, tokens};
-    std::int64_t capacity = 0;
-    if (head_budgets != nullptr) {
-      for (std::int64_t h = 0; h < hkv; ++h) capacity += kvevict::tokens_kept(head_budgets[h], tokens, sp);
-    } else {
-      capacity = kvevict::select_capacity(hkv, tokens, kvevict::budget::tokens(budget), sp);
-    }
-    kvevict::keep_list keep(hkv, capacity);
-    select_ws.reserve(kvevict::select_workspace_size(tokens));
-    if (head_budgets != nullptr)
-      check(kvevict::select(view, head_budgets, sp, keep, select_ws));
-    else
-      check(kvevict::select(view, kvevict::budget::tokens(budget), sp, keep, select_ws));
-    std::vector<std::int64_t> lengths(static_cast<std::size_t>(hkv));
-    kvevict::eviction_result result;
-    result.head_lengths = lengths.data();
-    auto k = cache.keys(layer, tokens);
-    auto v = cache.values(layer, tokens);
-    evict_ws.reserve(kvevict::evict_workspace_size(k, v));
-    check(kvevict::evict(k, v, keep, result, evict_ws));
-    cache.lengths[static_cast<std::size_t>(layer)] = lengths;
-  }
-};
-
-inline kvevict::query_view<const float> window_queries(const prefill_state& p, const model& m, std::int64_t layer,
-                                                       std::int64_t window) {
-  const std::int64_t lp = p.prompt_tokens, d = m.cfg.head_dim;
-  kvevict::query_view<const float> q;
-  q.data = p.queries[static_cast<std::size_t>(layer)].data() + (lp - window) * d;
-  q.num_heads = m.cfg.heads;
-  q.num_queries = window;
-  q.head_dim = d;
-  q.head_stride = lp * d;
-  q.query_stride = d;
-  q.positions = p.positions.data() + (lp - window);
-  return q;
-}
-
 inline kvevict::window_config snap_config() {
   kvevict::window_config cfg = kvevict::presets::kvcache_factory_longbench();  // W = 8, max-pool 7, sum
   cfg.window = kWindow;
@@ -122,40 +75,64 @@ inline kvevict::window_config snap_config() {
   return cfg;
 }
 
-/// Scores of a query-free or prompt-window policy for one layer of the prefilled cache.
-inline std::vector<float> prompt_scores(const model& m, const prefill_state& p, kv_cache& cache, std::int64_t layer,
-                                        policy_kind kind, kvevict::selection_params* sp) {
-  const std::int64_t hkv = m.cfg.kv_heads, lp = p.prompt_tokens, d = m.cfg.head_dim;
-  std::vector<float> scores(static_cast<std::size_t>(hkv * lp));
-  const kvevict::score_view out{scores.data(), hkv, lp, lp};
-  kvevict::layer_inputs<float> in;
-  in.keys = cache.keys(layer, lp);
-  kvevict::workspace ws;
-  if (kind == policy_kind::streaming) {
-    kvevict::streaming_llm<float> policy({4});
-    check(policy.score(in, out, ws));
-    *sp = policy.selection();
-  } else if (kind == policy_kind::knorm) {
-    // The question sits at the end of the prompt; like every other policy here, KNorm keeps
-    // the last kWindow prompt tokens (its paper's pipelines never compress the question).
-    kvevict::knorm<float> policy({kWindow, kvevict::protected_mode::inside_budget});
-    ws.reserve(policy.workspace_size({m.cfg.heads, hkv, d, lp, 0}));
-    check(policy.score(in, out, ws));
-    *sp = policy.selection();
-  } else if (kind == policy_kind::h2o) {
-    kvevict::h2o<float> policy({kWindow, kvevict::protected_mode::inside_budget, kvevict::gqa_reduction::mean});
-    in.queries = window_queries(p, m, layer, lp);  // every prompt query observes
-    ws.reserve(policy.workspace_size({m.cfg.heads, hkv, d, lp, lp}));
-    check(policy.score(in, out, ws));
-    *sp = policy.selection();
-  } else {  // snapkv / pyramidkv / adakv share SnapKV scores
-    kvevict::snapkv<float> policy(snap_config());
-    in.queries = window_queries(p, m, layer, kWindow);
-    ws.reserve(policy.workspace_size({m.cfg.heads, hkv, d, lp, kWindow}));
-    check(policy.score(in, out, ws));
-    *sp = policy.selection();
+/// The compressor options of a policy at `budget` tokens per head. Every policy keeps the
+/// last kWindow prompt tokens (the question) inside the budget. Allocators move prompt
+/// candidates between layers or heads; DeferKV's decoded tokens then come on top of the
+/// budget, so its allocator rows get `delay` more tokens (the compressor counts decoded
+/// tokens as protected, inside the budget).
+inline kvevict::compressor_options compressor_for(const model& m, const policy_spec& spec, std::int64_t budget,
+                                                  std::int64_t max_tokens) {
+  kvevict::compressor_options o;
+  o.model = {m.cfg.layers, m.cfg.heads, m.cfg.kv_heads, m.cfg.head_dim, 0, kvevict::dtype::f32};
+  o.per_head = kvevict::budget::tokens(budget);
+  o.limits.max_tokens = max_tokens;
+  switch (spec.kind) {
+    case policy_kind::full:
+      throw std::logic_error("full KV evicts nothing");
+    case policy_kind::streaming:
+      o.policy = kvevict::policy::streaming_llm({4});
+      break;
+    case policy_kind::knorm:
+      // The question sits at the end of the prompt; like every other policy here, KNorm keeps
+      // the last kWindow prompt tokens (its paper's pipelines never compress the question).
+      o.policy = kvevict::policy::knorm({kWindow, kvevict::protected_mode::inside_budget});
+      break;
+    case policy_kind::h2o:  // every prompt query observes
+      o.policy = kvevict::policy::h2o({kWindow, kvevict::protected_mode::inside_budget, kvevict::gqa_reduction::mean});
+      break;
+    case policy_kind::snapkv:
+    case policy_kind::pyramidkv:
+    case policy_kind::adakv:
+      o.policy = kvevict::policy::snapkv(snap_config());
+      break;
+    case policy_kind::deferkv: {
+      kvevict::deferkv_config cfg;
+      cfg.window = kWindow;
+      cfg.delay = spec.delay;
+      cfg.eta = spec.eta;
+      cfg.protect = kvevict::protected_mode::inside_budget;
+      o.policy = kvevict::policy::deferkv(cfg);
+      if (spec.alloc != allocator::uniform) o.per_head = kvevict::budget::tokens(budget + spec.delay);
+      break;
+    }
+    case policy_kind::dapq:
+    case policy_kind::dapq_rerotate: {
+      kvevict::dapq_config cfg;  // N = 32: the first 8 + last 24 prompt tokens
+      if (spec.kind == policy_kind::dapq_rerotate) {
+        cfg.source = kvevict::dapq_source::rerotated_window;
+        cfg.rope = m.rope;
+      }
+      o.policy = kvevict::policy::dapq(cfg);
+      break;
+    }
   }
-  return scores;
+  if (spec.kind == policy_kind::pyramidkv || spec.alloc == allocator::pyramid)
+    o.layers = kvevict::layer_allocation::pyramidkv;
+  if (spec.kind == policy_kind::adakv || spec.alloc == allocator::ada) {
+    o.heads = kvevict::head_allocation::adakv;
+    o.adakv = {0.2, false};
+  }
+  return o;
 }
 
 }  // namespace tinylm
