@@ -48,6 +48,7 @@
 
 #include "kvevict/eviction/evict.hpp"
 #include "kvevict/eviction/evict_batch.hpp"
+#include "kvevict/eviction/evict_into.hpp"
 #include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/eviction/flatten_varlen.hpp"
 #include "kvevict/eviction/keep_positions.hpp"

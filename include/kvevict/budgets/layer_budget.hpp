@@ -31,6 +31,7 @@
 #include "kvevict/executor.hpp"
 #include "kvevict/selection/budget.hpp"
 #include "kvevict/selection/keep_list.hpp"
+#include "kvevict/selection/scope.hpp"
 #include "kvevict/selection/select.hpp"
 #include "kvevict/views/matrix_view.hpp"
 #include "kvevict/workspace.hpp"
@@ -51,6 +52,11 @@ struct layer_budget {
   /// Mean candidates per head chosen by a layer allocator (PyramidKV), overriding what
   /// per_head leaves for candidates; -1: none. The protected tail comes on top.
   std::int64_t layer_candidates = -1;
+  /// selection_scope::per_layer: one keep set for all heads, chosen from their scores
+  /// combined by `combine` (selection/scope.hpp). per_sequence is the compressor's (it sees
+  /// every layer); select_layer takes per_head and per_layer.
+  selection_scope scope = selection_scope::per_head;
+  scope_combine combine = scope_combine::normalized_max;
 };
 
 namespace detail {
@@ -86,6 +92,8 @@ inline std::int64_t layer_keep_capacity(std::int64_t heads, std::int64_t tokens,
 
 struct select_layer_layout {
   std::int64_t* head_budgets = nullptr;  ///< [Hkv] (AdaKV)
+  float* shared_row = nullptr;           ///< [L] combined scores (per_layer scope)
+  std::int64_t* shared_keep = nullptr;   ///< [2 + L] one head's CSR (per_layer scope)
   workspace_span adakv;
   workspace_span select;
 };
@@ -93,7 +101,10 @@ struct select_layer_layout {
 inline void carve_select_layer(arena& a, std::int64_t heads, std::int64_t tokens, const layer_budget& b,
                                const executor& exec, select_layer_layout* out) noexcept {
   const bool ada = b.heads == head_allocation::adakv;
+  const bool shared = b.scope == selection_scope::per_layer;
   out->head_budgets = ada ? a.take<std::int64_t>(heads) : nullptr;
+  out->shared_row = shared ? a.take<float>(tokens) : nullptr;
+  out->shared_keep = shared ? a.take<std::int64_t>(saturating_add(tokens, 2)) : nullptr;
   const std::size_t ada_bytes = ada ? adakv_workspace_size(heads, tokens) : 0;
   out->adakv = {ada ? a.take<unsigned char>(static_cast<std::int64_t>(ada_bytes)) : nullptr, ada_bytes};
   const std::size_t sel_bytes = select_workspace_size(tokens, exec);
@@ -120,7 +131,25 @@ inline status validate_layer_budget(const layer_budget& b, const char* fn) noexc
   if (b.layer_candidates < -1)
     return status::error(errc::invalid_argument, fn, "budget.layer_candidates", "expected -1 (none) or >= 0, got %lld",
                          static_cast<long long>(b.layer_candidates));
+  if (static_cast<unsigned>(b.scope) > 2u)
+    return status::error(errc::invalid_argument, fn, "budget.scope", "expected a selection_scope value, got %d",
+                         static_cast<int>(b.scope));
+  if (static_cast<unsigned>(b.combine) > 3u)
+    return status::error(errc::invalid_argument, fn, "budget.combine", "expected a scope_combine value, got %d",
+                         static_cast<int>(b.combine));
+  if (b.scope != selection_scope::per_head && b.heads == head_allocation::adakv)
+    return status::error(errc::unsupported, fn, "budget.heads",
+                         "AdaKV gives each head its own budget; heads that share one keep set have one budget");
   return status();
+}
+
+/// Writes one head's keep-list (ascending indices[0, n)) as every head's: CSR over `heads`.
+inline void broadcast_keep(const std::int64_t* indices, std::int64_t n, const keep_list_view& out) noexcept {
+  out.offsets[0] = 0;
+  for (std::int64_t h = 0; h < out.num_heads; ++h) {
+    for (std::int64_t i = 0; i < n; ++i) out.indices[h * n + i] = indices[i];
+    out.offsets[h + 1] = (h + 1) * n;
+  }
 }
 
 }  // namespace detail
@@ -140,6 +169,32 @@ inline std::int64_t select_layer_capacity(std::int64_t num_kv_heads, std::int64_
   return detail::layer_keep_capacity(num_kv_heads, num_tokens, sel, b);
 }
 
+/// One keep set for every head of `out`, selected from a combined score row [1, L] under the
+/// layer budget rule (uniform heads); `scratch` holds 2 + L indices, `ws` select's workspace.
+inline status select_shared(const_score_view row, const selection_params& sel, const layer_budget& b,
+                            const keep_list_view& out, std::int64_t* scratch, workspace_span ws,
+                            const executor& exec = {}) {
+  static constexpr const char* fn = "kvevict::select_layer";
+  if (out.offsets == nullptr) return status::error(errc::null_pointer, fn, "out.offsets", "expected non-null");
+  const keep_list_view one{1, scratch, scratch + 2, row.cols};
+  if (detail::allocates(b)) {
+    const selection_params on_top{sel.protected_tail, protected_mode::on_top_of_budget};
+    KVEVICT_RETURN_IF_ERROR(
+        select(row, budget::tokens(detail::mean_candidates(b, row.cols, sel)), on_top, one, ws, exec));
+  } else {
+    KVEVICT_RETURN_IF_ERROR(select(row, b.per_head, sel, one, ws, exec));
+  }
+  const std::int64_t n = one.size(0);
+  std::int64_t total = 0;
+  if (!detail::checked_mul(n, out.num_heads, &total) || total > out.capacity)
+    return status::error(errc::invalid_keep_list, fn, "out.capacity", "expected >= %lld kept tokens, got %lld",
+                         static_cast<long long>(total), static_cast<long long>(out.capacity));
+  if (total > 0 && out.indices == nullptr)
+    return status::error(errc::null_pointer, fn, "out.indices", "expected non-null");
+  detail::broadcast_keep(one.indices, n, out);
+  return status();
+}
+
 /// Keep-lists of one layer under a layer budget (see the rule at the top of this header).
 ///
 ///   scores: [Hkv, L] float32 (the policy's scores; protected tail +inf)
@@ -156,12 +211,20 @@ inline status select_layer(const_score_view scores, const selection_params& sel,
   if (sel.protected_tail < 0)
     return status::error(errc::invalid_argument, fn, "sel.protected_tail", "expected >= 0, got %lld",
                          static_cast<long long>(sel.protected_tail));
+  if (b.scope == selection_scope::per_sequence)
+    return status::error(errc::unsupported, fn, "budget.scope",
+                         "a keep set shared by every layer is chosen from every layer's scores: use the compressor");
   detail::arena a(ws);
   detail::select_layer_layout layout;
   detail::carve_select_layer(a, scores.rows, scores.cols, b, exec, &layout);
   if (a.overflowed())
     return status::error(errc::workspace_too_small, fn, "ws",
                          "expected at least %zu bytes (select_layer_workspace_size), got %zu", a.used(), ws.size);
+  if (b.scope == selection_scope::per_layer) {
+    KVEVICT_RETURN_IF_ERROR(combine_head_scores(scores, sel.protected_tail, b.combine, layout.shared_row));
+    return select_shared(const_score_view{layout.shared_row, 1, scores.cols, scores.cols}, sel, b, out,
+                         layout.shared_keep, layout.select, exec);
+  }
   if (!detail::allocates(b)) return select(scores, b.per_head, sel, out, layout.select, exec);
   const selection_params on_top{sel.protected_tail, protected_mode::on_top_of_budget};
   const std::int64_t mean = detail::mean_candidates(b, scores.cols, sel);

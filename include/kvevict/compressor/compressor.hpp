@@ -61,7 +61,15 @@ struct sequence_state_header {
   std::uint64_t magic = 0;
   std::int64_t layers = 0;
   std::uint64_t layer_bytes = 0;
-  std::uint64_t reserved = 0;
+  std::uint64_t scope_bytes = 0;
+};
+/// The per-sequence scope's part of the state: layers folded so far, the tokens they scored,
+/// whether the keep set was applied; the combined row [max_tokens] follows.
+struct scope_state {
+  std::int64_t folded = 0;
+  std::int64_t tokens = 0;
+  std::int64_t done = 0;
+  std::int64_t reserved[5] = {};
 };
 constexpr std::uint64_t sequence_state_magic = 0x7173766576656b76ull;  // "vkevevsq"
 constexpr std::size_t sequence_state_offset = 64;
@@ -73,7 +81,7 @@ inline std::size_t round_up_64(std::size_t n) noexcept {
 
 /// "seqs[3].keys" and the like.
 struct io_name {
-  char text[status::max_argument];
+  char text[3 * status::max_argument];  // status::error truncates it to max_argument
   io_name(std::int64_t s, const char* field) noexcept {
     std::snprintf(text, sizeof(text), "seqs[%lld].%s", static_cast<long long>(s), field);
   }
@@ -110,8 +118,8 @@ class compressor {
   compressor() = default;
 
   /// Plans a compressor from options (see compressor/options.hpp). Checks the model shape,
-  /// the policy's configuration, the budget, the allocations and the limits, and computes
-  /// every size; on error `out` is left as it was.
+  /// the policy's configuration, the budget, the allocations, scope, length mode, compaction
+  /// and the limits, and computes every size; on error `out` is left as it was.
   static status plan(const compressor_options& options, compressor* out) noexcept {
     static constexpr const char* fn = "kvevict::compressor::plan";
     if (out == nullptr) return status::error(errc::null_pointer, fn, "out", "expected a compressor to plan");
@@ -130,7 +138,8 @@ class compressor {
         break;
     }
     if (c.workspace_bytes_ == std::numeric_limits<std::size_t>::max() ||
-        c.state_bytes_ == std::numeric_limits<std::size_t>::max() || c.keep_capacity_ == INT64_MAX)
+        c.state_bytes_ == std::numeric_limits<std::size_t>::max() ||
+        c.keep_capacity_ == std::numeric_limits<std::int64_t>::max())
       return status::error(errc::overflow, fn, "options.limits",
                            "the workspace, state or keep-list for %lld tokens and %lld queries does not fit in memory",
                            static_cast<long long>(options.limits.max_tokens),
@@ -145,11 +154,18 @@ class compressor {
 
   /// Bytes of workspace one run() needs (any layer, any batch within the limits).
   std::size_t workspace_size() const noexcept { return workspace_bytes_; }
-  /// Bytes of state per sequence (0 for stateless policies: then sequence_io::state may be
-  /// null). DeferKV: [layers, Hkv, max_tokens] floats plus small headers.
+  /// Bytes of state per sequence (0 when the policy is stateless and the scope is not
+  /// per_sequence: then sequence_io::state may be null). DeferKV: [layers, Hkv, max_tokens]
+  /// floats plus small headers; a per-sequence scope adds [max_tokens] floats.
   std::size_t sequence_state_size() const noexcept { return state_bytes_; }
   /// Entries of sequence_io::kept_positions one eviction may write.
   std::int64_t keep_capacity() const noexcept { return keep_capacity_; }
+  /// Columns of sequence_io::padded_indices: the most tokens one head may keep.
+  std::int64_t keep_capacity_per_head() const noexcept { return head_capacity_; }
+  /// Entries of sequence_io::changed_blocks one eviction may write (K's and V's used blocks).
+  std::int64_t changed_blocks_capacity() const noexcept {
+    return detail::saturating_mul(std::int64_t{2}, options_.limits.max_tokens);
+  }
   /// How many of its last queries a sequence must hand in at prefill_end (0: none needed).
   std::int64_t observation_window() const noexcept { return window_; }
 
@@ -165,13 +181,17 @@ class compressor {
       return status::error(errc::invalid_shape, fn, "bytes", "expected at least %zu (sequence_state_size), got %zu",
                            state_bytes_, bytes);
     const model_shape& m = options_.model;
-    const deferkv<float> policy(options_.policy.deferkv);  // the state layout does not depend on the type
-    for (std::int64_t l = 0; l < m.num_layers; ++l)
-      KVEVICT_RETURN_IF_ERROR(policy.init_state(layer_state(state, l), m.num_kv_heads, options_.limits.max_tokens));
+    if (layer_state_bytes_ > 0) {
+      const deferkv<float> policy(options_.policy.deferkv);  // the state layout does not depend on the type
+      for (std::int64_t l = 0; l < m.num_layers; ++l)
+        KVEVICT_RETURN_IF_ERROR(policy.init_state(layer_state(state, l), m.num_kv_heads, options_.limits.max_tokens));
+    }
+    if (scope_bytes_ > 0) *scope_header(state) = detail::scope_state{};
     detail::sequence_state_header h;
     h.magic = detail::sequence_state_magic;
     h.layers = m.num_layers;
     h.layer_bytes = layer_state_bytes_;
+    h.scope_bytes = scope_bytes_;
     std::memcpy(state, &h, sizeof(h));
     return status();
   }
@@ -239,14 +259,40 @@ class compressor {
   struct run_layout {
     std::int64_t* layer_budgets = nullptr;  ///< [layers] (PyramidKV)
     std::int64_t* head_lengths = nullptr;   ///< [Hkv] when the caller asks for none
-    workspace_span policy;                  ///< the policy's evict / observe workspace
+    std::int64_t* indices = nullptr;        ///< [keep capacity] the keep-list (padded output)
+    workspace_span policy;                  ///< the policy's evict / observe / scoring workspace
+  };
+
+  /// The per-sequence scope's scratch, carved from run_layout::policy.
+  struct shared_layout {
+    float* scores = nullptr;           ///< [Hkv, L]
+    float* row = nullptr;              ///< [L] this layer's combined scores
+    std::int64_t* offsets = nullptr;   ///< [Hkv + 1]
+    std::int64_t* indices = nullptr;   ///< [keep capacity]
+    std::int64_t* one_head = nullptr;  ///< [L + 2]
+    workspace_span score, select, compact;
   };
 
   void carve(detail::arena& a, run_layout* out) const noexcept {
     out->layer_budgets =
         options_.layers == layer_allocation::pyramidkv ? a.take<std::int64_t>(options_.model.num_layers) : nullptr;
     out->head_lengths = a.take<std::int64_t>(options_.model.num_kv_heads);
+    out->indices = a.take<std::int64_t>(keep_capacity_);
     out->policy = detail::take_span(a, policy_bytes_);
+  }
+
+  void carve_shared(detail::arena& a, std::size_t score_bytes, shared_layout* out) const noexcept {
+    using detail::saturating_add;
+    using detail::saturating_mul;
+    const std::int64_t heads = options_.model.num_kv_heads, tokens = options_.limits.max_tokens;
+    out->scores = a.take<float>(saturating_mul(heads, tokens));
+    out->row = a.take<float>(tokens);
+    out->offsets = a.take<std::int64_t>(saturating_add(heads, 1));
+    out->indices = a.take<std::int64_t>(keep_capacity_);
+    out->one_head = a.take<std::int64_t>(saturating_add(tokens, 2));
+    out->score = detail::take_span(a, score_bytes);
+    out->select = detail::take_span(a, select_workspace_size(tokens, options_.exec));
+    out->compact = detail::take_span(a, detail::compact_workspace_bound(tokens));
   }
 
   status check_planned(const char* fn) const noexcept {
@@ -288,8 +334,9 @@ class compressor {
       return status::error(errc::invalid_shape, fn, "limits.max_sequences", "expected >= 1, got %lld",
                            static_cast<long long>(lim.max_sequences));
     // Selection indexes rows with 32-bit keys; AdaKV ranks a whole layer's candidates.
-    const std::int64_t token_limit =
-        options_.heads == head_allocation::adakv ? static_cast<std::int64_t>(UINT32_MAX) / m.num_kv_heads : UINT32_MAX;
+    const std::int64_t token_limit = options_.heads == head_allocation::adakv
+                                         ? static_cast<std::int64_t>(UINT32_MAX) / m.num_kv_heads
+                                         : static_cast<std::int64_t>(UINT32_MAX);
     if (lim.max_tokens < 1 || lim.max_tokens > token_limit)
       return status::error(errc::invalid_shape, fn, "limits.max_tokens", "expected 1 .. %lld, got %lld",
                            static_cast<long long>(token_limit), static_cast<long long>(lim.max_tokens));
@@ -300,11 +347,7 @@ class compressor {
       return status::error(errc::invalid_argument, fn, "exec.num_workers", "expected >= 1");
 
     KVEVICT_RETURN_IF_ERROR(check_policy(fn));
-    layer_budget b;
-    b.per_head = options_.per_head;
-    b.heads = options_.heads;
-    b.adakv = options_.adakv;
-    KVEVICT_RETURN_IF_ERROR(detail::validate_layer_budget(b, fn));
+    KVEVICT_RETURN_IF_ERROR(detail::validate_layer_budget(base_budget(), fn));
     if (static_cast<unsigned>(options_.layers) > 1u)
       return status::error(errc::invalid_argument, fn, "layers", "expected a layer_allocation value, got %d",
                            static_cast<int>(options_.layers));
@@ -312,11 +355,34 @@ class compressor {
         (!(options_.pyramid_beta >= 1.0) || options_.pyramid_beta == std::numeric_limits<double>::infinity()))
       return status::error(errc::invalid_argument, fn, "pyramid_beta", "expected a finite beta >= 1, got %g",
                            options_.pyramid_beta);
+    KVEVICT_RETURN_IF_ERROR(check_contracts(fn));
     if (options_.limits.max_queries == 0) options_.limits.max_queries = window_;
     if (window_ > options_.limits.max_queries)
       return status::error(errc::invalid_shape, fn, "limits.max_queries",
                            "expected at least the policy's observation window %lld, got %lld",
                            static_cast<long long>(window_), static_cast<long long>(options_.limits.max_queries));
+    return status();
+  }
+
+  /// Scope, length mode and compaction, and the combinations no kernel could serve.
+  status check_contracts(const char* fn) const noexcept {
+    if (static_cast<unsigned>(options_.lengths) > 1u)
+      return status::error(errc::invalid_argument, fn, "lengths", "expected a length_mode value, got %d",
+                           static_cast<int>(options_.lengths));
+    if (static_cast<unsigned>(options_.compact) > 2u)
+      return status::error(errc::invalid_argument, fn, "compact", "expected a compaction value, got %d",
+                           static_cast<int>(options_.compact));
+    if (options_.lengths == length_mode::uniform && options_.heads == head_allocation::adakv)
+      return status::error(errc::unsupported, fn, "heads",
+                           "AdaKV keeps different counts per head; length_mode::uniform serves one length per sequence "
+                           "(use length_mode::per_head with a varlen or per-head paged kernel)");
+    if (options_.lengths == length_mode::uniform && options_.layers == layer_allocation::pyramidkv)
+      return status::error(errc::unsupported, fn, "layers",
+                           "PyramidKV keeps different counts per layer; length_mode::uniform serves one length per "
+                           "sequence");
+    if (options_.scope == selection_scope::per_sequence && options_.layers == layer_allocation::pyramidkv)
+      return status::error(errc::unsupported, fn, "layers",
+                           "a keep set shared by every layer has one count; PyramidKV gives layers different ones");
     return status();
   }
 
@@ -416,12 +482,15 @@ class compressor {
     return status();
   }
 
-  /// The budget a layer call starts from (before PyramidKV sets layer_candidates).
+  /// The budget a layer call starts from (before PyramidKV sets layer_candidates). The layer
+  /// scope is select_layer's; the sequence scope is the compressor's own.
   layer_budget base_budget() const noexcept {
     layer_budget b;
     b.per_head = options_.per_head;
     b.heads = options_.heads;
     b.adakv = options_.adakv;
+    b.scope = options_.scope == selection_scope::per_layer ? selection_scope::per_layer : selection_scope::per_head;
+    b.combine = options_.combine;
     return b;
   }
 
@@ -484,23 +553,48 @@ class compressor {
     // PyramidKV may give a layer any share of its candidates: size for all of them.
     if (options_.layers == layer_allocation::pyramidkv) b.layer_candidates = lim.max_tokens;
     const executor& exec = options_.exec;
+    keep_capacity_ = detail::layer_keep_capacity(m.num_kv_heads, lim.max_tokens, largest_selection(), b);
+    head_capacity_ = options_.heads == head_allocation::adakv || b.layer_candidates >= 0
+                         ? lim.max_tokens
+                         : (keep_capacity_ + m.num_kv_heads - 1) / m.num_kv_heads;
+    std::size_t evict_bytes = 0, score_bytes = 0;
     if (options_.policy.kind == policy_kind::deferkv) {
       const deferkv<T> d(options_.policy.deferkv);
-      const std::size_t observe = d.workspace_size(shape, exec), evict = d.evict_workspace_size(shape, b, exec);
-      policy_bytes_ = observe > evict ? observe : evict;
+      const std::size_t observe = d.workspace_size(shape, exec);
+      evict_bytes = std::max(observe, d.evict_workspace_size(shape, b, exec));
+      score_bytes = observe;  // covers finalize's [C] row too
       layer_state_bytes_ = detail::round_up_64(deferkv<T>::state_size(m.num_kv_heads, lim.max_tokens));
-      state_bytes_ =
-          detail::saturating_add(detail::sequence_state_offset,
-                                 detail::saturating_mul(static_cast<std::size_t>(m.num_layers), layer_state_bytes_));
     } else {
       (void)with_scoring_policy<T>([&](const auto& policy) {
-        policy_bytes_ = policy.evict_workspace_size(shape, b, exec);
+        using P = std::decay_t<decltype(policy)>;
+        evict_bytes = policy.evict_workspace_size(shape, b, exec);
+        if constexpr (std::is_same<P, kvevict::dapq<T>>::value) {
+          score_bytes = policy.score_window_workspace_size(shape, exec);
+        } else {
+          score_bytes = policy.workspace_size(shape, exec);
+        }
         return status();
       });
       layer_state_bytes_ = 0;
-      state_bytes_ = 0;
     }
-    keep_capacity_ = detail::layer_keep_capacity(m.num_kv_heads, lim.max_tokens, largest_selection(), b);
+    policy_bytes_ = evict_bytes;
+    if (options_.scope == selection_scope::per_sequence) {
+      detail::arena a;
+      shared_layout sl;
+      carve_shared(a, score_bytes, &sl);
+      policy_bytes_ = std::max(policy_bytes_, a.used());
+      shared_score_bytes_ = score_bytes;
+      scope_bytes_ = detail::round_up_64(
+          detail::saturating_add(sizeof(detail::scope_state),
+                                 detail::saturating_mul(static_cast<std::size_t>(lim.max_tokens), sizeof(float))));
+    } else {
+      scope_bytes_ = 0;
+    }
+    state_bytes_ = layer_state_bytes_ == 0 && scope_bytes_ == 0
+                       ? 0
+                       : detail::saturating_add(
+                             detail::saturating_add(detail::sequence_state_offset, scope_bytes_),
+                             detail::saturating_mul(static_cast<std::size_t>(m.num_layers), layer_state_bytes_));
     detail::arena a;
     run_layout lay;
     carve(a, &lay);
@@ -510,9 +604,16 @@ class compressor {
   // ---- running -----------------------------------------------------------------------
 
   policy_state layer_state(void* state, std::int64_t layer) const noexcept {
-    return {static_cast<unsigned char*>(state) + detail::sequence_state_offset +
+    return {static_cast<unsigned char*>(state) + detail::sequence_state_offset + scope_bytes_ +
                 static_cast<std::size_t>(layer) * layer_state_bytes_,
             layer_state_bytes_};
+  }
+  detail::scope_state* scope_header(void* state) const noexcept {
+    return reinterpret_cast<detail::scope_state*>(static_cast<unsigned char*>(state) + detail::sequence_state_offset);
+  }
+  float* scope_row(void* state) const noexcept {
+    return reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(scope_header(state)) +
+                                    sizeof(detail::scope_state));
   }
 
   /// The queries a prefill_end observation uses: the policy's window (H2O: all).
@@ -537,8 +638,21 @@ class compressor {
     return o;
   }
 
-  /// What a sequence's event will do at this layer (decided before anything changes).
-  enum class plan_step { none, observe, evict, observe_and_evict };
+  /// What a sequence's event does at this layer (decided before anything changes):
+  /// observe (DeferKV's queries into its state), then act on the layer's scores: evict this
+  /// layer, fold them into the sequence's combined scores, or fold and evict every layer.
+  enum class act { none, evict, fold, fold_and_evict_all };
+  struct plan_step {
+    bool observe = false;
+    act action = act::none;
+  };
+
+  bool sequence_scope() const noexcept { return options_.scope == selection_scope::per_sequence; }
+
+  act scores_act(std::int64_t layer) const noexcept {
+    if (!sequence_scope()) return act::evict;
+    return layer == options_.model.num_layers - 1 ? act::fold_and_evict_all : act::fold;
+  }
 
   template <class T>
   status check_sequence(std::int64_t layer, const sequence_io<T>& io, std::int64_t s, const run_layout& lay) const {
@@ -546,79 +660,157 @@ class compressor {
     if (static_cast<unsigned>(io.event) > 2u)
       return status::error(errc::invalid_argument, fn, detail::io_name(s, "event"),
                            "expected a sequence_event value, got %d", static_cast<int>(io.event));
-    plan_step what = plan_step::none;
+    plan_step what;
     KVEVICT_RETURN_IF_ERROR(decide(layer, io, s, &what));
-    if (what == plan_step::none) return status();
-    const model_shape& m = options_.model;
+    if (!what.observe && what.action == act::none) return status();
     KVEVICT_RETURN_IF_ERROR(
-        detail::validate_kv_views(io.keys, io.values, fn, detail::io_name(s, "keys"), detail::io_name(s, "values")));
-    KVEVICT_RETURN_IF_ERROR(detail::check_kv_not_aliased(io.keys, io.values, fn, detail::io_name(s, "values")));
-    if (io.keys.num_heads != m.num_kv_heads || io.keys.head_dim != m.head_dim)
-      return status::error(errc::invalid_shape, fn, detail::io_name(s, "keys"),
-                           "expected the model's [%lld heads, d = %lld], got [%lld, %lld]",
-                           static_cast<long long>(m.num_kv_heads), static_cast<long long>(m.head_dim),
-                           static_cast<long long>(io.keys.num_heads), static_cast<long long>(io.keys.head_dim));
-    if (io.values.head_dim != m.value_head_dim)
-      return status::error(errc::invalid_shape, fn, detail::io_name(s, "values.head_dim"),
-                           "expected the model's %lld, got %lld", static_cast<long long>(m.value_head_dim),
-                           static_cast<long long>(io.values.head_dim));
+        check_layer_cache(io.cache(), s, "", what.action != act::none && what.action != act::fold, lay.policy));
     if (io.keys.num_tokens > options_.limits.max_tokens)
       return status::error(errc::invalid_shape, fn, detail::io_name(s, "keys.num_tokens"),
                            "expected at most limits.max_tokens = %lld, got %lld",
                            static_cast<long long>(options_.limits.max_tokens),
                            static_cast<long long>(io.keys.num_tokens));
     KVEVICT_RETURN_IF_ERROR(check_queries(layer, io, s, what));
-    if (what == plan_step::evict || what == plan_step::observe_and_evict) {
-      // The block-table checks evict() runs, now, so that no sequence moves before all pass.
-      const auto kseq = [&io](std::int64_t) { return io.keys; };
-      const auto vseq = [&io](std::int64_t) { return io.values; };
-      if (io.keys.is_paged() || io.values.is_paged()) {
-        detail::arena a(lay.policy);
-        std::int32_t* ids = a.take<std::int32_t>(detail::block_id_scratch(1, kseq, vseq));
-        if (a.overflowed())
-          return status::error(errc::workspace_too_small, fn, "ws", "block tables longer than limits.max_tokens");
-        KVEVICT_RETURN_IF_ERROR(
-            detail::in_sequence(detail::check_block_ids(1, kseq, vseq, detail::same_block_table(io.keys, io.values),
-                                                        detail::same_block_pool(io.keys, io.values), ids, fn, false),
-                                s, fn));
+    if (what.action == act::fold_and_evict_all && options_.compact != compaction::keep_list_only) {
+      if (io.layers == nullptr)
+        return status::error(errc::null_pointer, fn, detail::io_name(s, "layers"),
+                             "a keep set shared by every layer compacts every layer at the last one: expected "
+                             "[num_layers] layer caches");
+      for (std::int64_t l = 0; l < options_.model.num_layers; ++l) {
+        char prefix[40];
+        std::snprintf(prefix, sizeof(prefix), "layers[%lld].", static_cast<long long>(l));
+        const layer_cache<T>& c = io.layers[l];
+        KVEVICT_RETURN_IF_ERROR(check_layer_cache(c, s, prefix, true, lay.policy));
+        if (c.keys.num_tokens != io.keys.num_tokens)
+          return status::error(errc::invalid_shape, fn, detail::io_name(s, "layers"),
+                               "expected every layer to hold this layer's %lld tokens, got %lld at layer %lld",
+                               static_cast<long long>(io.keys.num_tokens), static_cast<long long>(c.keys.num_tokens),
+                               static_cast<long long>(l));
       }
     }
     return status();
   }
 
-  /// Decides what the event does; for DeferKV also checks the state's phase.
+  /// A layer's cache against the plan: views, shapes, the out-of-place destination and, when
+  /// it will be compacted, the block checks evict() runs (so nothing moves before all pass).
+  template <class T>
+  status check_layer_cache(const layer_cache<T>& c, std::int64_t s, const char* prefix, bool compacted,
+                           workspace_span scratch) const {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    char kname[2 * status::max_argument], vname[2 * status::max_argument], vdim[2 * status::max_argument];
+    std::snprintf(kname, sizeof(kname), "%skeys", prefix);
+    std::snprintf(vname, sizeof(vname), "%svalues", prefix);
+    std::snprintf(vdim, sizeof(vdim), "%svalues.head_dim", prefix);
+    const model_shape& m = options_.model;
+    KVEVICT_RETURN_IF_ERROR(
+        detail::validate_kv_views(c.keys, c.values, fn, detail::io_name(s, kname), detail::io_name(s, vname)));
+    if (c.keys.num_heads != m.num_kv_heads || c.keys.head_dim != m.head_dim)
+      return status::error(errc::invalid_shape, fn, detail::io_name(s, kname),
+                           "expected the model's [%lld heads, d = %lld], got [%lld, %lld]",
+                           static_cast<long long>(m.num_kv_heads), static_cast<long long>(m.head_dim),
+                           static_cast<long long>(c.keys.num_heads), static_cast<long long>(c.keys.head_dim));
+    if (c.values.head_dim != m.value_head_dim)
+      return status::error(errc::invalid_shape, fn, detail::io_name(s, vdim),
+                           "expected the model's head_dim %lld, got %lld", static_cast<long long>(m.value_head_dim),
+                           static_cast<long long>(c.values.head_dim));
+    if (!compacted || options_.compact == compaction::keep_list_only) return status();
+    if (options_.compact == compaction::out_of_place) {
+      if (!c.out_of_place())
+        return status::error(errc::null_pointer, fn, detail::io_name(s, prefix[0] != '\0' ? prefix : "dst_keys"),
+                             "compaction::out_of_place: expected destination views (fresh blocks)");
+      KVEVICT_RETURN_IF_ERROR(detail::in_sequence(
+          detail::validate_kv_views(c.dst_keys, c.dst_values, fn, "dst_keys", "dst_values"), s, fn));
+      if (c.dst_keys.num_heads != c.keys.num_heads || c.dst_keys.head_dim != c.keys.head_dim ||
+          c.dst_values.head_dim != c.values.head_dim)
+        return status::error(errc::invalid_shape, fn, detail::io_name(s, "dst_keys"),
+                             "expected the source's heads and head dims");
+      // evict_into's destination checks, now, for the longest keep set possible (a superset of
+      // the rows it will write), so that no sequence moves before all pass.
+      const std::int64_t most = std::min(c.keys.num_tokens, head_capacity_);
+      if (c.dst_keys.num_tokens < most)
+        return status::error(errc::invalid_shape, fn, detail::io_name(s, "dst_keys.num_tokens"),
+                             "expected room for %lld rows (the most a head may keep), got %lld",
+                             static_cast<long long>(most), static_cast<long long>(c.dst_keys.num_tokens));
+      const cache_view<T> dk = c.dst_keys.first_tokens(most), dv = c.dst_values.first_tokens(most);
+      detail::arena a(scratch);
+      std::int32_t* ids = a.take<std::int32_t>(detail::destination_scratch_ids(c.keys, c.values, dk, dv));
+      if (a.overflowed())
+        return status::error(errc::workspace_too_small, fn, "ws", "block tables longer than limits.max_tokens");
+      eviction_options opt;
+      opt.block_refcounts = c.block_refcounts;
+      opt.shared_blocks = c.shared_blocks;
+      return detail::in_sequence(detail::check_destination(c.keys, c.values, dk, dv, opt, ids, fn), s, fn);
+    }
+    KVEVICT_RETURN_IF_ERROR(detail::check_kv_not_aliased(c.keys, c.values, fn, detail::io_name(s, vname)));
+    if (c.keys.is_paged() || c.values.is_paged()) {
+      const auto kseq = [&c](std::int64_t) { return c.keys; };
+      const auto vseq = [&c](std::int64_t) { return c.values; };
+      detail::arena a(scratch);
+      std::int32_t* ids = a.take<std::int32_t>(detail::block_id_scratch(1, kseq, vseq));
+      if (ids == nullptr)
+        return status::error(errc::workspace_too_small, fn, "ws", "block tables longer than limits.max_tokens");
+      KVEVICT_RETURN_IF_ERROR(
+          detail::in_sequence(detail::check_block_ids(1, kseq, vseq, detail::same_block_table(c.keys, c.values),
+                                                      detail::same_block_pool(c.keys, c.values), ids, fn, false),
+                              s, fn));
+      // In place, a batch cannot learn which rows move before it moves some: every used block
+      // marked shared is refused here (evict() alone refuses only the blocks it would write).
+      eviction_options opt;
+      opt.block_refcounts = c.block_refcounts;
+      opt.shared_blocks = c.shared_blocks;
+      const detail::written_rows all{0, c.keys.num_tokens};
+      KVEVICT_RETURN_IF_ERROR(detail::in_sequence(detail::check_shared_writes(c.keys, all, opt, fn, "keys"), s, fn));
+      KVEVICT_RETURN_IF_ERROR(
+          detail::in_sequence(detail::check_shared_writes(c.values, all, opt, fn, "values"), s, fn));
+    }
+    return status();
+  }
+
+  /// Decides what the event does; for DeferKV and the sequence scope also checks the state.
   template <class T>
   status decide(std::int64_t layer, const sequence_io<T>& io, std::int64_t s, plan_step* out) const {
     static constexpr const char* fn = "kvevict::compressor::run";
-    *out = plan_step::none;
+    *out = plan_step{};
     if (io.event == sequence_event::idle) return status();
+    if (state_bytes_ > 0) KVEVICT_RETURN_IF_ERROR(check_state(io.state, s));
     if (options_.policy.kind != policy_kind::deferkv) {
-      if (io.event == sequence_event::prefill_end) *out = plan_step::evict;
-      return status();
-    }
-    KVEVICT_RETURN_IF_ERROR(check_state(io.state, s));
-    const deferkv<T> d(options_.policy.deferkv);
-    const policy_state st = layer_state(io.state, layer);
-    const bool fed_back = options_.policy.deferkv.decode_feedback && options_.policy.deferkv.delay > 0;
-    if (io.event == sequence_event::prefill_end) {
-      if (d.started(st))
-        return status::error(errc::invalid_state, fn, detail::io_name(s, "state"),
-                             "layer %lld already observed this sequence's prefill; reset_sequence() for a new one",
+      if (io.event == sequence_event::prefill_end) out->action = scores_act(layer);
+    } else {
+      const deferkv<T> d(options_.policy.deferkv);
+      const policy_state st = layer_state(io.state, layer);
+      const bool fed_back = options_.policy.deferkv.decode_feedback && options_.policy.deferkv.delay > 0;
+      if (io.event == sequence_event::prefill_end) {
+        if (d.started(st))
+          return status::error(errc::invalid_state, fn, detail::io_name(s, "state"),
+                               "layer %lld already observed this sequence's prefill; reset_sequence() for a new one",
+                               static_cast<long long>(layer));
+        out->observe = true;
+        out->action = fed_back ? act::none : scores_act(layer);
+      } else if (d.evicted(st)) {
+        return status();  // decoding goes on after eviction
+      } else if (d.ready(st)) {
+        out->action = scores_act(layer);
+      } else if (!d.started(st)) {
+        return status::error(errc::invalid_state, fn, detail::io_name(s, "event"),
+                             "a decode step before this sequence's prefill_end at layer %lld",
                              static_cast<long long>(layer));
-      *out = fed_back ? plan_step::observe : plan_step::observe_and_evict;
-      return status();
+      } else {
+        out->observe = true;
+        out->action = d.steps_observed(st) + 1 >= options_.policy.deferkv.delay ? scores_act(layer) : act::none;
+      }
     }
-    if (d.evicted(st)) return status();  // decoding goes on after eviction
-    if (d.ready(st)) {
-      *out = plan_step::evict;
-      return status();
+    if (out->action == act::fold || out->action == act::fold_and_evict_all) {
+      const detail::scope_state* sc = scope_header(io.state);
+      if (sc->done != 0) {  // the sequence's keep set was applied: nothing more to do
+        *out = plan_step{};
+        return status();
+      }
+      if (sc->folded != layer)
+        return status::error(errc::invalid_state, fn, detail::io_name(s, "state"),
+                             "a keep set shared by every layer folds the layers in order: expected layer %lld, got "
+                             "%lld",
+                             static_cast<long long>(sc->folded), static_cast<long long>(layer));
     }
-    if (!d.started(st))
-      return status::error(errc::invalid_state, fn, detail::io_name(s, "event"),
-                           "a decode step before this sequence's prefill_end at layer %lld",
-                           static_cast<long long>(layer));
-    *out =
-        d.steps_observed(st) + 1 >= options_.policy.deferkv.delay ? plan_step::observe_and_evict : plan_step::observe;
     return status();
   }
 
@@ -632,18 +824,18 @@ class compressor {
     detail::sequence_state_header h;
     std::memcpy(&h, state, sizeof(h));
     if (h.magic != detail::sequence_state_magic || h.layers != options_.model.num_layers ||
-        h.layer_bytes != layer_state_bytes_)
+        h.layer_bytes != layer_state_bytes_ || h.scope_bytes != scope_bytes_)
       return status::error(errc::invalid_state, fn, detail::io_name(s, "state"),
                            "not a state of this plan: call reset_sequence() when the sequence starts");
     return status();
   }
 
   template <class T>
-  status check_queries(std::int64_t layer, const sequence_io<T>& io, std::int64_t s, plan_step what) const {
+  status check_queries(std::int64_t layer, const sequence_io<T>& io, std::int64_t s, const plan_step& what) const {
     static constexpr const char* fn = "kvevict::compressor::run";
     const policy_kind kind = options_.policy.kind;
     if (kind == policy_kind::streaming_llm || kind == policy_kind::knorm) return status();
-    if (kind == policy_kind::deferkv && what == plan_step::evict) return status();  // nothing is observed
+    if (kind == policy_kind::deferkv && !what.observe) return status();  // scored from the state
     const model_shape& m = options_.model;
     KVEVICT_RETURN_IF_ERROR(detail::validate_query_view(io.queries, fn, detail::io_name(s, "queries")));
     if (io.queries.num_heads != m.num_query_heads || io.queries.head_dim != m.head_dim)
@@ -693,6 +885,13 @@ class compressor {
       in.queries = q;
       return detail::in_sequence(d.check_decode(layer_state(io.state, layer), in, fn), s, fn);
     }
+    if (what.action == act::fold && layer > 0) {  // every layer of the fold scores as many tokens
+      const detail::scope_state* sc = scope_header(io.state);
+      if (scored_tokens(io) != sc->tokens)
+        return status::error(errc::invalid_shape, fn, detail::io_name(s, "keys.num_tokens"),
+                             "expected the %lld scored tokens of layer 0, got %lld", static_cast<long long>(sc->tokens),
+                             static_cast<long long>(scored_tokens(io)));
+    }
     return status();
   }
 
@@ -710,6 +909,14 @@ class compressor {
       default:
         return softmax_domain::visible;
     }
+  }
+
+  /// Tokens the layer's scores cover: L, or DapQ's prompt length.
+  template <class T>
+  std::int64_t scored_tokens(const sequence_io<T>& io) const noexcept {
+    if (options_.policy.kind != policy_kind::dapq) return io.keys.num_tokens;
+    const query_view<const T> q = prefill_queries(io);
+    return dapq<T>(options_.policy.dapq).prompt_tokens(io.keys.num_tokens, q.num_queries);
   }
 
   /// The layer's budget for a sequence of `tokens` scored tokens under selection `sel`.
@@ -739,61 +946,149 @@ class compressor {
     return (io.key_positions != nullptr ? io.key_positions[l - 1] : l - 1) + 1;
   }
 
+  /// The layer's scores [Hkv, scored] for the sequence scope, from the policy's own scoring.
+  template <class T>
+  status layer_scores(const sequence_io<T>& io, policy_state st, const shared_layout& sh, score_view* out,
+                      selection_params* sel) const {
+    const layer_cache<T> cache = io.cache();
+    const std::int64_t scored = scored_tokens(io);
+    *out = score_view{sh.scores, io.keys.num_heads, scored, scored};
+    if (options_.policy.kind == policy_kind::deferkv) {
+      const deferkv<T> d(options_.policy.deferkv);
+      *sel = d.selection(st);
+      layer_inputs<T> in;
+      in.state = st;
+      return d.score(in, *out, sh.score, options_.exec);
+    }
+    const layer_observations<T> o = observations_of(io, prefill_queries(io), policy_state{});
+    return with_scoring_policy<T>([&](const auto& policy) {
+      using P = std::decay_t<decltype(policy)>;
+      *sel = policy.selection();
+      if constexpr (std::is_same<P, kvevict::dapq<T>>::value) {
+        return policy.score_window(cache, o, *out, sh.score, options_.exec);
+      } else {
+        return policy.score(inputs_of(cache, o), *out, sh.score, options_.exec);
+      }
+    });
+  }
+
   template <class T>
   status step(std::int64_t layer, const sequence_io<T>& io, const run_layout& lay, sequence_report* r) const {
-    plan_step what = plan_step::none;
+    plan_step what;
     KVEVICT_RETURN_IF_ERROR(decide(layer, io, 0, &what));
     r->length = io.keys.num_tokens;
     r->next_slot = io.keys.num_tokens;
     r->next_position = next_position_after(io);
-    if (what == plan_step::none) return status();
+    if (!what.observe && what.action == act::none) return status();
     eviction_result result;
     result.head_lengths = io.head_lengths != nullptr ? io.head_lengths : lay.head_lengths;
     result.positions = io.kept_positions;
-    const layer_cache<T> cache{io.keys, io.values};
+    result.indices = lay.indices;
+    result.changed_blocks = io.changed_blocks;
+    layer_cache<T> cache = io.cache();
+    cache.compact = options_.compact != compaction::keep_list_only;
     const executor& exec = options_.exec;
-    if (options_.policy.kind == policy_kind::deferkv) {
+    const bool defer = options_.policy.kind == policy_kind::deferkv;
+    const policy_state st = defer ? layer_state(io.state, layer) : policy_state{};
+    if (what.observe) {
       const deferkv<T> d(options_.policy.deferkv);
-      const policy_state st = layer_state(io.state, layer);
-      if (what != plan_step::evict) {
-        layer_inputs<T> in;
-        in.keys = io.keys;
-        in.observation.key_positions = io.key_positions;
-        in.state = st;
-        if (io.event == sequence_event::prefill_end) {
-          in.queries = prefill_queries(io);
-          KVEVICT_RETURN_IF_ERROR(d.observe_prefill(in, lay.policy, exec));
-        } else {
-          in.queries = io.queries;
-          KVEVICT_RETURN_IF_ERROR(d.observe_decode(in, lay.policy, exec));
-        }
-        r->action = sequence_action::observed;
-        if (what == plan_step::observe) return status();
+      layer_inputs<T> in;
+      in.keys = io.keys;
+      in.observation.key_positions = io.key_positions;
+      in.state = st;
+      in.queries = io.event == sequence_event::prefill_end ? prefill_queries(io) : io.queries;
+      if (io.event == sequence_event::prefill_end) {
+        KVEVICT_RETURN_IF_ERROR(d.observe_prefill(in, lay.policy, exec));
+      } else {
+        KVEVICT_RETURN_IF_ERROR(d.observe_decode(in, lay.policy, exec));
       }
-      layer_observations<T> o;
-      o.observation.key_positions = io.key_positions;
-      o.state = st;
-      KVEVICT_RETURN_IF_ERROR(
-          d.evict(cache, o, budget_for(layer, io.keys.num_tokens, d.selection(st), lay), result, lay.policy, exec));
+      r->action = sequence_action::observed;
+    }
+    if (what.action == act::none) return status();
+    std::int64_t scored = io.keys.num_tokens;
+    if (what.action == act::evict) {
+      if (defer) {
+        const deferkv<T> d(options_.policy.deferkv);
+        layer_observations<T> o;
+        o.observation.key_positions = io.key_positions;
+        o.state = st;
+        KVEVICT_RETURN_IF_ERROR(
+            d.evict(cache, o, budget_for(layer, io.keys.num_tokens, d.selection(st), lay), result, lay.policy, exec));
+      } else {
+        const query_view<const T> q = prefill_queries(io);
+        const layer_observations<T> o = observations_of(io, q, policy_state{});
+        KVEVICT_RETURN_IF_ERROR(with_scoring_policy<T>([&](const auto& policy) {
+          using P = std::decay_t<decltype(policy)>;
+          if constexpr (std::is_same<P, kvevict::dapq<T>>::value) {
+            scored = policy.prompt_tokens(io.keys.num_tokens, q.num_queries);
+          }
+          return policy.evict(cache, o, budget_for(layer, scored, policy.selection(), lay), result, lay.policy, exec);
+        }));
+      }
     } else {
-      const query_view<const T> q = prefill_queries(io);
-      const layer_observations<T> o = observations_of(io, q, policy_state{});
-      KVEVICT_RETURN_IF_ERROR(with_scoring_policy<T>([&](const auto& policy) {
-        using P = std::decay_t<decltype(policy)>;
-        std::int64_t scored = io.keys.num_tokens;
-        if constexpr (std::is_same<P, kvevict::dapq<T>>::value) {
-          scored = policy.prompt_tokens(io.keys.num_tokens, q.num_queries);
-          r->next_position = scored;  // pseudo positions are reused
+      // The sequence scope: fold this layer's combined scores into the sequence's row; at the
+      // last layer select one keep set from it and apply it to every layer.
+      detail::arena a(lay.policy);
+      shared_layout sh;
+      carve_shared(a, shared_score_bytes_, &sh);
+      score_view scores;
+      selection_params sel;
+      KVEVICT_RETURN_IF_ERROR(layer_scores(io, st, sh, &scores, &sel));
+      scored = scores.cols;
+      detail::scope_state* sc = scope_header(io.state);
+      float* row = scope_row(io.state);
+      const std::int64_t candidates = scored > sel.protected_tail ? scored - sel.protected_tail : 0;
+      KVEVICT_RETURN_IF_ERROR(combine_head_scores(scores, sel.protected_tail, options_.combine, sh.row));
+      // Layers fold as more heads of the same combination: no second normalisation.
+      const scope_combine across = detail::combines_by_max(options_.combine) ? scope_combine::max : scope_combine::mean;
+      detail::fold_row(row, sh.row, scored, candidates, across, layer == 0);
+      sc->folded = layer + 1;
+      sc->tokens = scored;
+      if (what.action == act::fold) {
+        r->action = sequence_action::observed;
+        return status();
+      }
+      detail::finish_mean(row, candidates, options_.model.num_layers, across);
+      const keep_list_view keep{io.keys.num_heads, sh.offsets, sh.indices, keep_capacity_};
+      KVEVICT_RETURN_IF_ERROR(select_shared(const_score_view{row, 1, scored, scored}, sel, base_budget(), keep,
+                                            sh.one_head, sh.select, exec));
+      if (options_.compact == compaction::keep_list_only) {
+        KVEVICT_RETURN_IF_ERROR(
+            detail::compact_layer(cache, const_keep_list_view(keep), result, sh.compact, io.key_positions, exec));
+      } else {
+        for (std::int64_t l = 0; l < options_.model.num_layers; ++l) {
+          eviction_result lr = result;
+          if (l != layer) lr.changed_blocks = nullptr;  // one list for the call (the layer's own)
+          KVEVICT_RETURN_IF_ERROR(
+              detail::compact_layer(io.layers[l], const_keep_list_view(keep), lr, sh.compact, io.key_positions, exec));
+          if (l == layer) result = lr;
         }
-        return policy.evict(cache, o, budget_for(layer, scored, policy.selection(), lay), result, lay.policy, exec);
-      }));
+      }
+      if (defer) {
+        const deferkv<T> d(options_.policy.deferkv);
+        for (std::int64_t l = 0; l < options_.model.num_layers; ++l)
+          KVEVICT_RETURN_IF_ERROR(d.mark_evicted(layer_state(io.state, l)));
+      }
+      sc->done = 1;
     }
     r->action = sequence_action::evicted;
     r->length = result.max_length;
     r->next_slot = result.max_length;
     r->freed_blocks = result.freed_blocks;
+    r->dropped = io.keys.num_tokens - result.max_length;
+    r->num_changed_blocks = result.num_changed_blocks;
     r->kept = 0;
     for (std::int64_t h = 0; h < io.keys.num_heads; ++h) r->kept += result.head_lengths[h];
+    if (options_.policy.kind == policy_kind::dapq) r->next_position = scored;  // pseudo positions are reused
+    if (io.padded_indices != nullptr) {
+      std::int64_t k = 0;
+      for (std::int64_t h = 0; h < io.keys.num_heads; ++h) {
+        std::int64_t* row = io.padded_indices + h * head_capacity_;
+        const std::int64_t n = result.head_lengths[h];
+        for (std::int64_t i = 0; i < head_capacity_; ++i) row[i] = i < n ? lay.indices[k + i] : -1;
+        k += n;
+      }
+    }
     return status();
   }
 
@@ -803,8 +1098,11 @@ class compressor {
   std::size_t policy_bytes_ = 0;
   std::size_t workspace_bytes_ = 0;
   std::size_t layer_state_bytes_ = 0;
+  std::size_t scope_bytes_ = 0;
+  std::size_t shared_score_bytes_ = 0;
   std::size_t state_bytes_ = 0;
   std::int64_t keep_capacity_ = 0;
+  std::int64_t head_capacity_ = 0;
 };
 
 KVEVICT_NAMESPACE_END

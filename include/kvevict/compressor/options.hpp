@@ -21,6 +21,7 @@
 #include "kvevict/policies/streaming_llm.hpp"
 #include "kvevict/scoring/presets.hpp"
 #include "kvevict/selection/budget.hpp"
+#include "kvevict/selection/scope.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
 
@@ -121,6 +122,20 @@ enum class layer_allocation : std::int32_t {
   pyramidkv,  ///< PyramidKV: lower layers more, upper layers less, the same mean
 };
 
+/// What the attention kernel reads after eviction (design.md §14): one length for every head of
+/// every layer of a sequence (a paged kernel with one seq_len), or per head.
+enum class length_mode : std::int32_t {
+  per_head,  ///< heads may keep different counts (AdaKV; PyramidKV layers): varlen or per-head tables
+  uniform,   ///< every head of every layer keeps the same count; the plan refuses AdaKV and PyramidKV
+};
+
+/// What eviction does with the keep set.
+enum class compaction : std::int32_t {
+  in_place,        ///< K and V are compacted in their own blocks (refused on blocks marked shared)
+  out_of_place,    ///< kept rows are copied into fresh blocks the engine supplies; the old ones stay intact
+  keep_list_only,  ///< nothing moves: the keep set is reported (llama.cpp frees cells itself)
+};
+
 /// The most a call will see. Workspace and state sizes follow from these and the model
 /// shape alone (never from views: a paged cache whose block table is not filled yet sizes
 /// the same).
@@ -156,6 +171,11 @@ struct compressor_options {
   adakv_params adakv;  ///< with head_allocation::adakv
   layer_allocation layers = layer_allocation::uniform;
   double pyramid_beta = 20.0;  ///< with layer_allocation::pyramidkv
+  /// Which heads share a keep set (selection/scope.hpp), and how their scores combine.
+  selection_scope scope = selection_scope::per_head;
+  scope_combine combine = scope_combine::normalized_max;
+  length_mode lengths = length_mode::per_head;
+  compaction compact = compaction::in_place;
   compressor_limits limits;
   executor exec;  ///< heads run through it; scratch is sized for its workers
   compressor_tracer tracer;

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kvevict/config.hpp"
+#include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/views/cache_view.hpp"
 #include "kvevict/views/query_view.hpp"
 
@@ -43,18 +44,50 @@ struct sequence_io {
   const float* lse = nullptr;
   std::int64_t lse_head_stride = 0;
   /// The sequence's compressor state (compressor::sequence_state_size() bytes, set up by
-  /// compressor::reset_sequence), for stateful policies (DeferKV); null when that size is 0.
+  /// compressor::reset_sequence), for DeferKV and for selection_scope::per_sequence; null when
+  /// that size is 0.
   void* state = nullptr;
+
+  /// Blocks shared by prefix caching (paged caches): references to each block of the pool
+  /// (> 1: shared) or a bitmap of shared blocks. In place, an eviction that would write a
+  /// shared block is refused (the call fails, naming the block): use compaction::out_of_place.
+  const std::int32_t* block_refcounts = nullptr;
+  const std::uint32_t* shared_blocks = nullptr;
+  /// compaction::out_of_place: where this layer's kept rows go (fresh blocks of the same layout;
+  /// capacity for the longest head's kept rows). keys and values stay as they were.
+  cache_view<T> dst_keys;
+  cache_view<T> dst_values;
+  /// selection_scope::per_sequence (unless compaction::keep_list_only): every layer's cache
+  /// [num_layers], this one's included; the last layer's call compacts them all with the
+  /// sequence's keep set.
+  const layer_cache<T>* layers = nullptr;
+
   /// Outputs, optional, written only when the call evicts the sequence:
   std::int64_t* head_lengths = nullptr;    ///< [Hkv]: tokens each head holds now
   std::int64_t* kept_positions = nullptr;  ///< [keep_capacity()]: see sequence_report::kept
+  /// [Hkv, keep_capacity_per_head()]: head h's kept token indices, ascending, then -1 padding
+  /// (SGLang's selection format; the valid lengths are head_lengths).
+  std::int64_t* padded_indices = nullptr;
+  /// [changed_blocks_capacity()]: blocks the compaction wrote (see sequence_report).
+  std::int32_t* changed_blocks = nullptr;
+
+  /// This layer's cache as a policy's evict() takes it.
+  layer_cache<T> cache() const noexcept {
+    layer_cache<T> c(keys, values);
+    c.dst_keys = dst_keys;
+    c.dst_values = dst_values;
+    c.block_refcounts = block_refcounts;
+    c.shared_blocks = shared_blocks;
+    return c;
+  }
 };
 
 /// What the call did to a sequence.
 enum class sequence_action : std::int32_t {
   none,      ///< nothing (idle, or a decode step after eviction)
-  observed,  ///< DeferKV folded this step's queries into the state; eviction comes later
-  evicted,   ///< the cache was compacted
+  observed,  ///< the state took this layer's observation (DeferKV's queries, a per-sequence
+             ///< scope's scores); eviction comes later
+  evicted,   ///< the keep set was chosen and applied (compacted, or reported: keep_list_only)
 };
 
 struct sequence_report {
@@ -74,6 +107,13 @@ struct sequence_report {
   /// Keep-list entries written to kept_positions when evicted: head h's kept tokens' original
   /// positions are the head_lengths[h] entries after those of heads 0 .. h-1.
   std::int64_t kept = 0;
+  /// Tokens the sequence dropped at this call: L before minus `length` after (LMCache's
+  /// kvLen = logicalLen - dropped under uniform lengths).
+  std::int64_t dropped = 0;
+  /// Entries written to changed_blocks: the physical blocks whose content changed (in place)
+  /// or was written (out of place), once per call (the same blocks in every layer when layers
+  /// share a block table). Drop their prefix-cache hashes.
+  std::int64_t num_changed_blocks = 0;
 };
 
 KVEVICT_NAMESPACE_END

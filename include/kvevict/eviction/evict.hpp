@@ -15,16 +15,21 @@
 //     engine must not read them (set its sequence length to the new length).
 //   - Nothing is allocated; only paged caches need workspace (to check that the block
 //     table names each physical block once). Strided caches need 0 bytes.
-//   - K and V must not share elements, and a paged sequence's blocks must not be shared
-//     with another sequence (copy-on-write them first). kvevict detects the cases it can
-//     see cheaply (same base pointer, a block id repeated in a table or in both K's and V's
-//     tables of one pool); the rest is the caller's promise.
+//   - K and V must not share elements. Blocks a paged sequence shares with another one
+//     (prefix caching) must not be written: pass the engine's block reference counts (or a
+//     shared-block bitmap) in eviction_options and evict refuses, naming the block, when the
+//     compaction would write one; then compact out of place (eviction/evict_into.hpp) into
+//     fresh blocks. kvevict also detects a block id repeated in a table or in both K's and
+//     V's tables of one pool. eviction_result::changed_blocks lists the blocks whose content
+//     changed, whose prefix-cache hashes the engine must drop.
 //   - Element copies only (no conversion); RoPE positions are not changed.
 //   - Concurrent calls on different layers (different memory) are safe; no global state.
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "kvevict/config.hpp"
@@ -46,6 +51,10 @@ struct eviction_result {
   /// [keep.total()] out, optional: the original position of every kept token, aligned with
   /// keep.indices (head h's row i came from position positions[keep.offsets[h] + i]).
   std::int64_t* positions = nullptr;
+  /// [keep.total()] out, optional: the keep-list's token indices (head h's at the
+  /// head_lengths[0] + ... + head_lengths[h-1] entries before it), for callers whose
+  /// keep-list was chosen inside the call (a policy's evict()).
+  std::int64_t* indices = nullptr;
   /// out: the longest head afterwards; the sequence's new length when every head keeps the
   /// same number of tokens.
   std::int64_t max_length = 0;
@@ -53,6 +62,25 @@ struct eviction_result {
   /// ceil(L / block_size) - ceil(max_length / block_size). The engine may return them to
   /// its allocator. 0 for strided caches.
   std::int64_t freed_blocks = 0;
+  /// [used blocks of K + used blocks of V] out, optional: the physical ids of the blocks the
+  /// compaction writes (K's first, then V's when V has a table of its own), ascending by
+  /// logical block. Their content changes, so their prefix-cache hashes are stale.
+  std::int32_t* changed_blocks = nullptr;
+  /// out: entries written to changed_blocks (0 without it, or for strided caches).
+  std::int64_t num_changed_blocks = 0;
+};
+
+/// Optional inputs and outputs of eviction beyond the keep-list.
+struct eviction_options {
+  /// [L] original position of every token (llama.cpp cells), or null for position j; only
+  /// used for eviction_result::positions.
+  const std::int64_t* key_positions = nullptr;
+  /// [num_pool_blocks] of each paged view: how many sequences reference each physical block
+  /// (vLLM's ref_cnt). A block with a count above 1 is shared by prefix caching: evict() in
+  /// place refuses to write it. Null: no block is shared.
+  const std::int32_t* block_refcounts = nullptr;
+  /// Alternative to block_refcounts: bit (id % 32) of word id / 32 set means block id is shared.
+  const std::uint32_t* shared_blocks = nullptr;
 };
 
 namespace detail {
@@ -123,6 +151,68 @@ void compact_head(const cache_view<T>& v, std::int64_t h, const std::int64_t* ke
     }
 }
 
+/// The first row compaction writes and the rows it ends with, over every head: rows
+/// [first, end) of the view change (keep[h][i] == i for every i below the first moving entry).
+struct written_rows {
+  std::int64_t first = 0;
+  std::int64_t end = 0;
+};
+inline written_rows rows_written(const const_keep_list_view& keep) noexcept {
+  written_rows w{std::numeric_limits<std::int64_t>::max(), 0};
+  for (std::int64_t h = 0; h < keep.num_heads; ++h) {
+    const std::int64_t* kept = keep.indices + keep.offsets[h];
+    const std::int64_t n = keep.size(h);
+    std::int64_t i = 0;
+    while (i < n && kept[i] == i) ++i;
+    if (i < n) {
+      w.first = i < w.first ? i : w.first;
+      w.end = n > w.end ? n : w.end;
+    }
+  }
+  if (w.first == std::numeric_limits<std::int64_t>::max()) w.first = w.end = 0;
+  return w;
+}
+
+/// Whether physical block `id` is marked shared.
+inline bool block_shared(const eviction_options& opt, std::int32_t id, std::int32_t* count) noexcept {
+  if (opt.block_refcounts != nullptr) {
+    *count = opt.block_refcounts[id];
+    return *count > 1;
+  }
+  *count = 2;
+  return opt.shared_blocks != nullptr && (opt.shared_blocks[id >> 5] >> (id & 31)) & 1u;
+}
+
+/// Refuses a compaction that would write a block marked shared (checked before any write).
+template <class T>
+status check_shared_writes(const cache_view<T>& v, const written_rows& w, const eviction_options& opt, const char* fn,
+                           const char* arg) noexcept {
+  if (!v.is_paged() || w.end <= w.first || (opt.block_refcounts == nullptr && opt.shared_blocks == nullptr))
+    return status();
+  for (std::int64_t b = w.first / v.block_size; b < (w.end + v.block_size - 1) / v.block_size; ++b) {
+    std::int32_t count = 0;
+    if (block_shared(opt, v.block_table[b], &count)) {
+      char name[2 * status::max_argument];
+      std::snprintf(name, sizeof(name), "%s.block_table[%lld]", arg, static_cast<long long>(b));
+      return status::error(errc::invalid_argument, fn, name,
+                           "block %d is shared with another sequence (%d references) and compaction in place would "
+                           "change it: compact out of place into fresh blocks (evict_into)",
+                           static_cast<int>(v.block_table[b]), static_cast<int>(count));
+    }
+  }
+  return status();
+}
+
+/// Appends the physical ids of the written blocks of a paged view to out; returns how many.
+template <class T>
+std::int64_t list_written_blocks(const cache_view<T>& v, const written_rows& w, std::int32_t* out) noexcept {
+  if (!v.is_paged() || w.end <= w.first) return 0;
+  std::int64_t n = 0;
+  for (std::int64_t b = w.first / v.block_size; b < (w.end + v.block_size - 1) / v.block_size; ++b)
+    out[n++] = v.block_table[b];
+  return n;
+}
+
 template <class KT, class VT>
 std::int64_t evict_scratch_ids(const cache_view<KT>& keys, const cache_view<VT>& values) noexcept {
   return saturating_add(used_blocks_or_zero(keys), used_blocks_or_zero(values));
@@ -149,6 +239,8 @@ void report_eviction(const cache_view<KT>& keys, const cache_view<VT>& values, c
     longest = n > longest ? n : longest;
   }
   if (result.positions != nullptr) write_keep_positions(keep, key_positions, result.positions);
+  if (result.indices != nullptr)
+    for (std::int64_t k = 0; k < keep.total(); ++k) result.indices[k] = keep.indices[k];
   result.max_length = longest;
   // K's table is the one an engine reclaims from; V is consulted only when K is strided.
   result.freed_blocks = keys.is_paged() ? freed_blocks_of(keys, longest) : freed_blocks_of(values, longest);
@@ -189,15 +281,15 @@ std::size_t evict_workspace_size(const cache_view<KT>& keys, const cache_view<VT
 ///   result:        head_lengths [Hkv] and positions [keep.total()] optional outs;
 ///                  max_length, freed_blocks always written on success
 ///   ws:            at least evict_workspace_size(keys, values) bytes (0 when strided)
-///   key_positions: [L] original position of every token (llama.cpp cells), or null for
-///                  position j; only used for result.positions
+///   opt:           key positions (for result.positions) and shared-block marks (see
+///                  eviction_options)
 ///   exec:          heads may be compacted in parallel through it
 ///
 /// Afterwards head h's rows [0, keep.size(h)) hold its kept tokens in ascending order;
 /// its rows from keep.size(h) on are stale (old contents, not to be read).
 template <class KT, class VT>
 status evict(cache_view<KT> keys, cache_view<VT> values, const_keep_list_view keep, eviction_result& result,
-             workspace_span ws = {}, const std::int64_t* key_positions = nullptr, const executor& exec = {}) {
+             workspace_span ws, const eviction_options& opt, const executor& exec = {}) {
   static_assert(!std::is_const<KT>::value && !std::is_const<VT>::value,
                 "kvevict::evict writes the cache: pass views of mutable elements");
   static constexpr const char* fn = "kvevict::evict";
@@ -214,8 +306,18 @@ status evict(cache_view<KT> keys, cache_view<VT> values, const_keep_list_view ke
     KVEVICT_RETURN_IF_ERROR(detail::check_block_ids(1, kseq, vseq, detail::same_block_table(keys, values),
                                                     detail::same_block_pool(keys, values), ids, fn, false));
   }
+  const detail::written_rows written = detail::rows_written(keep);
+  KVEVICT_RETURN_IF_ERROR(detail::check_shared_writes(keys, written, opt, fn, "keys"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_shared_writes(values, written, opt, fn, "values"));
 
-  detail::report_eviction(keys, values, keep, key_positions, result);
+  detail::report_eviction(keys, values, keep, opt.key_positions, result);
+  result.num_changed_blocks = 0;
+  if (result.changed_blocks != nullptr) {
+    result.num_changed_blocks = detail::list_written_blocks(keys, written, result.changed_blocks);
+    if (!detail::same_block_table(keys, values))
+      result.num_changed_blocks +=
+          detail::list_written_blocks(values, written, result.changed_blocks + result.num_changed_blocks);
+  }
   struct task_context {
     cache_view<KT> keys;
     cache_view<VT> values;
@@ -232,6 +334,15 @@ status evict(cache_view<KT> keys, cache_view<VT> values, const_keep_list_view ke
       },
       &ctx);
   return status();
+}
+
+/// evict() without options: key_positions (or null) only.
+template <class KT, class VT>
+status evict(cache_view<KT> keys, cache_view<VT> values, const_keep_list_view keep, eviction_result& result,
+             workspace_span ws = {}, const std::int64_t* key_positions = nullptr, const executor& exec = {}) {
+  eviction_options opt;
+  opt.key_positions = key_positions;
+  return evict(keys, values, keep, result, ws, opt, exec);
 }
 
 KVEVICT_NAMESPACE_END

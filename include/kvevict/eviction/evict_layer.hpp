@@ -20,6 +20,7 @@
 #include "kvevict/detail/validate_eviction.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/eviction/evict.hpp"
+#include "kvevict/eviction/evict_into.hpp"
 #include "kvevict/executor.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/selection/budget.hpp"
@@ -47,7 +48,8 @@ struct evict_layer_layout {
 inline std::size_t compact_workspace_bound(std::int64_t tokens) noexcept {
   arena a;
   std::int32_t* ids = nullptr;
-  carve_evict_layout(a, saturating_mul(std::int64_t{2}, tokens < 0 ? 0 : tokens), &ids);
+  // Four views (source and destination K and V, out of place), one block per token at most.
+  carve_evict_layout(a, saturating_mul(std::int64_t{4}, tokens < 0 ? 0 : tokens), &ids);
   return a.used();
 }
 
@@ -86,7 +88,28 @@ template <class T>
 status validate_layer_cache(const layer_cache<T>& cache, const layer_budget& b, const char* fn) noexcept {
   KVEVICT_RETURN_IF_ERROR(validate_layer_budget(b, fn));
   KVEVICT_RETURN_IF_ERROR(validate_kv_views(cache.keys, cache.values, fn, "cache.keys", "cache.values"));
-  return check_kv_not_aliased(cache.keys, cache.values, fn, "cache.values");
+  if (!cache.out_of_place()) return check_kv_not_aliased(cache.keys, cache.values, fn, "cache.values");
+  return validate_kv_views(cache.dst_keys, cache.dst_values, fn, "cache.dst_keys", "cache.dst_values");
+}
+
+/// The compaction step of evict(): in place, or into cache.dst_* when set.
+template <class T>
+status compact_layer(const layer_cache<T>& cache, const const_keep_list_view& keep, eviction_result& result,
+                     workspace_span ws, const std::int64_t* key_positions, const executor& exec) {
+  eviction_options opt;
+  opt.key_positions = key_positions;
+  opt.block_refcounts = cache.block_refcounts;
+  opt.shared_blocks = cache.shared_blocks;
+  if (!cache.compact) {  // the keep set only: validated as evict() would, reported, nothing moves
+    KVEVICT_RETURN_IF_ERROR(
+        validate_eviction_sequence(cache.keys, cache.values, keep, "kvevict::evict", "keys", "values", "keep"));
+    report_eviction(cache.keys, cache.values, keep, key_positions, result);
+    result.num_changed_blocks = 0;
+    return status();
+  }
+  if (cache.out_of_place())
+    return evict_into(cache.keys, cache.values, cache.dst_keys, cache.dst_values, keep, result, ws, opt, exec);
+  return evict(cache.keys, cache.values, keep, result, ws, opt, exec);
 }
 
 /// score -> select_layer -> evict for one layer. `score(scores, ws)` fills [Hkv, score_cols]
@@ -113,8 +136,8 @@ status evict_layer(const char* fn, const layer_cache<T>& cache, const layer_obse
   const keep_list_view keep{heads, layout.offsets, layout.indices, layout.capacity};
   KVEVICT_RETURN_IF_ERROR(
       select_layer(const_score_view{layout.scores, heads, score_cols, score_cols}, sel, b, keep, layout.select, exec));
-  return evict(cache.keys, cache.values, const_keep_list_view(keep), result, layout.compact,
-               observed.observation.key_positions, exec);
+  return compact_layer(cache, const_keep_list_view(keep), result, layout.compact, observed.observation.key_positions,
+                       exec);
 }
 
 }  // namespace detail

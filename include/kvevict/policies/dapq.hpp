@@ -196,10 +196,36 @@ class dapq {
 
   std::size_t evict_workspace_size(const layer_shape& shape, const layer_budget& b,
                                    const executor& exec = {}) const noexcept {
+    return detail::evict_layer_workspace_size(shape, shape.num_tokens, selection(),
+                                              score_window_workspace_size(shape, exec), b, exec);
+  }
+
+  /// Bytes of workspace score_window needs for layers up to `shape`.
+  std::size_t score_window_workspace_size(const layer_shape& shape, const executor& exec = {}) const noexcept {
     detail::arena a;
     carve_rotation(a, shape.num_query_heads, shape.num_queries, shape.head_dim);
-    return detail::saturating_add(a.used(), detail::evict_layer_workspace_size(shape, shape.num_tokens, selection(),
-                                                                               workspace_size(shape, exec), b, exec));
+    return detail::saturating_add(a.used(), workspace_size(shape, exec));
+  }
+
+  /// The scores evict() selects from: the prompt's keys [Hkv, Lp] observed by the window of
+  /// config().source (re-rotated here when that is rerotated_window). cache and observed as
+  /// for evict(); scores.cols must be the prompt length (prompt_tokens()).
+  status score_window(const layer_cache<T>& cache, const layer_observations<T>& observed, score_view scores,
+                      workspace_span ws, const executor& exec = {}) const {
+    static constexpr const char* fn = "kvevict::dapq::score_window";
+    KVEVICT_RETURN_IF_ERROR(detail::validate_query_view(observed.queries, fn, "queries"));
+    const query_view<const T>& q = observed.queries;
+    detail::arena a(ws);
+    rotation r = carve_rotation(a, q.num_heads, q.num_queries, q.head_dim);
+    if (a.overflowed())
+      return status::error(errc::workspace_too_small, fn, "ws",
+                           "expected at least %zu bytes (dapq::score_window_workspace_size), got %zu", a.used(),
+                           ws.size);
+    layer_observations<T> window = observed;
+    if (config_.source == dapq_source::rerotated_window)
+      KVEVICT_RETURN_IF_ERROR(dapq_rerotate(q, config_.rope, q.num_queries, r.queries, r.positions, &window.queries));
+    const workspace_span rest{static_cast<unsigned char*>(ws.data) + a.used(), ws.size - a.used()};
+    return score(inputs_of(cache, window), scores, rest, exec);
   }
 
   /// Scores the prompt's keys with the observation window of config().source, selects under
@@ -221,23 +247,12 @@ class dapq {
       return status::error(errc::invalid_shape, fn, "cache.keys.num_tokens",
                            "expected the prompt and its %lld pseudo tokens, got %lld tokens",
                            static_cast<long long>(q.num_queries), static_cast<long long>(cache.keys.num_tokens));
-    detail::arena a(ws);
-    rotation r = carve_rotation(a, q.num_heads, q.num_queries, q.head_dim);
-    if (a.overflowed())
-      return status::error(errc::workspace_too_small, fn, "ws",
-                           "expected at least %zu bytes (dapq::evict_workspace_size), got %zu", a.used(), ws.size);
-    layer_observations<T> window = observed;
-    if (config_.source == dapq_source::rerotated_window)
-      KVEVICT_RETURN_IF_ERROR(dapq_rerotate(q, config_.rope, q.num_queries, r.queries, r.positions, &window.queries));
-    const workspace_span rest{static_cast<unsigned char*>(ws.data) + a.used(), ws.size - a.used()};
-    const layer_inputs<T> in = inputs_of(cache, window);
     const layer_shape shape{q.num_heads, cache.keys.num_heads, cache.keys.head_dim, prompt, q.num_queries};
-    return detail::evict_layer(fn, cache, window, prompt, workspace_size(shape, exec), selection(), b, result, rest,
-                               exec,
-                               [&](score_view scores, workspace_span sws) { return score(in, scores, sws, exec); });
+    return detail::evict_layer(
+        fn, cache, observed, prompt, score_window_workspace_size(shape, exec), selection(), b, result, ws, exec,
+        [&](score_view scores, workspace_span sws) { return score_window(cache, observed, scores, sws, exec); });
   }
 
- private:
   struct rotation {
     T* queries = nullptr;
     std::int64_t* positions = nullptr;

@@ -1,0 +1,556 @@
+// Keep-sets engines can serve (design.md §14):
+//   - selection scope: combine_head_scores against a double-precision definition; layer- and
+//     sequence-shared keep sets through the compressor equal the building blocks bit for bit,
+//     and every head (and layer) really keeps the same tokens;
+//   - length modes: the plan refuses what one length per sequence cannot serve;
+//   - prefix-shared blocks: a vLLM-style paged pool where two sequences share their first
+//     blocks: in-place eviction is refused naming the block and nothing changes; eviction out
+//     of place into fresh blocks leaves the other sequence's bytes unchanged and equals in-place
+//     eviction of a private copy; the changed-block list names exactly the blocks written;
+//   - evict_into against the definition for every layout and type;
+//   - the outputs engines consume: -1-padded indices with valid lengths, the dropped count.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvevict/kvevict.hpp"
+#include "support/checksum.hpp"
+#include "support/eviction_check.hpp"
+#include "support/test_cache.hpp"
+
+using kvevict::bf16;
+using kvevict::fp16;
+
+namespace {
+
+using i64 = std::int64_t;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+/// The combining rule, written out in double: normalise each row's candidates by the sum of
+/// their finite |values| (1 when that is 0), then max or mean over rows; the tail as it is.
+std::vector<double> reference_combine(const std::vector<float>& s, i64 rows, i64 cols, i64 tail,
+                                      kvevict::scope_combine rule) {
+  const i64 cand = std::max<i64>(0, cols - tail);
+  const bool norm = rule == kvevict::scope_combine::normalized_max || rule == kvevict::scope_combine::normalized_mean;
+  const bool by_max = rule == kvevict::scope_combine::normalized_max || rule == kvevict::scope_combine::max;
+  std::vector<double> out(static_cast<std::size_t>(cols), by_max ? -HUGE_VAL : 0.0);
+  for (i64 h = 0; h < rows; ++h) {
+    double sum = 0;
+    for (i64 j = 0; j < cand; ++j) {
+      const double x = s[static_cast<std::size_t>(h * cols + j)];
+      if (std::isfinite(x)) sum += std::fabs(x);
+    }
+    const double scale = norm && sum > 0 ? 1.0 / sum : 1.0;
+    for (i64 j = 0; j < cols; ++j) {
+      const double x = s[static_cast<std::size_t>(h * cols + j)] * (j < cand ? scale : 1.0);
+      double& o = out[static_cast<std::size_t>(j)];
+      o = by_max ? std::max(o, x) : o + x;
+    }
+  }
+  if (!by_max)
+    for (i64 j = 0; j < cand; ++j) out[static_cast<std::size_t>(j)] /= static_cast<double>(rows);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("combine_head_scores equals its definition for every rule", "[contracts]") {
+  std::mt19937 rng(3);
+  std::exponential_distribution<float> mass(4.0f);
+  for (i64 rows : {1, 3, 8})
+    for (i64 cols : {1, 17, 300})
+      for (auto rule : {kvevict::scope_combine::normalized_max, kvevict::scope_combine::normalized_mean,
+                        kvevict::scope_combine::max, kvevict::scope_combine::mean}) {
+        const i64 tail = cols / 5;
+        std::vector<float> s(static_cast<std::size_t>(rows * cols));
+        for (i64 h = 0; h < rows; ++h)
+          for (i64 j = 0; j < cols; ++j)
+            s[static_cast<std::size_t>(h * cols + j)] = j >= cols - tail ? kInf : mass(rng) * static_cast<float>(h + 1);
+        std::vector<float> got(static_cast<std::size_t>(cols), -1.0f);
+        REQUIRE(kvevict::combine_head_scores({s.data(), rows, cols, cols}, tail, rule, got.data()).ok());
+        const auto want = reference_combine(s, rows, cols, tail, rule);
+        for (i64 j = 0; j < cols; ++j) {
+          INFO(kvevict::to_string(rule) << " rows " << rows << " j " << j);
+          const double w = want[static_cast<std::size_t>(j)], g = got[static_cast<std::size_t>(j)];
+          if (std::isinf(w)) {
+            REQUIRE(g == w);
+          } else {
+            REQUIRE(std::fabs(g - w) <= 1e-6 * std::fabs(w) + 1e-12);
+          }
+        }
+      }
+}
+
+TEST_CASE("normalised combining gives every head the same weight", "[contracts]") {
+  // Head 1 has 50 times head 0's mass: raw max follows head 1 alone; normalised max keeps
+  // head 0's favourite too.
+  const i64 cols = 6;
+  std::vector<float> s = {0.9f, 0.02f, 0.02f, 0.02f, 0.02f, 0.02f, 2.0f, 3.0f, 40.f, 3.0f, 3.0f, 3.0f};
+  std::vector<float> raw(cols), norm(cols);
+  REQUIRE(kvevict::combine_head_scores({s.data(), 2, cols, cols}, 0, kvevict::scope_combine::max, raw.data()).ok());
+  REQUIRE(
+      kvevict::combine_head_scores({s.data(), 2, cols, cols}, 0, kvevict::scope_combine::normalized_max, norm.data())
+          .ok());
+  auto top2 = [](const std::vector<float>& r) {
+    std::vector<i64> idx(r.size());
+    std::iota(idx.begin(), idx.end(), 0);
+    std::partial_sort(idx.begin(), idx.begin() + 2, idx.end(), [&](i64 a, i64 b) { return r[a] > r[b]; });
+    std::sort(idx.begin(), idx.begin() + 2);
+    return std::vector<i64>(idx.begin(), idx.begin() + 2);
+  };
+  CHECK(top2(raw) != std::vector<i64>{0, 2});
+  CHECK(top2(norm) == std::vector<i64>{0, 2});
+}
+
+// ---- the shared scopes through the compressor, against the building blocks --------------
+
+namespace {
+
+constexpr i64 kLayers = 3, kHkv = 2, kGroup = 2, kHq = kHkv * kGroup, kDim = 16;
+
+template <class T>
+struct model_data {
+  i64 prompt = 0;
+  std::vector<test::test_cache<T>> k, v;
+  std::vector<test::test_queries<T>> q;
+};
+
+template <class T>
+model_data<T> make_model(i64 prompt, test::layout lay, std::uint64_t seed) {
+  model_data<T> m;
+  m.prompt = prompt;
+  std::vector<i64> pos;
+  for (i64 t = 0; t < prompt; ++t) pos.push_back(t);
+  for (i64 l = 0; l < kLayers; ++l) {
+    const std::uint64_t s = seed + static_cast<std::uint64_t>(l) * 7;
+    m.k.push_back(test::make_cache<T>(lay, kHkv, prompt, kDim, test::normal(kHkv * prompt * kDim, s), 8, s));
+    m.v.push_back(test::make_cache<T>(lay, kHkv, prompt, kDim, test::normal(kHkv * prompt * kDim, s + 1), 8, s + 1));
+    m.q.push_back(test::make_queries<T>(kHq, prompt, kDim, test::normal(kHq * prompt * kDim, s + 2, 1.5), pos));
+  }
+  return m;
+}
+
+kvevict::window_config small_snapkv() {
+  kvevict::window_config c = kvevict::presets::snapkv_paper();
+  c.window = 5;
+  return c;
+}
+
+/// Building blocks: per layer scores -> combine heads -> (sequence scope: fold layers) ->
+/// select one row -> every head keeps it -> evict each layer.
+template <class T>
+std::vector<std::vector<i64>> by_hand(model_data<T>& m, kvevict::selection_scope scope, kvevict::scope_combine rule,
+                                      kvevict::budget b) {
+  const kvevict::snapkv<T> policy(small_snapkv());
+  const i64 l = m.prompt;
+  std::vector<std::vector<float>> rows;
+  for (i64 layer = 0; layer < kLayers; ++layer) {
+    kvevict::layer_inputs<T> in;
+    in.keys = m.k[static_cast<std::size_t>(layer)].view;
+    in.queries = m.q[static_cast<std::size_t>(layer)].view;
+    in.queries.data += (l - 5) * in.queries.query_stride;
+    in.queries.positions += l - 5;
+    in.queries.num_queries = 5;
+    std::vector<float> scores(static_cast<std::size_t>(kHkv * l));
+    kvevict::workspace ws(policy.workspace_size({kHq, kHkv, kDim, l, 5}));
+    REQUIRE(policy.score(in, {scores.data(), kHkv, l, l}, ws).ok());
+    std::vector<float> row(static_cast<std::size_t>(l));
+    REQUIRE(kvevict::combine_head_scores({scores.data(), kHkv, l, l}, 5, rule, row.data()).ok());
+    rows.push_back(row);
+  }
+  if (scope == kvevict::selection_scope::per_sequence) {  // layers fold as more heads
+    const bool by_max = rule == kvevict::scope_combine::normalized_max || rule == kvevict::scope_combine::max;
+    for (i64 j = 0; j < l; ++j) {
+      float acc = rows[0][static_cast<std::size_t>(j)];
+      for (i64 layer = 1; layer < kLayers; ++layer) {
+        const float x = rows[static_cast<std::size_t>(layer)][static_cast<std::size_t>(j)];
+        acc = by_max ? ((x != x || x > acc) ? x : acc) : acc + x;
+      }
+      if (!by_max && j < l - 5) acc *= 1.0f / static_cast<float>(kLayers);
+      for (auto& r : rows) r[static_cast<std::size_t>(j)] = acc;
+    }
+  }
+  std::vector<std::vector<i64>> kept;
+  for (i64 layer = 0; layer < kLayers; ++layer) {
+    const auto& row = rows[static_cast<std::size_t>(layer)];
+    kvevict::keep_list one(1, kvevict::select_capacity(1, l, b, policy.selection()));
+    kvevict::workspace sws(kvevict::select_workspace_size(l));
+    REQUIRE(kvevict::select({row.data(), 1, l, l}, b, policy.selection(), one, sws).ok());
+    test::host_keep keep;
+    for (i64 h = 0; h < kHkv; ++h) keep.add_head(one.head(0));
+    kvevict::eviction_result r;
+    kvevict::workspace ews(kvevict::evict_workspace_size(m.k[static_cast<std::size_t>(layer)].view,
+                                                         m.v[static_cast<std::size_t>(layer)].view));
+    REQUIRE(kvevict::evict(m.k[static_cast<std::size_t>(layer)].view, m.v[static_cast<std::size_t>(layer)].view,
+                           keep.view(), r, ews)
+                .ok());
+    kept.push_back(one.head(0));
+  }
+  return kept;
+}
+
+template <class T>
+std::vector<std::vector<i64>> by_compressor(model_data<T>& m, kvevict::selection_scope scope,
+                                            kvevict::scope_combine rule, kvevict::budget b, kvevict::compaction compact,
+                                            std::vector<kvevict::sequence_report>* out) {
+  kvevict::compressor_options opt;
+  opt.model = {kLayers, kHq, kHkv, kDim, 0, kvevict::dtype_of<T>::value};
+  opt.policy = kvevict::policy::snapkv(small_snapkv());
+  opt.per_head = b;
+  opt.scope = scope;
+  opt.combine = rule;
+  opt.compact = compact;
+  opt.limits.max_tokens = m.prompt;
+  kvevict::compressor c;
+  REQUIRE(kvevict::compressor::plan(opt, &c).ok());
+  kvevict::workspace ws(c.workspace_size());
+  std::vector<std::uint64_t> state(c.sequence_state_size() / 8 + 1);
+  REQUIRE(c.reset_sequence(state.data(), state.size() * 8).ok());
+  std::vector<kvevict::layer_cache<T>> layers;
+  for (i64 l = 0; l < kLayers; ++l)
+    layers.emplace_back(m.k[static_cast<std::size_t>(l)].view, m.v[static_cast<std::size_t>(l)].view);
+  std::vector<std::vector<i64>> kept(kLayers);
+  std::vector<i64> padded(static_cast<std::size_t>(kHkv * c.keep_capacity_per_head()));
+  for (i64 l = 0; l < kLayers; ++l) {
+    kvevict::sequence_io<T> io;
+    io.event = kvevict::sequence_event::prefill_end;
+    io.keys = m.k[static_cast<std::size_t>(l)].view;
+    io.values = m.v[static_cast<std::size_t>(l)].view;
+    io.queries = m.q[static_cast<std::size_t>(l)].view;
+    io.state = state.empty() ? nullptr : state.data();
+    io.layers = layers.data();
+    io.padded_indices = padded.data();
+    std::vector<i64> lengths(kHkv);
+    io.head_lengths = lengths.data();
+    kvevict::sequence_report r;
+    const kvevict::status st = c.run(l, &io, 1, &r, ws);
+    INFO(st.message());
+    REQUIRE(st.ok());
+    out->push_back(r);
+    if (r.action == kvevict::sequence_action::evicted) {
+      REQUIRE(lengths[0] == lengths[1]);  // one keep set for the heads
+      for (i64 h = 0; h < kHkv; ++h) {
+        std::vector<i64> row(padded.begin() + h * c.keep_capacity_per_head(),
+                             padded.begin() + (h + 1) * c.keep_capacity_per_head());
+        for (i64 i = lengths[static_cast<std::size_t>(h)]; i < c.keep_capacity_per_head(); ++i)
+          REQUIRE(row[static_cast<std::size_t>(i)] == -1);
+        row.resize(static_cast<std::size_t>(lengths[static_cast<std::size_t>(h)]));
+        if (h == 0) kept[static_cast<std::size_t>(l)] = row;
+        REQUIRE(row == kept[static_cast<std::size_t>(l)]);
+      }
+      if (scope == kvevict::selection_scope::per_sequence)
+        for (auto& k : kept) k = kept[static_cast<std::size_t>(l)];
+    }
+  }
+  return kept;
+}
+
+template <class T>
+std::uint64_t checksum(const model_data<T>& m) {
+  std::uint64_t x = test::fnv_seed;
+  for (i64 l = 0; l < kLayers; ++l) {
+    x = test::fnv(x, m.k[static_cast<std::size_t>(l)].buffer);
+    x = test::fnv(x, m.v[static_cast<std::size_t>(l)].buffer);
+  }
+  return x;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("layer- and sequence-shared keep sets: compressor == building blocks", "[contracts]", float, bf16,
+                   fp16) {
+  for (auto lay : {test::layout::contiguous, test::layout::paged_nhd, test::layout::transposed})
+    for (auto scope : {kvevict::selection_scope::per_layer, kvevict::selection_scope::per_sequence})
+      for (auto rule : {kvevict::scope_combine::normalized_max, kvevict::scope_combine::normalized_mean,
+                        kvevict::scope_combine::max, kvevict::scope_combine::mean})
+        for (kvevict::budget b : {kvevict::budget::tokens(11), kvevict::budget::ratio(0.7)}) {
+          INFO(test::name(lay) << " " << kvevict::to_string(scope) << " " << kvevict::to_string(rule));
+          auto hand = make_model<TestType>(43, lay, 5);
+          auto comp = make_model<TestType>(43, lay, 5);
+          const auto want = by_hand(hand, scope, rule, b);
+          std::vector<kvevict::sequence_report> reports;
+          const auto got = by_compressor(comp, scope, rule, b, kvevict::compaction::in_place, &reports);
+          REQUIRE(got == want);
+          REQUIRE(checksum(comp) == checksum(hand));
+          if (scope == kvevict::selection_scope::per_sequence) {
+            REQUIRE(reports[0].action == kvevict::sequence_action::observed);
+            REQUIRE(reports[1].action == kvevict::sequence_action::observed);
+            REQUIRE(reports[2].action == kvevict::sequence_action::evicted);
+          }
+          REQUIRE(reports.back().dropped == 43 - reports.back().length);
+          // keep_list_only: the same keep set reported, nothing moved.
+          auto still = make_model<TestType>(43, lay, 5);
+          const std::uint64_t before = checksum(still);
+          std::vector<kvevict::sequence_report> r2;
+          REQUIRE(by_compressor(still, scope, rule, b, kvevict::compaction::keep_list_only, &r2) == want);
+          REQUIRE(checksum(still) == before);
+        }
+}
+
+TEST_CASE("length modes: the plan refuses what one length per sequence cannot serve", "[contracts]") {
+  kvevict::compressor_options opt;
+  opt.model = {2, 4, 2, 8, 0, kvevict::dtype::f32};
+  opt.limits.max_tokens = 64;
+  opt.lengths = kvevict::length_mode::uniform;
+  kvevict::compressor c;
+  REQUIRE(kvevict::compressor::plan(opt, &c).ok());
+  opt.heads = kvevict::head_allocation::adakv;
+  kvevict::status st = kvevict::compressor::plan(opt, &c);
+  CHECK(st.code() == kvevict::errc::unsupported);
+  CHECK(std::string(st.argument()) == "heads");
+  opt.heads = kvevict::head_allocation::uniform;
+  opt.layers = kvevict::layer_allocation::pyramidkv;
+  st = kvevict::compressor::plan(opt, &c);
+  CHECK(st.code() == kvevict::errc::unsupported);
+  CHECK(std::string(st.argument()) == "layers");
+  opt.lengths = kvevict::length_mode::per_head;
+  opt.scope = kvevict::selection_scope::per_sequence;
+  st = kvevict::compressor::plan(opt, &c);
+  CHECK(st.code() == kvevict::errc::unsupported);
+  opt.layers = kvevict::layer_allocation::uniform;
+  opt.heads = kvevict::head_allocation::adakv;
+  opt.scope = kvevict::selection_scope::per_layer;
+  st = kvevict::compressor::plan(opt, &c);
+  CHECK(st.code() == kvevict::errc::unsupported);
+  CHECK(std::string(st.argument()) == "budget.heads");
+}
+
+// ---- prefix-shared blocks ---------------------------------------------------------------
+
+namespace {
+
+/// A vLLM-style pool [blocks, block_size, Hkv, d] (K and V pools) with two sequences: x owns
+/// blocks {0, 1, 2, 3, 4}, y shares x's first two blocks (prefix caching) and owns {5, 6}.
+struct shared_pool {
+  static constexpr i64 blocks = 12, bs = 4, hkv = 2, d = 8;
+  std::vector<bf16> k, v;
+  std::vector<std::int32_t> table_x{0, 1, 2, 3, 4}, table_y{0, 1, 5, 6}, fresh{7, 8, 9, 10, 11};
+  std::vector<std::int32_t> refcounts;
+  i64 len_x = 19, len_y = 15;
+
+  shared_pool() {
+    const auto kd = test::normal(blocks * bs * hkv * d, 71), vd = test::normal(blocks * bs * hkv * d, 72);
+    for (double x : kd) k.push_back(bf16(static_cast<float>(x)));
+    for (double x : vd) v.push_back(bf16(static_cast<float>(x)));
+    refcounts.assign(blocks, 0);
+    for (auto id : table_x) ++refcounts[static_cast<std::size_t>(id)];
+    for (auto id : table_y) ++refcounts[static_cast<std::size_t>(id)];
+  }
+  kvevict::cache_view<bf16> view(std::vector<bf16>& pool, const std::vector<std::int32_t>& table, i64 n) {
+    return kvevict::vllm_paged(pool.data(), blocks, bs, hkv, d, table.data(), n);
+  }
+  /// Every element sequence y reads.
+  std::uint64_t y_bytes() {
+    std::uint64_t x = test::fnv_seed;
+    for (auto* pool : {&k, &v}) {
+      const auto yv = view(*pool, table_y, len_y);
+      for (i64 h = 0; h < hkv; ++h)
+        for (i64 j = 0; j < len_y; ++j) x = test::fnv(x, yv.row(h, j), sizeof(bf16) * static_cast<std::size_t>(d));
+    }
+    return x;
+  }
+  std::uint64_t all_bytes() const { return test::fnv(test::fnv(test::fnv_seed, k), v); }
+};
+
+/// Keeps token 3 (inside the shared prefix) and a few after it: compaction in place would
+/// write rows 1.. of x, i.e. shared block 0.
+test::host_keep keep_for_x() {
+  test::host_keep keep;
+  keep.add_head({0, 3, 9, 14, 18});
+  keep.add_head({1, 2, 3, 11, 17});
+  return keep;
+}
+
+}  // namespace
+
+TEST_CASE("prefix-shared blocks: in place is refused naming the block; nothing changes", "[contracts]") {
+  shared_pool p;
+  const std::uint64_t before = p.all_bytes();
+  const auto keep = keep_for_x();
+  kvevict::eviction_result r;
+  kvevict::eviction_options opt;
+  opt.block_refcounts = p.refcounts.data();
+  kvevict::workspace ws(
+      kvevict::evict_workspace_size(p.view(p.k, p.table_x, p.len_x), p.view(p.v, p.table_x, p.len_x)));
+  const kvevict::status st =
+      kvevict::evict(p.view(p.k, p.table_x, p.len_x), p.view(p.v, p.table_x, p.len_x), keep.view(), r, ws, opt);
+  INFO(st.message());
+  CHECK(st.code() == kvevict::errc::invalid_argument);
+  CHECK(std::string(st.argument()) == "keys.block_table[0]");
+  CHECK(std::string(st.message()).find("shared") != std::string::npos);
+  CHECK(p.all_bytes() == before);
+  // The bitmap form says the same.
+  std::vector<std::uint32_t> bits(1, 0b11u);
+  kvevict::eviction_options opt2;
+  opt2.shared_blocks = bits.data();
+  CHECK(kvevict::evict(p.view(p.k, p.table_x, p.len_x), p.view(p.v, p.table_x, p.len_x), keep.view(), r, ws, opt2)
+            .code() == kvevict::errc::invalid_argument);
+  CHECK(p.all_bytes() == before);
+}
+
+TEST_CASE("prefix-shared blocks: in place is allowed when no shared block is written", "[contracts]") {
+  shared_pool p;
+  test::host_keep keep;  // rows 0..7 (blocks 0 and 1) stay where they are
+  keep.add_head({0, 1, 2, 3, 4, 5, 6, 7, 10, 12, 15});
+  keep.add_head({0, 1, 2, 3, 4, 5, 6, 7, 9, 18});
+  const std::uint64_t y_before = p.y_bytes();
+  std::vector<std::int32_t> changed(10, -1);
+  kvevict::eviction_result r;
+  r.changed_blocks = changed.data();
+  kvevict::eviction_options opt;
+  opt.block_refcounts = p.refcounts.data();
+  kvevict::workspace ws(
+      kvevict::evict_workspace_size(p.view(p.k, p.table_x, p.len_x), p.view(p.v, p.table_x, p.len_x)));
+  REQUIRE(
+      kvevict::evict(p.view(p.k, p.table_x, p.len_x), p.view(p.v, p.table_x, p.len_x), keep.view(), r, ws, opt).ok());
+  CHECK(p.y_bytes() == y_before);
+  // Rows 8 .. 10 were written: logical block 2 only (K and V share the table: listed once).
+  REQUIRE(r.num_changed_blocks == 1);
+  CHECK(changed[0] == 2);
+  CHECK(r.max_length == 11);
+  CHECK(r.freed_blocks == 5 - 3);
+}
+
+TEST_CASE("prefix-shared blocks: out of place into fresh blocks keeps the other sequence intact", "[contracts]") {
+  shared_pool p, privat;  // `privat`: the same data where x's blocks are its own
+  const auto keep = keep_for_x();
+  const std::uint64_t y_before = p.y_bytes();
+  std::vector<std::int32_t> changed(10, -1);
+  std::vector<i64> pos(keep.indices.size());
+  kvevict::eviction_result r;
+  r.changed_blocks = changed.data();
+  r.positions = pos.data();
+  kvevict::eviction_options opt;
+  opt.block_refcounts = p.refcounts.data();
+  const auto sk = p.view(p.k, p.table_x, p.len_x), sv = p.view(p.v, p.table_x, p.len_x);
+  const auto dk = p.view(p.k, p.fresh, 5), dv = p.view(p.v, p.fresh, 5);
+  kvevict::workspace ws(kvevict::evict_into_workspace_size(sk, sv, dk, dv));
+  const kvevict::status st = kvevict::evict_into(sk, sv, dk, dv, keep.view(), r, ws, opt);
+  INFO(st.message());
+  REQUIRE(st.ok());
+  CHECK(p.y_bytes() == y_before);  // the shared blocks are unchanged
+  CHECK(r.max_length == 5);
+  CHECK(r.freed_blocks == 5);          // x releases all five of its old blocks
+  REQUIRE(r.num_changed_blocks == 2);  // 5 rows of block size 4: fresh blocks 7 and 8
+  CHECK(changed[0] == 7);
+  CHECK(changed[1] == 8);
+  // The destination equals in-place eviction of x's private copy.
+  kvevict::eviction_result pr;
+  kvevict::workspace pws(kvevict::evict_workspace_size(privat.view(privat.k, privat.table_x, privat.len_x),
+                                                       privat.view(privat.v, privat.table_x, privat.len_x)));
+  REQUIRE(kvevict::evict(privat.view(privat.k, privat.table_x, privat.len_x),
+                         privat.view(privat.v, privat.table_x, privat.len_x), keep.view(), pr, pws)
+              .ok());
+  for (auto pools : {std::make_pair(&p.k, &privat.k), std::make_pair(&p.v, &privat.v)}) {
+    const auto out = p.view(*pools.first, p.fresh, 5), in_place = privat.view(*pools.second, privat.table_x, 5);
+    for (i64 h = 0; h < shared_pool::hkv; ++h)
+      for (i64 i = 0; i < keep.size(h); ++i)
+        for (i64 c = 0; c < shared_pool::d; ++c) REQUIRE(out.at(h, i, c).bits == in_place.at(h, i, c).bits);
+  }
+  // Fresh blocks that are not fresh are refused: block 0 is shared (two references).
+  p.fresh[1] = 0;
+  const std::uint64_t now = p.all_bytes();
+  CHECK(kvevict::evict_into(sk, sv, p.view(p.k, p.fresh, 5), p.view(p.v, p.fresh, 5), keep.view(), r, ws, opt).code() ==
+        kvevict::errc::invalid_argument);
+  p.fresh[1] = 1;  // and one of x's own: reading it while writing it
+  CHECK(kvevict::evict_into(sk, sv, p.view(p.k, p.fresh, 5), p.view(p.v, p.fresh, 5), keep.view(), r, ws, opt).code() ==
+        kvevict::errc::invalid_argument);
+  CHECK(p.all_bytes() == now);
+}
+
+TEST_CASE("prefix-shared blocks through the compressor: refused in place, served out of place", "[contracts]") {
+  shared_pool p;
+  kvevict::compressor_options opt;
+  opt.model = {1, 4, shared_pool::hkv, shared_pool::d, 0, kvevict::dtype::bf16};
+  kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+  w.window = 3;
+  opt.policy = kvevict::policy::snapkv(w);
+  opt.per_head = kvevict::budget::tokens(6);
+  opt.limits.max_tokens = 32;
+  kvevict::compressor c;
+  REQUIRE(kvevict::compressor::plan(opt, &c).ok());
+  std::vector<bf16> q(4 * 3 * shared_pool::d, bf16(0.3f));
+  std::vector<i64> qpos{16, 17, 18};
+  kvevict::sequence_io<bf16> io;
+  io.event = kvevict::sequence_event::prefill_end;
+  io.keys = p.view(p.k, p.table_x, p.len_x);
+  io.values = p.view(p.v, p.table_x, p.len_x);
+  io.queries = kvevict::contiguous_queries<const bf16>(q.data(), 4, 3, shared_pool::d, qpos.data());
+  io.block_refcounts = p.refcounts.data();
+  kvevict::workspace ws(c.workspace_size());
+  kvevict::sequence_report r;
+  const std::uint64_t before = p.all_bytes();
+  kvevict::status st = c.run(0, &io, 1, &r, ws);
+  // In a batch the keep set is not known before anything moves: a sequence with a shared
+  // block is refused in place (the first one named), whatever rows it would keep.
+  INFO(st.message());
+  CHECK(st.code() == kvevict::errc::invalid_argument);
+  CHECK(std::string(st.argument()) == "seqs[0].keys.block_table[0]");
+  CHECK(p.all_bytes() == before);
+
+  opt.compact = kvevict::compaction::out_of_place;
+  REQUIRE(kvevict::compressor::plan(opt, &c).ok());
+  io.dst_keys = p.view(p.k, p.fresh, 20);
+  io.dst_values = p.view(p.v, p.fresh, 20);
+  std::vector<std::int32_t> changed(c.changed_blocks_capacity());
+  io.changed_blocks = changed.data();
+  const std::uint64_t y_before = p.y_bytes();
+  st = c.run(0, &io, 1, &r, ws);
+  INFO(st.message());
+  REQUIRE(st.ok());
+  CHECK(r.action == kvevict::sequence_action::evicted);
+  CHECK(r.length == 6);
+  CHECK(r.dropped == p.len_x - 6);
+  CHECK(r.num_changed_blocks == 2);
+  CHECK(p.y_bytes() == y_before);
+  opt.compact = kvevict::compaction::out_of_place;
+  io.dst_keys = {};
+  io.dst_values = {};
+  st = c.run(0, &io, 1, &r, ws);
+  CHECK(st.code() == kvevict::errc::null_pointer);
+}
+
+TEMPLATE_TEST_CASE("evict_into copies the kept rows for every layout, type and length", "[contracts]", float, bf16,
+                   fp16) {
+  for (auto src_lay : test::kAllLayouts)
+    for (auto dst_lay : {test::layout::contiguous, test::layout::paged_hnd, test::layout::transposed})
+      for (i64 l : {1, 9, 40}) {
+        INFO(test::name(src_lay) << " -> " << test::name(dst_lay) << " L=" << l);
+        const i64 heads = 3, d = 5;
+        const auto dense = test::normal(static_cast<std::size_t>(heads * l * d), 11);
+        auto src = test::make_cache<TestType>(src_lay, heads, l, d, dense, 4, 3);
+        auto srcv = test::make_cache<TestType>(src_lay, heads, l, d, test::normal(heads * l * d, 12), 4, 4);
+        auto dst = test::make_cache<TestType>(dst_lay, heads, l, d, test::normal(heads * l * d, 13), 4, 5);
+        auto dstv = test::make_cache<TestType>(dst_lay, heads, l, d, test::normal(heads * l * d, 14), 4, 6);
+        const auto keep = test::random_keep(heads, l, static_cast<std::uint64_t>(l) * 31);
+        const std::uint64_t src_before = test::fnv(test::fnv(test::fnv_seed, src.buffer), srcv.buffer);
+        kvevict::eviction_result r;
+        std::vector<i64> lengths(heads);
+        r.head_lengths = lengths.data();
+        kvevict::workspace ws(kvevict::evict_into_workspace_size(src.view, srcv.view, dst.view, dstv.view));
+        const auto cdst = dst, cdstv = dstv;  // what the destination held
+        REQUIRE(kvevict::evict_into(src.view, srcv.view, dst.view, dstv.view, keep.view(), r, ws).ok());
+        REQUIRE(test::fnv(test::fnv(test::fnv_seed, src.buffer), srcv.buffer) == src_before);
+        for (i64 h = 0; h < heads; ++h) {
+          REQUIRE(lengths[static_cast<std::size_t>(h)] == keep.size(h));
+          for (i64 i = 0; i < l; ++i)
+            for (i64 c = 0; c < d; ++c) {
+              if (i < keep.size(h)) {
+                REQUIRE(test::load(dst.at(h, i, c)) == test::load(src.at(h, keep.at(h, i), c)));
+                REQUIRE(test::load(dstv.at(h, i, c)) == test::load(srcv.at(h, keep.at(h, i), c)));
+              } else {  // rows past the kept ones are not written
+                REQUIRE(test::load(dst.at(h, i, c)) == test::load(cdst.at(h, i, c)));
+                REQUIRE(test::load(dstv.at(h, i, c)) == test::load(cdstv.at(h, i, c)));
+              }
+            }
+        }
+      }
+}
