@@ -20,6 +20,7 @@
 #include "kvevict/views/attention_view.hpp"
 #include "kvevict/views/batch_cache_view.hpp"
 #include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/layer_cache.hpp"
 #include "kvevict/views/layouts.hpp"
 #include "kvevict/views/matrix_view.hpp"
 #include "kvevict/views/query_view.hpp"

@@ -17,9 +17,27 @@
 
 namespace test {
 
-enum class layout { contiguous, padded, token_major, transposed, paged_nhd, paged_hnd };
-inline const layout kAllLayouts[] = {layout::contiguous, layout::padded,    layout::token_major,
-                                     layout::transposed, layout::paged_nhd, layout::paged_hnd};
+/// Every layout the library describes. packed_* and flashinfer_kv are the K half of a pool that
+/// holds K and V together (vLLM packed K|V, FlashInfer's single tensor; the other half holds a
+/// sentinel here); cells and cells_transposed are llama.cpp caches shared by several sequences
+/// (the sequence's tokens in scattered cells).
+enum class layout {
+  contiguous,
+  padded,
+  token_major,
+  transposed,
+  paged_nhd,
+  paged_hnd,
+  packed_hnd,
+  packed_nhd,
+  flashinfer_kv,
+  cells,
+  cells_transposed
+};
+inline const layout kAllLayouts[] = {layout::contiguous, layout::padded,          layout::token_major,
+                                     layout::transposed, layout::paged_nhd,       layout::paged_hnd,
+                                     layout::packed_hnd, layout::packed_nhd,      layout::flashinfer_kv,
+                                     layout::cells,      layout::cells_transposed};
 inline std::string name(layout l) {
   switch (l) {
     case layout::contiguous:
@@ -34,8 +52,23 @@ inline std::string name(layout l) {
       return "paged_nhd";
     case layout::paged_hnd:
       return "paged_hnd";
+    case layout::packed_hnd:
+      return "packed_hnd";
+    case layout::packed_nhd:
+      return "packed_nhd";
+    case layout::flashinfer_kv:
+      return "flashinfer_kv";
+    case layout::cells:
+      return "cells";
+    case layout::cells_transposed:
+      return "cells_transposed";
   }
   return "?";
+}
+
+/// Whether a layout is paged (a block table; one-token blocks for llama.cpp's cells).
+inline bool is_paged(layout l) {
+  return l != layout::contiguous && l != layout::padded && l != layout::token_major && l != layout::transposed;
 }
 
 template <class T>
@@ -93,6 +126,22 @@ struct test_cache {
         const std::int64_t blk = table[static_cast<std::size_t>(j / block_size)];
         return ((blk * heads + h) * block_size + j % block_size) * dim + c;
       }
+      case layout::packed_hnd: {
+        const std::int64_t blk = table[static_cast<std::size_t>(j / block_size)];
+        return ((blk * heads + h) * block_size + j % block_size) * (2 * dim) + c;
+      }
+      case layout::packed_nhd: {
+        const std::int64_t blk = table[static_cast<std::size_t>(j / block_size)];
+        return ((blk * block_size + j % block_size) * heads + h) * (2 * dim) + c;
+      }
+      case layout::flashinfer_kv: {
+        const std::int64_t blk = table[static_cast<std::size_t>(j / block_size)];
+        return blk * (2 * block_size * heads * dim) + ((j % block_size) * heads + h) * dim + c;
+      }
+      case layout::cells:
+        return table[static_cast<std::size_t>(j)] * (heads * dim) + h * dim + c;
+      case layout::cells_transposed:
+        return (h * dim + c) * kv_size + table[static_cast<std::size_t>(j)];
     }
     return 0;  // unreachable (every layout returns above); in bounds for GCC's -Warray-bounds
   }
@@ -138,7 +187,10 @@ test_cache<T> make_cache(layout kind, std::int64_t heads, std::int64_t tokens, s
       size = static_cast<std::size_t>(heads * dim * c.kv_size);
       break;
     case layout::paged_nhd:
-    case layout::paged_hnd: {
+    case layout::paged_hnd:
+    case layout::packed_hnd:
+    case layout::packed_nhd:
+    case layout::flashinfer_kv: {
       const std::int64_t used = (tokens + block_size - 1) / block_size;
       c.pool_blocks = used + 3;
       std::vector<std::int32_t> ids(static_cast<std::size_t>(c.pool_blocks));
@@ -147,7 +199,21 @@ test_cache<T> make_cache(layout kind, std::int64_t heads, std::int64_t tokens, s
       std::shuffle(ids.begin(), ids.end(), rng);
       c.table.assign(ids.begin(), ids.begin() + used);
       if (c.table.empty()) c.table.push_back(0);
-      size = static_cast<std::size_t>(c.pool_blocks * block_size * heads * dim);
+      const bool both_halves =
+          kind == layout::packed_hnd || kind == layout::packed_nhd || kind == layout::flashinfer_kv;
+      size = static_cast<std::size_t>(c.pool_blocks * block_size * heads * dim * (both_halves ? 2 : 1));
+      break;
+    }
+    case layout::cells:
+    case layout::cells_transposed: {  // the sequence's tokens in scattered cells of a shared cache
+      c.pool_blocks = c.kv_size;
+      std::vector<std::int32_t> ids(static_cast<std::size_t>(c.kv_size));
+      std::iota(ids.begin(), ids.end(), 0);
+      std::mt19937_64 rng(seed);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      c.table.assign(ids.begin(), ids.begin() + tokens);
+      if (c.table.empty()) c.table.push_back(0);
+      size = static_cast<std::size_t>(c.kv_size * heads * dim);
       break;
     }
   }
@@ -175,6 +241,22 @@ test_cache<T> make_cache(layout kind, std::int64_t heads, std::int64_t tokens, s
       break;
     case layout::paged_hnd:
       c.view = kvevict::flashinfer_paged_hnd(p, c.pool_blocks, block_size, heads, dim, c.table.data(), tokens);
+      break;
+    case layout::packed_hnd:
+    case layout::packed_nhd:
+      c.view =
+          kvevict::vllm_packed_kv(p, c.pool_blocks, block_size, heads, dim, c.table.data(), tokens,
+                                  kind == layout::packed_hnd ? kvevict::block_order::hnd : kvevict::block_order::nhd)
+              .keys;
+      break;
+    case layout::flashinfer_kv:
+      c.view = kvevict::flashinfer_paged_kv(p, c.pool_blocks, block_size, heads, dim, c.table.data(), tokens).keys;
+      break;
+    case layout::cells:
+      c.view = kvevict::llamacpp_cells_k(p, c.kv_size, heads, dim, c.table.data(), tokens);
+      break;
+    case layout::cells_transposed:
+      c.view = kvevict::llamacpp_cells_v_transposed(p, c.kv_size, heads, dim, c.table.data(), tokens);
       break;
   }
   return c;

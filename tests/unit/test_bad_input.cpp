@@ -1720,6 +1720,7 @@ TEMPLATE_TEST_CASE("bad input: malformed cache views of every layout and type", 
        }},
       {"token_stride", errc::invalid_stride,
        [](kvevict::cache_view<T>& v, test::layout) {
+         if (v.is_paged() && v.block_size == 1) return false;  // one token per block: no token stride
          v.token_stride = 0;
          return true;
        }},  // every token on one row
@@ -1738,7 +1739,7 @@ TEMPLATE_TEST_CASE("bad input: malformed cache views of every layout and type", 
       {"block_stride", errc::invalid_stride,
        [](kvevict::cache_view<T>& v, test::layout) {
          if (!v.is_paged()) return false;
-         v.block_stride = 1;  // blocks overlap
+         v.block_stride = 0;  // every block at the same place
          return true;
        }},
       {"block_table[1]", errc::out_of_range,

@@ -554,3 +554,130 @@ TEMPLATE_TEST_CASE("evict_into copies the kept rows for every layout, type and l
         }
       }
 }
+
+// ---- layouts that hold K and V together, and caches shared by sequences -----------------
+
+namespace {
+
+/// Expected pool after in-place compaction through `view` (offsets computed by `at`).
+template <class T, class At>
+void expect_compacted(std::vector<T>& pool, const std::vector<T>& before, const test::host_keep& keep, i64 d, At at) {
+  for (i64 h = 0; h < keep.heads(); ++h)
+    for (i64 i = 0; i < keep.size(h); ++i)
+      for (i64 c = 0; c < d; ++c)
+        pool[static_cast<std::size_t>(at(h, i, c))] = before[static_cast<std::size_t>(at(h, keep.at(h, i), c))];
+}
+
+}  // namespace
+
+TEST_CASE("vLLM packed K|V and FlashInfer's single tensor: both halves compact in their shared blocks", "[contracts]") {
+  const i64 blocks = 9, bs = 4, hkv = 3, d = 6, l = 21;
+  std::vector<std::int32_t> table{7, 2, 5, 0, 8, 3};
+  for (int kind = 0; kind < 3; ++kind) {
+    INFO("kind " << kind);
+    std::vector<bf16> pool;
+    for (double x : test::normal(blocks * bs * hkv * 2 * d, 90 + kind)) pool.push_back(bf16(static_cast<float>(x)));
+    const std::vector<bf16> before = pool;
+    kvevict::layer_cache<bf16> kv;
+    std::function<i64(bool, i64, i64, i64)> at;  // (is_v, h, j, c) -> element offset, by formula
+    if (kind == 0) {
+      kv = kvevict::vllm_packed_kv(pool.data(), blocks, bs, hkv, d, table.data(), l, kvevict::block_order::hnd);
+      at = [&](bool v, i64 h, i64 j, i64 c) {
+        return ((table[j / bs] * hkv + h) * bs + j % bs) * (2 * d) + (v ? d : 0) + c;
+      };
+    } else if (kind == 1) {
+      kv = kvevict::vllm_packed_kv(pool.data(), blocks, bs, hkv, d, table.data(), l, kvevict::block_order::nhd);
+      at = [&](bool v, i64 h, i64 j, i64 c) {
+        return ((table[j / bs] * bs + j % bs) * hkv + h) * (2 * d) + (v ? d : 0) + c;
+      };
+    } else {
+      kv = kvevict::flashinfer_paged_kv(pool.data(), blocks, bs, hkv, d, table.data(), l);
+      at = [&](bool v, i64 h, i64 j, i64 c) {
+        return table[j / bs] * (2 * bs * hkv * d) + (v ? bs * hkv * d : 0) + ((j % bs) * hkv + h) * d + c;
+      };
+    }
+    const auto keep = test::random_keep(hkv, l, 17 + static_cast<std::uint64_t>(kind));
+    kvevict::eviction_result r;
+    kvevict::workspace ws(kvevict::evict_workspace_size(kv.keys, kv.values));
+    const kvevict::status st = kvevict::evict(kv.keys, kv.values, keep.view(), r, ws);
+    INFO(st.message());
+    REQUIRE(st.ok());
+    std::vector<bf16> want = before;
+    for (bool v : {false, true})
+      expect_compacted(want, before, keep, d, [&](i64 h, i64 j, i64 c) { return at(v, h, j, c); });
+    for (std::size_t x = 0; x < pool.size(); ++x) REQUIRE(pool[x].bits == want[x].bits);
+  }
+}
+
+TEST_CASE("llama.cpp cells shared by two sequences, transposed V: one sequence's eviction leaves the other's cells",
+          "[contracts]") {
+  const i64 kv_size = 64, hkv = 2, d = 5;
+  std::vector<fp16> k, v;
+  for (double x : test::normal(kv_size * hkv * d, 101)) k.push_back(fp16(static_cast<float>(x)));
+  for (double x : test::normal(kv_size * hkv * d, 102)) v.push_back(fp16(static_cast<float>(x)));
+  std::vector<std::int32_t> seq_a, seq_b;  // interleaved cells, as llama.cpp's unified cache fills them
+  for (std::int32_t c = 0; c < 60; ++c) (c % 3 == 1 ? seq_b : seq_a).push_back(c);
+  const i64 la = static_cast<i64>(seq_a.size());
+  auto b_cells = [&] {
+    std::vector<float> out;
+    for (std::int32_t c : seq_b)
+      for (i64 ch = 0; ch < hkv * d; ++ch) {
+        out.push_back(static_cast<float>(k[static_cast<std::size_t>(c * hkv * d + ch)]));
+        out.push_back(static_cast<float>(v[static_cast<std::size_t>(ch * kv_size + c)]));
+      }
+    return out;
+  };
+  const auto b_before = b_cells();
+  const std::vector<fp16> kbefore = k, vbefore = v;
+  test::host_keep keep;
+  std::vector<i64> kept;
+  for (i64 j = 0; j < la; ++j)
+    if (j % 4 != 2) kept.push_back(j);
+  keep.add_head(kept);
+  keep.add_head(kept);  // every head the same tokens: cells can go
+  auto keys = kvevict::llamacpp_cells_k(k.data(), kv_size, hkv, d, seq_a.data(), la);
+  auto values = kvevict::llamacpp_cells_v_transposed(v.data(), kv_size, hkv, d, seq_a.data(), la);
+  // Keep-list only (llama.cpp frees cells itself): nothing moves, the positions are reported.
+  std::vector<i64> cell_pos(static_cast<std::size_t>(la));
+  for (i64 j = 0; j < la; ++j) cell_pos[static_cast<std::size_t>(j)] = 1000 + j;
+  std::vector<i64> kept_pos(keep.indices.size());
+  REQUIRE(kvevict::keep_list_positions(keep.view(), la, cell_pos.data(), kept_pos.data()).ok());
+  CHECK(kept_pos[2] == 1000 + kept[2]);
+  // In place: sequence a's kept tokens move to its first cells; b's cells are untouched.
+  kvevict::eviction_result r;
+  kvevict::workspace ws(kvevict::evict_workspace_size(keys, values));
+  const kvevict::status st = kvevict::evict(keys, values, keep.view(), r, ws);
+  INFO(st.message());
+  REQUIRE(st.ok());
+  CHECK(b_cells() == b_before);
+  for (i64 h = 0; h < hkv; ++h)
+    for (i64 i = 0; i < static_cast<i64>(kept.size()); ++i)
+      for (i64 c = 0; c < d; ++c) {
+        const std::int32_t to = seq_a[static_cast<std::size_t>(i)],
+                           from = seq_a[static_cast<std::size_t>(kept[static_cast<std::size_t>(i)])];
+        REQUIRE(k[static_cast<std::size_t>(to * hkv * d + h * d + c)].bits ==
+                kbefore[static_cast<std::size_t>(from * hkv * d + h * d + c)].bits);
+        REQUIRE(v[static_cast<std::size_t>((h * d + c) * kv_size + to)].bits ==
+                vbefore[static_cast<std::size_t>((h * d + c) * kv_size + from)].bits);
+      }
+  CHECK(r.freed_blocks == la - static_cast<i64>(kept.size()));  // one-token blocks: cells to free
+}
+
+TEST_CASE("TensorRT-LLM KVCacheIndex: a block flagged for the secondary pool is refused, not read", "[contracts]") {
+  const i64 blocks = 6, tpb = 4, hkv = 2, d = 4, l = 10;
+  std::vector<float> pool(static_cast<std::size_t>(blocks * hkv * tpb * d), 1.0f);
+  std::vector<std::int32_t> k_offsets{4, 0, static_cast<std::int32_t>(0x80000000u | 3u)}, v_offsets{1, 5, 2};
+  const auto keys = kvevict::trtllm_paged(pool.data(), blocks, tpb, hkv, d, k_offsets.data(), l);
+  const auto values = kvevict::trtllm_paged(pool.data(), blocks, tpb, hkv, d, v_offsets.data(), l);
+  test::host_keep keep;
+  keep.add_head({0, 9});
+  keep.add_head({1, 9});
+  const std::uint64_t before = test::fnv(test::fnv_seed, pool);
+  kvevict::eviction_result r;
+  kvevict::workspace ws(kvevict::evict_workspace_size(keys, values));
+  const kvevict::status st = kvevict::evict(keys, values, keep.view(), r, ws);
+  CHECK(st.code() == kvevict::errc::out_of_range);
+  CHECK(std::string(st.argument()) == "keys.block_table[2]");
+  CHECK(std::string(st.message()).find("secondary-pool") != std::string::npos);
+  CHECK(test::fnv(test::fnv_seed, pool) == before);
+}

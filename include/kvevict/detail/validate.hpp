@@ -96,17 +96,29 @@ status validate_cache_view_metadata(const cache_view<T>& v, const char* fn, cons
   if (v.block_stride < 0)
     return status::error(errc::invalid_stride, fn, field_name(arg, "block_stride"), "expected >= 0, got %lld",
                          static_cast<long long>(v.block_stride));
-  strided_dim dims[3] = {
-      {v.num_heads, v.head_stride, "head_stride"},
-      {std::min(v.block_size, std::max<std::int64_t>(v.num_tokens, 1)), v.token_stride, "token_stride"},
-      {v.head_dim, v.dim_stride, "dim_stride"}};
+  const std::int64_t in_block = std::min(v.block_size, std::max<std::int64_t>(v.num_tokens, 1));
+  strided_dim dims[4] = {{v.num_heads, v.head_stride, "head_stride"},
+                         {in_block, v.token_stride, "token_stride"},
+                         {v.head_dim, v.dim_stride, "dim_stride"},
+                         {v.num_pool_blocks, v.block_stride, "block_stride"}};
   std::int64_t block_span = 0;
   KVEVICT_RETURN_IF_ERROR(check_box(fn, arg, dims, 3, &block_span));
-  if (v.num_pool_blocks > 1 && v.block_stride < block_span)
-    return status::error(errc::invalid_stride, fn, field_name(arg, "block_stride"),
-                         "expected >= %lld (the extent of one block) so that blocks do not overlap, got %lld",
-                         static_cast<long long>(block_span), static_cast<long long>(v.block_stride));
   std::int64_t pool_span = 0;
+  if (v.num_pool_blocks > 1 && v.block_stride < block_span) {
+    // Blocks may interleave (llama.cpp's transposed V paged by cells puts block i at element i
+    // of every channel row) as long as no (block, head, token, channel) pair of elements meet:
+    // the pool as a fourth strided dimension.
+    strided_dim pool[4] = {{v.num_heads, v.head_stride, "block_stride"},
+                           {in_block, v.token_stride, "block_stride"},
+                           {v.head_dim, v.dim_stride, "block_stride"},
+                           {v.num_pool_blocks, v.block_stride, "block_stride"}};
+    if (!check_box(fn, arg, pool, 4, &pool_span).ok())
+      return status::error(errc::invalid_stride, fn, field_name(arg, "block_stride"),
+                           "expected blocks that do not overlap: >= %lld (the extent of one block), or an "
+                           "interleaving that reaches no element twice, got %lld",
+                           static_cast<long long>(block_span), static_cast<long long>(v.block_stride));
+    return status();
+  }
   if (!checked_mul(v.num_pool_blocks - 1, v.block_stride, &pool_span) ||
       !checked_add(pool_span, block_span, &pool_span))
     return status::error(errc::overflow, fn, arg, "the block pool spans 2^63 elements or more");
@@ -124,6 +136,11 @@ status validate_cache_view(const cache_view<T>& v, const char* fn, const char* a
     if (id < 0 || id >= v.num_pool_blocks) {
       char name[status::max_argument];
       std::snprintf(name, sizeof(name), "%s.block_table[%lld]", arg, static_cast<long long>(b));
+      if (id < 0)  // bit 31 set: TensorRT-LLM's KVCacheIndex marks a block of its secondary (host) pool so
+        return status::error(errc::out_of_range, fn, name,
+                             "expected a block id in [0, %lld), got %d (bit 31 set: TensorRT-LLM's secondary-pool "
+                             "flag; blocks offloaded to another pool are not read)",
+                             static_cast<long long>(v.num_pool_blocks), static_cast<int>(id));
       return status::error(errc::out_of_range, fn, name, "expected a block id in [0, %lld), got %d",
                            static_cast<long long>(v.num_pool_blocks), static_cast<int>(id));
     }

@@ -12,6 +12,7 @@
 #include "kvevict/config.hpp"
 #include "kvevict/views/batch_cache_view.hpp"
 #include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/layer_cache.hpp"
 #include "kvevict/views/query_view.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
@@ -183,6 +184,82 @@ template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> llamacpp_v_transposed(T* data, std::int64_t kv_size, std::int64_t num_heads,
                                                         std::int64_t num_tokens, std::int64_t head_dim) noexcept {
   return strided_cache(data, num_heads, num_tokens, head_dim, head_dim * kv_size, 1, kv_size);
+}
+
+/// Axis order inside one block (page) of a paged pool: tokens then heads (NHD) or heads then
+/// tokens (HND).
+enum class block_order : std::int32_t { nhd, hnd };
+
+/// vLLM's packed K|V pool: each block holds K and V side by side in the last axis,
+/// (num_blocks, Hkv, block_size, 2*d) (block_order::hnd) or (num_blocks, block_size, Hkv, 2*d)
+/// (block_order::nhd): K is channels [0, d), V channels [d, 2d). One block table serves both
+/// (they share every block), so kvevict checks the table once.
+template <class T>
+KVEVICT_HOST_DEVICE layer_cache<T> vllm_packed_kv(T* pool, std::int64_t num_blocks, std::int64_t block_size,
+                                                  std::int64_t num_heads, std::int64_t head_dim,
+                                                  const std::int32_t* block_table, std::int64_t num_tokens,
+                                                  block_order order = block_order::hnd) noexcept {
+  const std::int64_t row = 2 * head_dim;
+  cache_view<T> k = order == block_order::hnd
+                        ? strided_cache(pool, num_heads, num_tokens, head_dim, block_size * row, row, 1)
+                        : strided_cache(pool, num_heads, num_tokens, head_dim, row, num_heads * row, 1);
+  k.block_table = block_table;
+  k.block_size = block_size;
+  k.block_stride = num_heads * block_size * row;
+  k.num_pool_blocks = num_blocks;
+  cache_view<T> v = k;
+  v.data = pool + head_dim;
+  return layer_cache<T>(k, v);
+}
+
+/// FlashInfer's single-tensor paged cache [max_pages, 2, page_size, Hkv, d] (block_order::nhd)
+/// or [max_pages, 2, Hkv, page_size, d] (block_order::hnd): page p's K half, then its V half;
+/// the sequence's pages are page_indices[0 .. ceil(num_tokens / page_size)).
+template <class T>
+KVEVICT_HOST_DEVICE layer_cache<T> flashinfer_paged_kv(T* pool, std::int64_t num_pages, std::int64_t page_size,
+                                                       std::int64_t num_heads, std::int64_t head_dim,
+                                                       const std::int32_t* page_indices, std::int64_t num_tokens,
+                                                       block_order order = block_order::nhd) noexcept {
+  cache_view<T> k = order == block_order::nhd
+                        ? paged_nhd(pool, num_pages, page_size, num_heads, head_dim, page_indices, num_tokens)
+                        : paged_hnd(pool, num_pages, page_size, num_heads, head_dim, page_indices, num_tokens);
+  const std::int64_t half = page_size * num_heads * head_dim;
+  k.block_stride = 2 * half;
+  cache_view<T> v = k;
+  v.data = pool + half;
+  return layer_cache<T>(k, v);
+}
+
+/// llama.cpp with several sequences in one cache: K as [kv_size][row_stride] cell rows
+/// (head h's channels at h*d; row_stride < 0 means Hkv*d), the sequence's tokens in
+/// cells[0 .. num_tokens) in token order (the cells whose seq_id set holds it, sorted by pos).
+/// A paged view with one-token blocks: block id = cell index.
+template <class T>
+KVEVICT_HOST_DEVICE cache_view<T> llamacpp_cells_k(T* data, std::int64_t kv_size, std::int64_t num_heads,
+                                                   std::int64_t head_dim, const std::int32_t* cells,
+                                                   std::int64_t num_tokens, std::int64_t row_stride = -1) noexcept {
+  const std::int64_t stride = row_stride < 0 ? num_heads * head_dim : row_stride;
+  cache_view<T> v = strided_cache(data, num_heads, num_tokens, head_dim, head_dim, stride, 1);
+  v.block_table = cells;
+  v.block_size = 1;
+  v.block_stride = stride;
+  v.num_pool_blocks = kv_size;
+  return v;
+}
+
+/// llama.cpp's transposed V with several sequences: element (cell i, channel c = h*d + dim) at
+/// c*kv_size + i, the sequence's tokens in cells[0 .. num_tokens). One-token blocks one element
+/// apart, interleaved across the channel rows.
+template <class T>
+KVEVICT_HOST_DEVICE cache_view<T> llamacpp_cells_v_transposed(T* data, std::int64_t kv_size, std::int64_t num_heads,
+                                                              std::int64_t head_dim, const std::int32_t* cells,
+                                                              std::int64_t num_tokens) noexcept {
+  cache_view<T> v = strided_cache(data, num_heads, num_tokens, head_dim, head_dim * kv_size, 1, kv_size);
+  v.block_table = cells;
+  v.block_size = 1;
+  v.block_stride = 1;
+  v.num_pool_blocks = kv_size;
+  return v;
 }
 
 /// Observation queries [Hq, W, d] contiguous (HF's query states of one sequence).
