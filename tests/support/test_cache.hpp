@@ -32,12 +32,13 @@ enum class layout {
   packed_nhd,
   flashinfer_kv,
   cells,
-  cells_transposed
+  cells_transposed,
+  paged_per_head
 };
-inline const layout kAllLayouts[] = {layout::contiguous, layout::padded,          layout::token_major,
-                                     layout::transposed, layout::paged_nhd,       layout::paged_hnd,
-                                     layout::packed_hnd, layout::packed_nhd,      layout::flashinfer_kv,
-                                     layout::cells,      layout::cells_transposed};
+inline const layout kAllLayouts[] = {layout::contiguous, layout::padded,           layout::token_major,
+                                     layout::transposed, layout::paged_nhd,        layout::paged_hnd,
+                                     layout::packed_hnd, layout::packed_nhd,       layout::flashinfer_kv,
+                                     layout::cells,      layout::cells_transposed, layout::paged_per_head};
 inline std::string name(layout l) {
   switch (l) {
     case layout::contiguous:
@@ -62,6 +63,8 @@ inline std::string name(layout l) {
       return "cells";
     case layout::cells_transposed:
       return "cells_transposed";
+    case layout::paged_per_head:
+      return "paged_per_head";
   }
   return "?";
 }
@@ -142,9 +145,15 @@ struct test_cache {
         return table[static_cast<std::size_t>(j)] * (heads * dim) + h * dim + c;
       case layout::cells_transposed:
         return (h * dim + c) * kv_size + table[static_cast<std::size_t>(j)];
+      case layout::paged_per_head: {
+        const std::int64_t blk = table[static_cast<std::size_t>(h * table_stride() + j / block_size)];
+        return (blk * block_size + j % block_size) * dim + c;
+      }
     }
     return 0;  // unreachable (every layout returns above); in bounds for GCC's -Warray-bounds
   }
+  /// paged_per_head: entries between heads' tables (room for every block a head uses, plus 2).
+  std::int64_t table_stride() const { return (tokens + block_size - 1) / block_size + 2; }
   T& at(std::int64_t h, std::int64_t j, std::int64_t c) { return buffer[static_cast<std::size_t>(offset(h, j, c))]; }
   T at(std::int64_t h, std::int64_t j, std::int64_t c) const {
     return buffer[static_cast<std::size_t>(offset(h, j, c))];
@@ -204,6 +213,20 @@ test_cache<T> make_cache(layout kind, std::int64_t heads, std::int64_t tokens, s
       size = static_cast<std::size_t>(c.pool_blocks * block_size * heads * dim * (both_halves ? 2 : 1));
       break;
     }
+    case layout::paged_per_head: {  // every head its own table over one pool of one-head blocks
+      const std::int64_t used = (tokens + block_size - 1) / block_size, stride = c.table_stride();
+      c.pool_blocks = heads * used + 3;
+      std::vector<std::int32_t> ids(static_cast<std::size_t>(c.pool_blocks));
+      std::iota(ids.begin(), ids.end(), 0);
+      std::mt19937_64 rng(seed);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      c.table.assign(static_cast<std::size_t>(heads * stride), -1);  // unused entries: never read
+      for (std::int64_t h = 0; h < heads; ++h)
+        for (std::int64_t b = 0; b < used; ++b)
+          c.table[static_cast<std::size_t>(h * stride + b)] = ids[static_cast<std::size_t>(h * used + b)];
+      size = static_cast<std::size_t>(c.pool_blocks * block_size * dim);
+      break;
+    }
     case layout::cells:
     case layout::cells_transposed: {  // the sequence's tokens in scattered cells of a shared cache
       c.pool_blocks = c.kv_size;
@@ -257,6 +280,10 @@ test_cache<T> make_cache(layout kind, std::int64_t heads, std::int64_t tokens, s
       break;
     case layout::cells_transposed:
       c.view = kvevict::llamacpp_cells_v_transposed(p, c.kv_size, heads, dim, c.table.data(), tokens);
+      break;
+    case layout::paged_per_head:
+      c.view =
+          kvevict::paged_per_head(p, c.pool_blocks, block_size, heads, dim, c.table.data(), c.table_stride(), tokens);
       break;
   }
   return c;

@@ -164,7 +164,9 @@ class compressor {
   std::int64_t keep_capacity_per_head() const noexcept { return head_capacity_; }
   /// Entries of sequence_io::changed_blocks one eviction may write (K's and V's used blocks).
   std::int64_t changed_blocks_capacity() const noexcept {
-    return detail::saturating_mul(std::int64_t{2}, options_.limits.max_tokens);
+    // K and V, one block per token at most, per head with per-head block tables.
+    return detail::saturating_mul(detail::saturating_mul(std::int64_t{2}, options_.model.num_kv_heads),
+                                  options_.limits.max_tokens);
   }
   /// How many of its last queries a sequence must hand in at prefill_end (0: none needed).
   std::int64_t observation_window() const noexcept { return window_; }
@@ -758,7 +760,7 @@ class compressor {
       eviction_options opt;
       opt.block_refcounts = c.block_refcounts;
       opt.shared_blocks = c.shared_blocks;
-      const detail::written_rows all{0, c.keys.num_tokens};
+      const detail::written_per_table all{nullptr, {0, c.keys.num_tokens}, false};
       KVEVICT_RETURN_IF_ERROR(detail::in_sequence(detail::check_shared_writes(c.keys, all, opt, fn, "keys"), s, fn));
       KVEVICT_RETURN_IF_ERROR(
           detail::in_sequence(detail::check_shared_writes(c.values, all, opt, fn, "values"), s, fn));
@@ -985,6 +987,7 @@ class compressor {
     result.positions = io.kept_positions;
     result.indices = lay.indices;
     result.changed_blocks = io.changed_blocks;
+    result.head_freed_blocks = io.head_freed_blocks;
     layer_cache<T> cache = io.cache();
     cache.compact = options_.compact != compaction::keep_list_only;
     const executor& exec = options_.exec;

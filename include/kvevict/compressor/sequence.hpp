@@ -70,6 +70,9 @@ struct sequence_io {
   std::int64_t* padded_indices = nullptr;
   /// [changed_blocks_capacity()]: blocks the compaction wrote (see sequence_report).
   std::int32_t* changed_blocks = nullptr;
+  /// [Hkv]: trailing block-table entries each head no longer uses (per-head block tables:
+  /// paged_per_head; with one shared table every head reports freed_blocks).
+  std::int64_t* head_freed_blocks = nullptr;
 
   /// This layer's cache as a policy's evict() takes it.
   layer_cache<T> cache() const noexcept {

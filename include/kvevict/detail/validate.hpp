@@ -79,6 +79,10 @@ status validate_cache_view_metadata(const cache_view<T>& v, const char* fn, cons
                          static_cast<long long>(value));
   }
   if (v.data == nullptr) return status::error(errc::null_pointer, fn, field_name(arg, "data"), "expected non-null");
+  if (v.head_table_stride < 0 || (v.head_table_stride != 0 && !v.is_paged()))
+    return status::error(errc::invalid_stride, fn, field_name(arg, "head_table_stride"),
+                         "expected 0, or > 0 with a block table (one table per head), got %lld",
+                         static_cast<long long>(v.head_table_stride));
   if (v.num_tokens == 0) return status();  // no element is addressed (an empty HF cache has head_stride 0)
   if (!v.is_paged()) {
     strided_dim dims[3] = {{v.num_heads, v.head_stride, "head_stride"},
@@ -96,8 +100,14 @@ status validate_cache_view_metadata(const cache_view<T>& v, const char* fn, cons
   if (v.block_stride < 0)
     return status::error(errc::invalid_stride, fn, field_name(arg, "block_stride"), "expected >= 0, got %lld",
                          static_cast<long long>(v.block_stride));
+  if (v.head_table_stride != 0 && v.num_heads > 1 && v.head_table_stride < v.num_used_blocks())
+    return status::error(errc::invalid_stride, fn, field_name(arg, "head_table_stride"),
+                         "expected 0 (one table) or >= %lld (the blocks a head uses) so that head tables do not "
+                         "overlap, got %lld",
+                         static_cast<long long>(v.num_used_blocks()), static_cast<long long>(v.head_table_stride));
   const std::int64_t in_block = std::min(v.block_size, std::max<std::int64_t>(v.num_tokens, 1));
-  strided_dim dims[4] = {{v.num_heads, v.head_stride, "head_stride"},
+  const std::int64_t heads_in_block = v.head_table_stride != 0 ? 1 : v.num_heads;  // per-head tables: one head a block
+  strided_dim dims[4] = {{heads_in_block, v.head_stride, "head_stride"},
                          {in_block, v.token_stride, "token_stride"},
                          {v.head_dim, v.dim_stride, "dim_stride"},
                          {v.num_pool_blocks, v.block_stride, "block_stride"}};
@@ -108,7 +118,7 @@ status validate_cache_view_metadata(const cache_view<T>& v, const char* fn, cons
     // Blocks may interleave (llama.cpp's transposed V paged by cells puts block i at element i
     // of every channel row) as long as no (block, head, token, channel) pair of elements meet:
     // the pool as a fourth strided dimension.
-    strided_dim pool[4] = {{v.num_heads, v.head_stride, "block_stride"},
+    strided_dim pool[4] = {{heads_in_block, v.head_stride, "block_stride"},
                            {in_block, v.token_stride, "block_stride"},
                            {v.head_dim, v.dim_stride, "block_stride"},
                            {v.num_pool_blocks, v.block_stride, "block_stride"}};
@@ -131,7 +141,8 @@ status validate_cache_view(const cache_view<T>& v, const char* fn, const char* a
   KVEVICT_RETURN_IF_ERROR(validate_cache_view_metadata(v, fn, arg));
   if (!v.is_paged() || v.num_tokens == 0) return status();
   const std::int64_t used = v.num_used_blocks();
-  for (std::int64_t b = 0; b < used; ++b) {
+  for (std::int64_t e = 0; e < v.num_tables() * used; ++e) {
+    const std::int64_t b = (e / used) * v.head_table_stride + e % used;  // the entry's index in block_table
     const std::int32_t id = v.block_table[b];
     if (id < 0 || id >= v.num_pool_blocks) {
       char name[status::max_argument];

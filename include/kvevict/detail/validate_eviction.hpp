@@ -39,19 +39,27 @@ status validate_kv_views(const cache_view<KT>& keys, const cache_view<VT>& value
   return status();
 }
 
-/// Used blocks of a view, 0 for strided views and for views too malformed to say (size
-/// queries run before validation and must not divide by zero).
+/// Block-table entries a view uses (used blocks, times Hkv with per-head tables); 0 for
+/// strided views and for views too malformed to say (size queries run before validation and
+/// must not divide by zero).
 template <class T>
 std::int64_t used_blocks_or_zero(const cache_view<T>& v) noexcept {
   if (!v.is_paged() || v.block_size < 1 || v.num_tokens < 1) return 0;
-  return v.num_used_blocks();
+  return saturating_mul(v.num_tables(), v.num_used_blocks());
+}
+
+/// Index in block_table of the view's e-th used entry (tables in head order).
+template <class T>
+std::int64_t table_entry(const cache_view<T>& v, std::int64_t e) noexcept {
+  const std::int64_t used = v.num_used_blocks();
+  return (e / used) * v.head_table_stride + e % used;
 }
 
 /// Whether V's block ids are K's (same table, same geometry), so checking K covers V.
 template <class KT, class VT>
 bool same_block_table(const cache_view<KT>& keys, const cache_view<VT>& values) noexcept {
   return keys.is_paged() && values.block_table == keys.block_table && values.block_size == keys.block_size &&
-         values.num_tokens == keys.num_tokens;
+         values.num_tokens == keys.num_tokens && values.head_table_stride == keys.head_table_stride;
 }
 
 /// Whether K and V are paged into one pool with the same block geometry (TensorRT-LLM: one
@@ -98,8 +106,10 @@ block_entry locate_block_id(const SeqFn& sequence, std::int64_t num_seqs, std::i
   for (std::int64_t s = after.seq < 0 ? 0 : after.seq; s < num_seqs; ++s) {
     const auto v = sequence(s);
     const std::int64_t used = used_blocks_or_zero(v);
-    for (std::int64_t b = s == after.seq ? after.entry + 1 : 0; b < used; ++b)
-      if (v.block_table[b] == id) return {s, b};
+    for (std::int64_t e = 0; e < used; ++e) {
+      const std::int64_t b = table_entry(v, e);
+      if ((s != after.seq || b > after.entry) && v.block_table[b] == id) return {s, b};
+    }
   }
   return {};
 }
@@ -141,14 +151,14 @@ status check_block_ids(std::int64_t num_seqs, const KSeq& kseq, const VSeq& vseq
   for (std::int64_t s = 0; s < num_seqs; ++s) {
     const auto v = kseq(s);
     const std::int64_t used = used_blocks_or_zero(v);
-    std::copy(v.block_table, v.block_table + used, scratch + nk);
+    for (std::int64_t e = 0; e < used; ++e) scratch[nk + e] = v.block_table[table_entry(v, e)];
     nk += used;
   }
   std::int32_t* vids = scratch + nk;
   for (std::int64_t s = 0; s < num_seqs; ++s) {
     const auto v = vseq(s);
     const std::int64_t used = used_blocks_or_zero(v);
-    std::copy(v.block_table, v.block_table + used, vids + nv);
+    for (std::int64_t e = 0; e < used; ++e) vids[nv + e] = v.block_table[table_entry(v, e)];
     nv += used;
   }
   const std::int32_t kdup = find_duplicate_id(scratch, nk);

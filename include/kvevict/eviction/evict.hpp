@@ -68,6 +68,10 @@ struct eviction_result {
   std::int32_t* changed_blocks = nullptr;
   /// out: entries written to changed_blocks (0 without it, or for strided caches).
   std::int64_t num_changed_blocks = 0;
+  /// [Hkv] out, optional, paged caches: head h's trailing table entries it no longer uses
+  /// (per-head block tables: each head frees its own; one shared table: the entries beyond the
+  /// longest head, freed_blocks, for every head).
+  std::int64_t* head_freed_blocks = nullptr;
 };
 
 /// Optional inputs and outputs of eviction beyond the keep-list.
@@ -157,21 +161,40 @@ struct written_rows {
   std::int64_t first = 0;
   std::int64_t end = 0;
 };
+/// Head h's written rows.
+inline written_rows rows_written(const const_keep_list_view& keep, std::int64_t h) noexcept {
+  const std::int64_t* kept = keep.indices + keep.offsets[h];
+  const std::int64_t n = keep.size(h);
+  std::int64_t i = 0;
+  while (i < n && kept[i] == i) ++i;
+  return i < n ? written_rows{i, n} : written_rows{0, 0};
+}
+/// Every head's written rows together (a block table shared by the heads).
 inline written_rows rows_written(const const_keep_list_view& keep) noexcept {
   written_rows w{std::numeric_limits<std::int64_t>::max(), 0};
   for (std::int64_t h = 0; h < keep.num_heads; ++h) {
-    const std::int64_t* kept = keep.indices + keep.offsets[h];
-    const std::int64_t n = keep.size(h);
-    std::int64_t i = 0;
-    while (i < n && kept[i] == i) ++i;
-    if (i < n) {
-      w.first = i < w.first ? i : w.first;
-      w.end = n > w.end ? n : w.end;
+    const written_rows one = rows_written(keep, h);
+    if (one.end > one.first) {
+      w.first = one.first < w.first ? one.first : w.first;
+      w.end = one.end > w.end ? one.end : w.end;
     }
   }
   if (w.first == std::numeric_limits<std::int64_t>::max()) w.first = w.end = 0;
   return w;
 }
+
+/// The rows compaction writes through each block table of a view: table t is head t's with
+/// per-head tables, else the shared one (all heads together).
+struct written_per_table {
+  const const_keep_list_view* keep = nullptr;  ///< null: `all` for every table
+  written_rows all;
+  bool from_zero = false;  ///< out of place: every kept row is written, from row 0
+  template <class T>
+  written_rows of(const cache_view<T>& v, std::int64_t t) const noexcept {
+    if (keep == nullptr || !v.has_head_tables()) return all;
+    return from_zero ? written_rows{0, keep->size(t)} : rows_written(*keep, t);
+  }
+};
 
 /// Whether physical block `id` is marked shared.
 inline bool block_shared(const eviction_options& opt, std::int32_t id, std::int32_t* count) noexcept {
@@ -185,19 +208,23 @@ inline bool block_shared(const eviction_options& opt, std::int32_t id, std::int3
 
 /// Refuses a compaction that would write a block marked shared (checked before any write).
 template <class T>
-status check_shared_writes(const cache_view<T>& v, const written_rows& w, const eviction_options& opt, const char* fn,
-                           const char* arg) noexcept {
-  if (!v.is_paged() || w.end <= w.first || (opt.block_refcounts == nullptr && opt.shared_blocks == nullptr))
-    return status();
-  for (std::int64_t b = w.first / v.block_size; b < (w.end + v.block_size - 1) / v.block_size; ++b) {
-    std::int32_t count = 0;
-    if (block_shared(opt, v.block_table[b], &count)) {
-      char name[2 * status::max_argument];
-      std::snprintf(name, sizeof(name), "%s.block_table[%lld]", arg, static_cast<long long>(b));
-      return status::error(errc::invalid_argument, fn, name,
-                           "block %d is shared with another sequence (%d references) and compaction in place would "
-                           "change it: compact out of place into fresh blocks (evict_into)",
-                           static_cast<int>(v.block_table[b]), static_cast<int>(count));
+status check_shared_writes(const cache_view<T>& v, const written_per_table& w, const eviction_options& opt,
+                           const char* fn, const char* arg) noexcept {
+  if (!v.is_paged() || (opt.block_refcounts == nullptr && opt.shared_blocks == nullptr)) return status();
+  for (std::int64_t t = 0; t < v.num_tables(); ++t) {
+    const written_rows rows = w.of(v, t);
+    for (std::int64_t b = rows.first / v.block_size;
+         rows.end > rows.first && b < (rows.end + v.block_size - 1) / v.block_size; ++b) {
+      const std::int64_t entry = t * v.head_table_stride + b;
+      std::int32_t count = 0;
+      if (block_shared(opt, v.block_table[entry], &count)) {
+        char name[2 * status::max_argument];
+        std::snprintf(name, sizeof(name), "%s.block_table[%lld]", arg, static_cast<long long>(entry));
+        return status::error(errc::invalid_argument, fn, name,
+                             "block %d is shared with another sequence (%d references) and compaction in place would "
+                             "change it: compact out of place into fresh blocks (evict_into)",
+                             static_cast<int>(v.block_table[entry]), static_cast<int>(count));
+      }
     }
   }
   return status();
@@ -205,11 +232,15 @@ status check_shared_writes(const cache_view<T>& v, const written_rows& w, const 
 
 /// Appends the physical ids of the written blocks of a paged view to out; returns how many.
 template <class T>
-std::int64_t list_written_blocks(const cache_view<T>& v, const written_rows& w, std::int32_t* out) noexcept {
-  if (!v.is_paged() || w.end <= w.first) return 0;
+std::int64_t list_written_blocks(const cache_view<T>& v, const written_per_table& w, std::int32_t* out) noexcept {
+  if (!v.is_paged()) return 0;
   std::int64_t n = 0;
-  for (std::int64_t b = w.first / v.block_size; b < (w.end + v.block_size - 1) / v.block_size; ++b)
-    out[n++] = v.block_table[b];
+  for (std::int64_t t = 0; t < v.num_tables(); ++t) {
+    const written_rows rows = w.of(v, t);
+    if (rows.end <= rows.first) continue;
+    for (std::int64_t b = rows.first / v.block_size; b < (rows.end + v.block_size - 1) / v.block_size; ++b)
+      out[n++] = v.block_table[t * v.head_table_stride + b];
+  }
   return n;
 }
 
@@ -244,6 +275,11 @@ void report_eviction(const cache_view<KT>& keys, const cache_view<VT>& values, c
   result.max_length = longest;
   // K's table is the one an engine reclaims from; V is consulted only when K is strided.
   result.freed_blocks = keys.is_paged() ? freed_blocks_of(keys, longest) : freed_blocks_of(values, longest);
+  if (result.head_freed_blocks != nullptr)
+    for (std::int64_t h = 0; h < keep.num_heads; ++h)
+      result.head_freed_blocks[h] = keys.is_paged()
+                                        ? freed_blocks_of(keys, keys.has_head_tables() ? keep.size(h) : longest)
+                                        : freed_blocks_of(values, values.has_head_tables() ? keep.size(h) : longest);
 }
 
 /// Validation shared by `evict` and `evict_batch` for one sequence (names like "keys" or
@@ -306,7 +342,7 @@ status evict(cache_view<KT> keys, cache_view<VT> values, const_keep_list_view ke
     KVEVICT_RETURN_IF_ERROR(detail::check_block_ids(1, kseq, vseq, detail::same_block_table(keys, values),
                                                     detail::same_block_pool(keys, values), ids, fn, false));
   }
-  const detail::written_rows written = detail::rows_written(keep);
+  const detail::written_per_table written{&keep, detail::rows_written(keep)};
   KVEVICT_RETURN_IF_ERROR(detail::check_shared_writes(keys, written, opt, fn, "keys"));
   KVEVICT_RETURN_IF_ERROR(detail::check_shared_writes(values, written, opt, fn, "values"));
 

@@ -56,7 +56,7 @@ void copy_kept_rows(const cache_view<ST>& src, const cache_view<DT>& dst, std::i
 template <class T>
 std::int64_t append_block_ids(const cache_view<T>& v, std::int32_t* out) noexcept {
   const std::int64_t used = used_blocks_or_zero(v);
-  for (std::int64_t b = 0; b < used; ++b) out[b] = v.block_table[b];
+  for (std::int64_t e = 0; e < used; ++e) out[e] = v.block_table[table_entry(v, e)];
   return used;
 }
 
@@ -114,7 +114,7 @@ status check_destination(const cache_view<SK>& sk, const cache_view<SV>& sv, con
   KVEVICT_RETURN_IF_ERROR(check_disjoint(dk, sv, ids, fn, "dst_keys", "src_values"));
   KVEVICT_RETURN_IF_ERROR(check_disjoint(dv, sk, ids, fn, "dst_values", "src_keys"));
   KVEVICT_RETURN_IF_ERROR(check_disjoint(dv, sv, ids, fn, "dst_values", "src_values"));
-  const written_rows all{0, dk.num_tokens};
+  const written_per_table all{nullptr, {0, dk.num_tokens}, true};
   KVEVICT_RETURN_IF_ERROR(check_shared_writes(dk, all, opt, fn, "dst_keys"));
   return check_shared_writes(dv, all, opt, fn, "dst_values");
 }
@@ -194,7 +194,7 @@ status evict_into(cache_view<SK> src_keys, cache_view<SV> src_values, cache_view
     return status::error(errc::workspace_too_small, fn, "ws",
                          "expected at least %zu bytes (evict_into_workspace_size), got %zu", a.used(), ws.size);
   KVEVICT_RETURN_IF_ERROR(detail::check_destination(src_keys, src_values, dk, dv, opt, ids, fn));
-  const detail::written_rows all{0, longest};
+  const detail::written_per_table all{&keep, {0, longest}, true};
 
   detail::report_eviction(dk, dv, keep, opt.key_positions, result);
   result.freed_blocks = src_keys.is_paged() ? src_keys.num_used_blocks() : src_values.num_used_blocks();

@@ -41,8 +41,19 @@ struct cache_view {
   std::int64_t block_size = 0;                ///< tokens per block
   std::int64_t block_stride = 0;              ///< elements between physical blocks
   std::int64_t num_pool_blocks = 0;           ///< physical blocks in the pool (ids must be below)
+  /// A block table per head (per-head lengths, each head freeing its own blocks): head h's
+  /// table is block_table + h * head_table_stride and every block holds one head (head_stride
+  /// is then unused). 0: one table for every head.
+  std::int64_t head_table_stride = 0;
 
   KVEVICT_HOST_DEVICE bool is_paged() const noexcept { return block_table != nullptr; }
+  KVEVICT_HOST_DEVICE bool has_head_tables() const noexcept { return is_paged() && head_table_stride != 0; }
+  /// Head h's block table (every head's, without per-head tables).
+  KVEVICT_HOST_DEVICE const std::int32_t* table_of(std::int64_t h) const noexcept {
+    return block_table + h * head_table_stride;
+  }
+  /// Tables the view uses: Hkv with per-head tables, else 1.
+  KVEVICT_HOST_DEVICE std::int64_t num_tables() const noexcept { return has_head_tables() ? num_heads : 1; }
 
   /// Blocks of the table this sequence uses: ceil(num_tokens / block_size); 0 when strided,
   /// empty, or block_size < 1 (a malformed view: validation rejects it). Never overflows.
@@ -56,6 +67,9 @@ struct cache_view {
     if (block_table != nullptr) {
       const std::int64_t block = j / block_size;
       const std::int64_t in_block = j - block * block_size;
+      if (head_table_stride != 0)
+        return static_cast<std::int64_t>(block_table[h * head_table_stride + block]) * block_stride +
+               in_block * token_stride + c * dim_stride;
       return static_cast<std::int64_t>(block_table[block]) * block_stride + in_block * token_stride + h * head_stride +
              c * dim_stride;
     }
@@ -92,6 +106,7 @@ struct cache_view {
     v.block_size = block_size;
     v.block_stride = block_stride;
     v.num_pool_blocks = num_pool_blocks;
+    v.head_table_stride = head_table_stride;
     return v;
   }
 };

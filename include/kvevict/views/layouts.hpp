@@ -186,6 +186,24 @@ KVEVICT_HOST_DEVICE cache_view<T> llamacpp_v_transposed(T* data, std::int64_t kv
   return strided_cache(data, num_heads, num_tokens, head_dim, head_dim * kv_size, 1, kv_size);
 }
 
+/// A paged pool with a block table per head [num_blocks, block_size, d] (each block holds one
+/// head's rows): head h's table is block_tables + h * table_stride (the engine's
+/// [Hkv, table_stride] array of one sequence). Heads keep different lengths (AdaKV) and free
+/// their own blocks: the paged form of length_mode::per_head.
+template <class T>
+KVEVICT_HOST_DEVICE cache_view<T> paged_per_head(T* pool, std::int64_t num_blocks, std::int64_t block_size,
+                                                 std::int64_t num_heads, std::int64_t head_dim,
+                                                 const std::int32_t* block_tables, std::int64_t table_stride,
+                                                 std::int64_t num_tokens) noexcept {
+  cache_view<T> v = strided_cache(pool, num_heads, num_tokens, head_dim, 0, head_dim, 1);
+  v.block_table = block_tables;
+  v.block_size = block_size;
+  v.block_stride = block_size * head_dim;
+  v.num_pool_blocks = num_blocks;
+  v.head_table_stride = table_stride;
+  return v;
+}
+
 /// Axis order inside one block (page) of a paged pool: tokens then heads (NHD) or heads then
 /// tokens (HND).
 enum class block_order : std::int32_t { nhd, hnd };
