@@ -136,6 +136,11 @@ struct world {
   }
 };
 
+kvevict::workspace_span world_tiny() {
+  static unsigned char bytes[16];
+  return {bytes, sizeof(bytes)};
+}
+
 using call_fn = std::function<kvevict::status()>;
 struct bad_case {
   std::string name;
@@ -679,4 +684,263 @@ TEST_CASE("regression: snapkv::score rejects more window queries than W", "[erro
   CHECK(st.code() == errc::invalid_shape);
   CHECK(std::string(st.argument()) == "queries.num_queries");
   for (float x : scores) CHECK(x == 5.0f);
+}
+
+TEST_CASE("bad input: engine contracts (evict_into, shared blocks, scopes, per-head tables)", "[errors]") {
+  auto c = [](std::string n, errc e, std::string a, std::function<kvevict::status(world&)> f) {
+    return bad_case{std::move(n), e, std::move(a), [f](world& wd) -> call_fn { return [&wd, f] { return f(wd); }; }};
+  };
+  // A keep-list over the strided sequence 0 (24 tokens, 2 heads).
+  static std::vector<i64> off{0, 3, 6}, idx{1, 5, 20, 0, 7, 23};
+  const kvevict::const_keep_list_view keep{2, off.data(), idx.data(), 6};
+  auto src_k = [](world& wd) { return wd.strided(wd.k0, world::l); };
+  auto src_v = [](world& wd) { return wd.strided(wd.v0, world::l); };
+  auto dst_k = [](world& wd) { return wd.strided(wd.k1, 3); };
+  auto dst_v = [](world& wd) { return wd.strided(wd.v1, 3); };
+  auto paged = [](world& wd, std::vector<float>& pool, std::vector<std::int32_t>& table, i64 n) {
+    (void)wd;
+    return kvevict::vllm_paged(pool.data(), world::pool, world::block, world::hkv, world::d, table.data(), n);
+  };
+  static std::vector<std::int32_t> refs(world::pool, 1), fresh{3}, reused{0};
+  refs[4] = 2;  // block 4 (sequence 2's first K block) is shared
+  auto run_opts = [](world& wd, kvevict::compressor_options o,
+                     std::function<void(world&, std::vector<kvevict::sequence_io<float>>&)> m, bool state, bool warm) {
+    kvevict::compressor cc;
+    REQUIRE(kvevict::compressor::plan(o, &cc).ok());
+    std::vector<std::uint64_t> st(cc.sequence_state_size() / 8 + 1);
+    auto io = wd.prefill(false);
+    if (state)
+      for (auto& s : io) {
+        s.state = st.data();
+        REQUIRE(cc.reset_sequence(st.data(), st.size() * 8).ok());
+      }
+    m(wd, io);
+    std::vector<unsigned char> ws(cc.workspace_size());
+    const i64 n = state ? 1 : 3;
+    if (warm) {  // layer 0 runs first (its own reports): the failing call is the last layer's
+      std::vector<kvevict::sequence_report> own(3);
+      REQUIRE(cc.run(0, io.data(), n, own.data(), {ws.data(), ws.size()}).ok());
+    }
+    return cc.run(1, io.data(), n, wd.reports.data(), {ws.data(), ws.size()});
+  };
+  run_table(
+      "engine contracts",
+      {
+          c("evict_into: destination too short", errc::invalid_shape, "dst_keys.num_tokens",
+            [=](world& wd) {
+              kvevict::eviction_result r;
+              return kvevict::evict_into(src_k(wd), src_v(wd), wd.strided(wd.k1, 2), wd.strided(wd.v1, 2), keep, r,
+                                         wd.span());
+            }),
+          c("evict_into: destination is the source", errc::invalid_argument, "dst_keys.data",
+            [=](world& wd) {
+              kvevict::eviction_result r;
+              return kvevict::evict_into(src_k(wd), src_v(wd), wd.strided(wd.k0, 3), dst_v(wd), keep, r, wd.span());
+            }),
+          c("evict_into: destination K and V one buffer", errc::invalid_argument, "dst_values.data",
+            [=](world& wd) {
+              kvevict::eviction_result r;
+              return kvevict::evict_into(src_k(wd), src_v(wd), dst_k(wd), dst_k(wd), keep, r, wd.span());
+            }),
+          c("evict_into: destination head_dim differs", errc::invalid_shape, "dst_values.head_dim",
+            [=](world& wd) {
+              kvevict::eviction_result r;
+              auto dv = dst_v(wd);
+              dv.head_dim = 4;
+              return kvevict::evict_into(src_k(wd), src_v(wd), dst_k(wd), dv, keep, r, wd.span());
+            }),
+          c("evict_into: bad keep-list", errc::invalid_keep_list, "keep.indices",
+            [=](world& wd) {
+              static std::vector<i64> bad{1, 5, 20, 0, 7, 24};
+              kvevict::eviction_result r;
+              return kvevict::evict_into(src_k(wd), src_v(wd), dst_k(wd), dst_v(wd),
+                                         kvevict::const_keep_list_view{2, off.data(), bad.data(), 6}, r, wd.span());
+            }),
+          c("evict_into: a fresh block the source uses", errc::invalid_argument, "dst_keys.block_table",
+            [=](world& wd) {
+              kvevict::eviction_result r;
+              const auto sk = paged(wd, wd.pool_k, wd.table_k, world::l),
+                         sv = paged(wd, wd.pool_v, wd.table_v, world::l);
+              return kvevict::evict_into(sk, sv, paged(wd, wd.pool_k, reused, 3), paged(wd, wd.pool_v, fresh, 3), keep,
+                                         r, wd.span());
+            }),
+          c("evict_into: a shared destination block", errc::invalid_argument, "dst_keys.block_table[0]",
+            [=](world& wd) {
+              static std::vector<std::int32_t> shared_dst{4};  // block 4 of the V pool's table is free of V ids
+              kvevict::eviction_result r;
+              kvevict::eviction_options o;
+              o.block_refcounts = refs.data();
+              return kvevict::evict_into(src_k(wd), src_v(wd), paged(wd, wd.pool_k, shared_dst, 3),
+                                         paged(wd, wd.pool_v, fresh, 3), keep, r, wd.span(), o);
+            }),
+          c("evict_into: workspace too small", errc::workspace_too_small, "ws",
+            [=](world& wd) {
+              kvevict::eviction_result r;
+              const auto sk = paged(wd, wd.pool_k, wd.table_k, world::l),
+                         sv = paged(wd, wd.pool_v, wd.table_v, world::l);
+              return kvevict::evict_into(sk, sv, paged(wd, wd.pool_k, fresh, 3), paged(wd, wd.pool_v, fresh, 3), keep,
+                                         r, world_tiny());
+            }),
+          c("evict in place: a shared block would change", errc::invalid_argument, "keys.block_table[0]",
+            [=](world& wd) {
+              kvevict::eviction_result r;
+              kvevict::eviction_options o;
+              o.block_refcounts = refs.data();
+              return kvevict::evict(paged(wd, wd.pool_k, wd.table_k, world::l),
+                                    paged(wd, wd.pool_v, wd.table_v, world::l), keep, r, wd.span(), o);
+            }),
+          c("per-head tables: negative stride", errc::invalid_stride, "keys.head_table_stride",
+            [=](world& wd) {
+              kvevict::eviction_result r;
+              auto k = paged(wd, wd.pool_k, wd.table_k, world::l);
+              k.head_table_stride = -1;
+              return kvevict::evict(k, paged(wd, wd.pool_v, wd.table_v, world::l), keep, r, wd.span());
+            }),
+          c("per-head tables: overlapping tables", errc::invalid_stride, "keys.head_table_stride",
+            [=](world& wd) {
+              kvevict::eviction_result r;
+              auto k = paged(wd, wd.pool_k, wd.table_k, world::l);
+              k.head_table_stride = 1;  // head 1's table starts inside head 0's three entries
+              return kvevict::evict(k, paged(wd, wd.pool_v, wd.table_v, world::l), keep, r, wd.span());
+            }),
+          c("per-head tables on a strided view", errc::invalid_stride, "keys.head_table_stride",
+            [=](world& wd) {
+              kvevict::eviction_result r;
+              auto k = src_k(wd);
+              k.head_table_stride = 4;
+              return kvevict::evict(k, src_v(wd), keep, r, wd.span());
+            }),
+          c("combine_head_scores: no rows", errc::invalid_shape, "scores.rows",
+            [=](world& wd) {
+              return kvevict::combine_head_scores({wd.k0.data(), 0, 4, 4}, 0, kvevict::scope_combine::max,
+                                                  wd.k1.data());
+            }),
+          c("combine_head_scores: null out", errc::null_pointer, "out",
+            [=](world& wd) {
+              return kvevict::combine_head_scores({wd.k0.data(), 2, 4, 4}, 0, kvevict::scope_combine::max, nullptr);
+            }),
+          c("combine_head_scores: negative tail", errc::invalid_argument, "protected_tail",
+            [=](world& wd) {
+              return kvevict::combine_head_scores({wd.k0.data(), 2, 4, 4}, -1, kvevict::scope_combine::max,
+                                                  wd.k1.data());
+            }),
+          c("combine_head_scores: unknown rule", errc::invalid_argument, "rule",
+            [=](world& wd) {
+              return kvevict::combine_head_scores({wd.k0.data(), 2, 4, 4}, 0, static_cast<kvevict::scope_combine>(9),
+                                                  wd.k1.data());
+            }),
+          c("select_layer: a sequence scope", errc::unsupported, "budget.scope",
+            [=](world& wd) {
+              kvevict::layer_budget b;
+              b.per_head = kvevict::budget::tokens(3);
+              b.scope = kvevict::selection_scope::per_sequence;
+              kvevict::keep_list_view out{2, wd.lengths.data(), wd.kept.data(), 6};
+              return kvevict::select_layer({wd.k0.data(), 2, 8, 8}, {}, b, out, wd.span());
+            }),
+          c("select_layer: AdaKV with a shared set", errc::unsupported, "budget.heads",
+            [=](world& wd) {
+              kvevict::layer_budget b;
+              b.per_head = kvevict::budget::tokens(3);
+              b.scope = kvevict::selection_scope::per_layer;
+              b.heads = kvevict::head_allocation::adakv;
+              kvevict::keep_list_view out{2, wd.lengths.data(), wd.kept.data(), 6};
+              return kvevict::select_layer({wd.k0.data(), 2, 8, 8}, {}, b, out, wd.span());
+            }),
+          c("select_layer: unknown combine", errc::invalid_argument, "budget.combine",
+            [=](world& wd) {
+              kvevict::layer_budget b;
+              b.combine = static_cast<kvevict::scope_combine>(7);
+              kvevict::keep_list_view out{2, wd.lengths.data(), wd.kept.data(), 6};
+              return kvevict::select_layer({wd.k0.data(), 2, 8, 8}, {}, b, out, wd.span());
+            }),
+      });
+
+  using kvevict::compressor_options;
+  const kvevict::policy_config snap = world::snapkv_policy();
+  auto r = [](std::string n, errc e, std::string a, std::function<void(compressor_options&)> m) {
+    return plan_row(std::move(n), e, std::move(a), world::snapkv_policy(), std::move(m));
+  };
+  run_table("compressor::plan (contracts)", {
+                                                r("unknown length mode", errc::invalid_argument, "lengths",
+                                                  [](auto& o) { o.lengths = static_cast<kvevict::length_mode>(4); }),
+                                                r("unknown compaction", errc::invalid_argument, "compact",
+                                                  [](auto& o) { o.compact = static_cast<kvevict::compaction>(4); }),
+                                                r("unknown scope", errc::invalid_argument, "budget.scope",
+                                                  [](auto& o) { o.scope = static_cast<kvevict::selection_scope>(4); }),
+                                                r("unknown combine", errc::invalid_argument, "budget.combine",
+                                                  [](auto& o) { o.combine = static_cast<kvevict::scope_combine>(4); }),
+                                                r("uniform lengths with AdaKV", errc::unsupported, "heads",
+                                                  [](auto& o) {
+                                                    o.lengths = kvevict::length_mode::uniform;
+                                                    o.heads = kvevict::head_allocation::adakv;
+                                                  }),
+                                                r("uniform lengths with PyramidKV", errc::unsupported, "layers",
+                                                  [](auto& o) {
+                                                    o.lengths = kvevict::length_mode::uniform;
+                                                    o.layers = kvevict::layer_allocation::pyramidkv;
+                                                  }),
+                                                r("a sequence scope with PyramidKV", errc::unsupported, "layers",
+                                                  [](auto& o) {
+                                                    o.scope = kvevict::selection_scope::per_sequence;
+                                                    o.layers = kvevict::layer_allocation::pyramidkv;
+                                                  }),
+                                                r("a layer scope with AdaKV", errc::unsupported, "budget.heads",
+                                                  [](auto& o) {
+                                                    o.scope = kvevict::selection_scope::per_layer;
+                                                    o.heads = kvevict::head_allocation::adakv;
+                                                  }),
+                                            });
+
+  using io_vec = std::vector<kvevict::sequence_io<float>>;
+  auto rr = [run_opts, snap](std::string n, errc e, std::string a, std::function<void(compressor_options&)> plan,
+                             std::function<void(world&, io_vec&)> m, bool state = false, bool warm = false) {
+    return bad_case{std::move(n), e, std::move(a), [=](world& wd) -> call_fn {
+                      compressor_options o = world::options(snap);
+                      plan(o);
+                      return [=, &wd] { return run_opts(wd, o, m, state, warm); };
+                    }};
+  };
+  auto out_of_place = [](compressor_options& o) { o.compact = kvevict::compaction::out_of_place; };
+  auto per_sequence = [](compressor_options& o) { o.scope = kvevict::selection_scope::per_sequence; };
+  run_table(
+      "compressor::run (contracts)",
+      {
+          rr("out of place without a destination", errc::null_pointer, "seqs[0].dst_keys", out_of_place,
+             [](world&, io_vec&) {}),
+          rr("out of place, destination too short", errc::invalid_shape, "seqs[0].dst_keys.num_tokens", out_of_place,
+             [](world& wd, io_vec& io) {
+               for (auto& s : io) {
+                 s.dst_keys = wd.strided(wd.k1, 2);
+                 s.dst_values = wd.strided(wd.v1, 2);
+               }
+             }),
+          rr("out of place into the source's own blocks", errc::invalid_argument, "seqs[2].dst_values.block_table",
+             out_of_place,
+             [](world& wd, io_vec& io) {
+               static std::vector<float> dk0(world::hkv * (world::l + 2) * world::d), dv0 = dk0, dk1 = dk0, dv1 = dk0;
+               io[0].dst_keys = kvevict::hf_contiguous(dk0.data(), world::hkv, world::l, world::d);
+               io[0].dst_values = kvevict::hf_contiguous(dv0.data(), world::hkv, world::l, world::d);
+               io[1].dst_keys = kvevict::hf_contiguous(dk1.data(), world::hkv, world::l, world::d);
+               io[1].dst_values = kvevict::hf_contiguous(dv1.data(), world::hkv, world::l, world::d);
+               static std::vector<std::int32_t> own{5, 1, 3};  // V uses blocks 1, 5, 3 (K only 4, 0, 2 of its four)
+               io[2].dst_keys = kvevict::vllm_paged(wd.pool_k.data(), world::pool, world::block, world::hkv, world::d,
+                                                    own.data(), world::l);
+               io[2].dst_values = kvevict::vllm_paged(wd.pool_v.data(), world::pool, world::block, world::hkv, world::d,
+                                                      own.data(), world::l);
+             }),
+          rr(
+              "in place with a shared block", errc::invalid_argument, "seqs[2].keys.block_table[0]",
+              [](compressor_options&) {},
+              [](world&, io_vec& io) {
+                static std::vector<std::int32_t> counts(world::pool, 1);
+                counts[4] = 3;
+                io[2].block_refcounts = counts.data();
+              }),
+          rr(
+              "a sequence scope without every layer's cache", errc::null_pointer, "seqs[0].layers", per_sequence,
+              [](world&, io_vec&) {}, true, true),
+          rr(
+              "a sequence scope, layers out of order", errc::invalid_state, "seqs[0].state", per_sequence,
+              [](world&, io_vec&) {}, true, false),
+      });
 }

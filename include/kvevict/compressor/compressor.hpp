@@ -368,6 +368,12 @@ class compressor {
 
   /// Scope, length mode and compaction, and the combinations no kernel could serve.
   status check_contracts(const char* fn) const noexcept {
+    if (static_cast<unsigned>(options_.scope) > 2u)
+      return status::error(errc::invalid_argument, fn, "budget.scope", "expected a selection_scope value, got %d",
+                           static_cast<int>(options_.scope));
+    if (static_cast<unsigned>(options_.combine) > 3u)
+      return status::error(errc::invalid_argument, fn, "budget.combine", "expected a scope_combine value, got %d",
+                           static_cast<int>(options_.combine));
     if (static_cast<unsigned>(options_.lengths) > 1u)
       return status::error(errc::invalid_argument, fn, "lengths", "expected a length_mode value, got %d",
                            static_cast<int>(options_.lengths));
