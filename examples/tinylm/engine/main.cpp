@@ -147,10 +147,18 @@ outcome run_case(const model& m, const prefill_state& p, const prompt_case& pc, 
     io.queries = queries;
     io.state = state.data();
     io.head_lengths = lengths.data();
+    std::vector<kvevict::layer_cache<float>> layers;  // a keep set shared by every layer compacts them all
+    for (std::int64_t l = 0; l < m.cfg.layers; ++l)
+      layers.emplace_back(cache.keys(l, cache.length(l)), cache.values(l, cache.length(l)));
+    io.layers = layers.data();
     kvevict::sequence_report report;
     check(compressor.run(layer, &io, 1, &report, ws));
     if (report.action == kvevict::sequence_action::evicted) {
-      cache.lengths[static_cast<std::size_t>(layer)] = lengths;  // per head (AdaKV)
+      if (spec.scope == kvevict::selection_scope::per_sequence) {  // every layer compacted at the last one
+        for (auto& per_layer : cache.lengths) per_layer = lengths;
+      } else {
+        cache.lengths[static_cast<std::size_t>(layer)] = lengths;  // per head (AdaKV)
+      }
       next_position = report.next_position;
       evicted = true;
     }

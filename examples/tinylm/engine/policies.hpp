@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model.hpp"
@@ -25,6 +26,8 @@ struct policy_spec {
   double eta = 0.9;        // DeferKV
   std::int64_t delay = 1;  // DeferKV
   allocator alloc = allocator::uniform;
+  kvevict::selection_scope scope = kvevict::selection_scope::per_head;  // SnapKV rows only
+  kvevict::scope_combine combine = kvevict::scope_combine::normalized_max;
 };
 
 /// The bench's policy list (design.md §11: every policy, DeferKV's eta and d sweeps and its
@@ -45,6 +48,22 @@ inline std::vector<policy_spec> all_policies() {
   p.push_back({"deferkv+adakv", policy_kind::deferkv, 0.9, 1, allocator::ada});
   p.push_back({"dapq", policy_kind::dapq});
   p.push_back({"dapq_rerotate", policy_kind::dapq_rerotate});
+  // SnapKV with keep sets shared by a layer's heads and by the whole sequence, under the four
+  // combining rules (the first of each is the default, normalised max).
+  const std::pair<const char*, kvevict::scope_combine> rules[] = {{"", kvevict::scope_combine::normalized_max},
+                                                                  {"_nmean", kvevict::scope_combine::normalized_mean},
+                                                                  {"_max", kvevict::scope_combine::max},
+                                                                  {"_mean", kvevict::scope_combine::mean}};
+  for (auto scope : {kvevict::selection_scope::per_layer, kvevict::selection_scope::per_sequence})
+    for (const auto& r : rules) {
+      policy_spec spec{
+          std::string(scope == kvevict::selection_scope::per_layer ? "snapkv_layer_shared" : "snapkv_seq_shared") +
+              r.first,
+          policy_kind::snapkv};
+      spec.scope = scope;
+      spec.combine = r.second;
+      p.push_back(spec);
+    }
   return p;
 }
 
@@ -126,6 +145,8 @@ inline kvevict::compressor_options compressor_for(const model& m, const policy_s
       break;
     }
   }
+  o.scope = spec.scope;
+  o.combine = spec.combine;
   if (spec.kind == policy_kind::pyramidkv || spec.alloc == allocator::pyramid)
     o.layers = kvevict::layer_allocation::pyramidkv;
   if (spec.kind == policy_kind::adakv || spec.alloc == allocator::ada) {
