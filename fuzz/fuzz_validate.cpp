@@ -78,8 +78,12 @@ bool view_valid(const meta& m, i128* extent) {
   if (m.bs < 1 || m.pool < 1 || m.bstride < 0) return false;
   i128 block = 0;
   if (!box_ok({{m.heads, m.hs}, {std::min(m.bs, m.tokens), m.ts}, {m.dim, m.ds}}, &block)) return false;
-  if (m.pool > 1 && m.bstride < block) return false;
-  const i128 pool_span = static_cast<i128>(m.pool - 1) * m.bstride + block;
+  i128 pool_span = static_cast<i128>(m.pool - 1) * m.bstride + block;
+  // Interleaved pools (llama.cpp's transposed V paged by cells) are valid when no two
+  // (block, head, token, channel) tuples meet: the pool as a fourth strided dimension.
+  if (m.pool > 1 && m.bstride < block &&
+      !box_ok({{m.heads, m.hs}, {std::min(m.bs, m.tokens), m.ts}, {m.dim, m.ds}, {m.pool, m.bstride}}, &pool_span))
+    return false;
   if (pool_span > std::numeric_limits<i64>::max()) return false;
   for (i64 b = 0; b < m.used_blocks(); ++b) {
     const std::int32_t id = m.table[static_cast<std::size_t>(b)];

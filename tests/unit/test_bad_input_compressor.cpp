@@ -6,6 +6,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -943,4 +944,112 @@ TEST_CASE("bad input: engine contracts (evict_into, shared blocks, scopes, per-h
               "a sequence scope, layers out of order", errc::invalid_state, "seqs[0].state", per_sequence,
               [](world&, io_vec&) {}, true, false),
       });
+}
+
+// Found by fuzz_compressor: a policy that reads no queries (StreamingLLM, KNorm) was handed
+// more queries than its window with null data and positions, and the compressor offset the
+// null pointers (undefined behaviour UBSan reports).
+TEST_CASE("regression: policies that read no queries accept null query data through the compressor", "[errors]") {
+  constexpr i64 hq = 4, hkv = 2, d = 8, l = 20;
+  for (const kvevict::policy_config& p : {kvevict::policy::streaming_llm(), kvevict::policy::knorm()}) {
+    kvevict::compressor_options o;
+    o.model = {1, hq, hkv, d, 0, kvevict::dtype::f32};
+    o.policy = p;
+    o.per_head = kvevict::budget::tokens(6);
+    o.limits.max_tokens = l;
+    kvevict::compressor c;
+    REQUIRE(kvevict::compressor::plan(o, &c).ok());
+    std::vector<float> k = world::data(hkv * l * d, 11), v = world::data(hkv * l * d, 12);
+    kvevict::sequence_io<float> io;
+    io.event = kvevict::sequence_event::prefill_end;
+    io.keys = kvevict::hf_contiguous(k.data(), hkv, l, d, l);
+    io.values = kvevict::hf_contiguous(v.data(), hkv, l, d, l);
+    io.queries = kvevict::contiguous_queries<const float>(nullptr, hq, 5, d, nullptr);
+    kvevict::workspace ws(c.workspace_size());
+    kvevict::sequence_report r;
+    const kvevict::status st = c.run(0, &io, 1, &r, ws);
+    INFO(st.message());
+    REQUIRE(st.ok());
+    CHECK(r.length == 6);
+  }
+}
+
+// Found by fuzz_compressor: out-of-place compaction between per-head block tables checks up to
+// one block per token of every head's table, in four views; the plan's scratch held one block
+// per token (ASan: a heap overflow of the workspace with one-token blocks).
+TEST_CASE("regression: per-head tables out of place fit the planned workspace", "[errors]") {
+  constexpr i64 hq = 8, hkv = 4, d = 4, l = 13, w = 3, stride = l + 1, blocks = 4 * hkv * stride;
+  std::vector<float> pool = world::data(blocks * d, 13);  // one-token blocks, K and V in one pool
+  // Sources and destinations of K and V: four disjoint sets of one-token blocks per head.
+  std::vector<std::vector<std::int32_t>> tables(4, std::vector<std::int32_t>(hkv * stride));
+  for (std::size_t t = 0; t < 4; ++t)
+    for (i64 i = 0; i < hkv * stride; ++i)
+      tables[t][static_cast<std::size_t>(i)] = static_cast<std::int32_t>(4 * i) + static_cast<std::int32_t>(t);
+  const auto view = [&](std::size_t t) {
+    return kvevict::paged_per_head(pool.data(), blocks, 1, hkv, d, tables[t].data(), stride, l);
+  };
+  kvevict::compressor_options o;
+  o.model = {1, hq, hkv, d, 0, kvevict::dtype::f32};
+  kvevict::window_config wc = kvevict::presets::kvpress_snapkv();
+  wc.window = w;
+  o.policy = kvevict::policy::snapkv(wc);
+  o.per_head = kvevict::budget::tokens(5);
+  o.compact = kvevict::compaction::out_of_place;
+  o.limits.max_tokens = l;
+  kvevict::compressor c;
+  REQUIRE(kvevict::compressor::plan(o, &c).ok());
+  std::vector<float> q = world::data(hq * w * d, 14);
+  std::vector<i64> qpos{l - 3, l - 2, l - 1};
+  kvevict::sequence_io<float> io;
+  io.event = kvevict::sequence_event::prefill_end;
+  io.keys = view(0);
+  io.values = view(1);
+  io.dst_keys = view(2);
+  io.dst_values = view(3);
+  io.queries = kvevict::contiguous_queries<const float>(q.data(), hq, w, d, qpos.data());
+  std::vector<std::int32_t> changed(c.changed_blocks_capacity());
+  io.changed_blocks = changed.data();
+  // The exact planned size in a vector, so ASan sees one byte past it.
+  std::vector<unsigned char> ws(c.workspace_size());
+  kvevict::sequence_report r;
+  const kvevict::status st = c.run(0, &io, 1, &r, {ws.data(), ws.size()});
+  INFO(st.message());
+  REQUIRE(st.ok());
+  CHECK(r.length == 5);
+}
+
+// Found by fuzz_compressor: a DeferKV state whose header the engine overwrote between steps
+// (heads, capacity or phase out of range) was read as if intact; it is refused naming the
+// state, and a decode step whose head counts differ from the prefill's is refused before any
+// sequence of the batch changes.
+TEST_CASE("regression: an overwritten DeferKV state or changed head count is refused, nothing changes", "[errors]") {
+  {
+    world w;
+    auto io = w.decode_after_prefill();
+    // Layer 0's DeferKV header in the first sequence's state: the first u64 holding its magic
+    // (heads follow capacity: fields 3 and 4 after it). The engine overwrote its head count.
+    constexpr std::uint64_t magic = 0x6b76657672644b56ull;
+    const auto at = std::find(w.state0.begin(), w.state0.end(), magic);
+    REQUIRE(at != w.state0.end());
+    at[3] = 1000;
+    const std::uint64_t before = w.checksum();
+    const kvevict::status st = w.defer.run(0, io.data(), 3, w.reports.data(), w.span());
+    INFO(st.message());
+    CHECK(st.code() == kvevict::errc::invalid_state);
+    CHECK(std::string(st.argument()) == "seqs[0].state");
+    CHECK(w.checksum() == before);
+  }
+  {
+    world w;
+    auto io = w.decode_after_prefill();
+    // The last sequence's decode step claims fewer heads than its prefill had.
+    io[2].keys.num_heads = io[2].values.num_heads = 1;
+    io[2].queries.num_heads = 2;
+    const std::uint64_t before = w.checksum();
+    const kvevict::status st = w.defer.run(0, io.data(), 3, w.reports.data(), w.span());
+    INFO(st.message());
+    CHECK_FALSE(st.ok());
+    CHECK(std::string(st.argument()).rfind("seqs[2].", 0) == 0);
+    CHECK(w.checksum() == before);
+  }
 }

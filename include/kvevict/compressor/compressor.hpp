@@ -105,8 +105,9 @@ query_view<const T> last_queries(const query_view<const T>& q, std::int64_t keep
   if (q.num_queries <= keep) return q;
   query_view<const T> r = q;
   const std::int64_t skip = q.num_queries - keep;
-  r.data = q.data + skip * q.query_stride;
-  r.positions = q.positions + skip;
+  // Policies that read no queries (StreamingLLM, KNorm) accept null data and positions.
+  r.data = q.data != nullptr ? q.data + skip * q.query_stride : nullptr;
+  r.positions = q.positions != nullptr ? q.positions + skip : nullptr;
   r.num_queries = keep;
   return r;
 }
@@ -294,7 +295,7 @@ class compressor {
     out->one_head = a.take<std::int64_t>(saturating_add(tokens, 2));
     out->score = detail::take_span(a, score_bytes);
     out->select = detail::take_span(a, select_workspace_size(tokens, options_.exec));
-    out->compact = detail::take_span(a, detail::compact_workspace_bound(tokens));
+    out->compact = detail::take_span(a, detail::compact_workspace_bound(heads, tokens));
   }
 
   status check_planned(const char* fn) const noexcept {
@@ -786,6 +787,10 @@ class compressor {
     } else {
       const deferkv<T> d(options_.policy.deferkv);
       const policy_state st = layer_state(io.state, layer);
+      if (!d.intact(st))
+        return status::error(errc::invalid_state, fn, detail::io_name(s, "state"),
+                             "layer %lld's DeferKV state was overwritten: reset_sequence() when the sequence starts",
+                             static_cast<long long>(layer));
       const bool fed_back = options_.policy.deferkv.decode_feedback && options_.policy.deferkv.delay > 0;
       if (io.event == sequence_event::prefill_end) {
         if (d.started(st))
@@ -818,6 +823,17 @@ class compressor {
                              "a keep set shared by every layer folds the layers in order: expected layer %lld, got "
                              "%lld",
                              static_cast<long long>(sc->folded), static_cast<long long>(layer));
+      // Every layer's DeferKV state is marked evicted with the sequence's keep set: check them
+      // now, before anything changes (the earlier layers observed this step and are ready).
+      if (out->action == act::fold_and_evict_all && options_.policy.kind == policy_kind::deferkv) {
+        const deferkv<T> d(options_.policy.deferkv);
+        for (std::int64_t l = 0; l < layer; ++l)
+          if (!d.intact(layer_state(io.state, l)) || !d.ready(layer_state(io.state, l)))
+            return status::error(errc::invalid_state, fn, detail::io_name(s, "state"),
+                                 "layer %lld's DeferKV state is not ready to evict (the layers run in order at "
+                                 "every step)",
+                                 static_cast<long long>(l));
+      }
     }
     return status();
   }

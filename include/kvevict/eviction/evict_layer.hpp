@@ -43,13 +43,15 @@ struct evict_layer_layout {
   workspace_span compact;  ///< evict()'s (paged block-id check)
 };
 
-/// evict()'s paged block-id scratch for K and V caches of up to `tokens` tokens: at most one
-/// block per token each, so it is sized without knowing the block size.
-inline std::size_t compact_workspace_bound(std::int64_t tokens) noexcept {
+/// evict()'s paged block-id scratch for K and V caches of `heads` heads and up to `tokens`
+/// tokens: at most one block per token of each head's table (per-head tables), so it is sized
+/// without knowing the block size.
+inline std::size_t compact_workspace_bound(std::int64_t heads, std::int64_t tokens) noexcept {
   arena a;
   std::int32_t* ids = nullptr;
-  // Four views (source and destination K and V, out of place), one block per token at most.
-  carve_evict_layout(a, saturating_mul(std::int64_t{4}, tokens < 0 ? 0 : tokens), &ids);
+  // Four views (source and destination K and V, out of place).
+  carve_evict_layout(a, saturating_mul(saturating_mul(std::int64_t{4}, heads < 1 ? 1 : heads), tokens < 0 ? 0 : tokens),
+                     &ids);
   return a.used();
 }
 
@@ -68,7 +70,7 @@ inline void carve_evict_layer(arena& a, std::int64_t heads, std::int64_t score_c
   out->capacity = capacity;
   out->score = take_span(a, score_bytes);
   out->select = take_span(a, select_layer_workspace_size(heads, score_cols, b, exec));
-  out->compact = take_span(a, compact_workspace_bound(cache_tokens));
+  out->compact = take_span(a, compact_workspace_bound(heads, cache_tokens));
 }
 
 /// Bytes evict() needs: `shape` bounds the layer (L the most tokens a call sees), `sel` the

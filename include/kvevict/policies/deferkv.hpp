@@ -243,6 +243,11 @@ class deferkv {
 
   /// Whether the state is ready for score() / evict().
   bool ready(policy_state state) const noexcept { return phase_of(state) == detail::deferkv_ready; }
+  /// Whether `state` holds an initialised DeferKV state whose memory covers its capacity.
+  bool intact(policy_state state) const noexcept {
+    const detail::deferkv_header* h = nullptr;
+    return header(state, "kvevict::deferkv", &h).ok();
+  }
   /// Whether the prefill was observed (the state is past empty).
   bool started(policy_state state) const noexcept { return phase_of(state) > detail::deferkv_empty; }
   /// Whether evict() already ran for this sequence.
@@ -376,6 +381,17 @@ class deferkv {
                            "expected at least %zu bytes for a %lld x %lld state, got %zu",
                            state_size(h->heads_capacity, h->tokens_capacity), static_cast<long long>(h->heads_capacity),
                            static_cast<long long>(h->tokens_capacity), state.size);
+    // What the prefill wrote must still fit the memory: a state the engine overwrote is refused
+    // before its sums are read or written.
+    if (h->heads_capacity < 0 || h->tokens_capacity < 0 || h->heads < 0 || h->heads > h->heads_capacity ||
+        h->group < 1 || h->prompt_tokens < 0 || h->prompt_tokens > h->tokens_capacity || h->steps < 0 ||
+        h->phase < detail::deferkv_empty || h->phase > detail::deferkv_evicted)
+      return status::error(errc::invalid_state, fn, "state",
+                           "the state's header was overwritten (%lld heads of %lld, %lld prompt tokens of %lld, "
+                           "phase %d)",
+                           static_cast<long long>(h->heads), static_cast<long long>(h->heads_capacity),
+                           static_cast<long long>(h->prompt_tokens), static_cast<long long>(h->tokens_capacity),
+                           static_cast<int>(h->phase));
     *out = h;
     return status();
   }
@@ -450,6 +466,11 @@ class deferkv {
 
   status check_decode(const detail::deferkv_header& h, const layer_inputs<T>& in, const char* fn) const noexcept {
     KVEVICT_RETURN_IF_ERROR(check_decode_phase(h, fn));
+    if (in.keys.num_heads != h.heads || in.queries.num_heads != h.heads * h.group)
+      return status::error(errc::invalid_shape, fn, "keys.num_heads",
+                           "expected the prefill's %lld KV heads and %lld query heads, got %lld and %lld",
+                           static_cast<long long>(h.heads), static_cast<long long>(h.heads * h.group),
+                           static_cast<long long>(in.keys.num_heads), static_cast<long long>(in.queries.num_heads));
     if (in.queries.num_queries != 1)
       return status::error(errc::invalid_shape, fn, "queries.num_queries", "expected 1 query per head, got %lld",
                            static_cast<long long>(in.queries.num_queries));
