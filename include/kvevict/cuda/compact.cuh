@@ -288,13 +288,12 @@ status compact(cache_view<KT> keys, cache_view<VT> values, const_keep_list_view 
 
   const std::int64_t blocks_needed = detail::stride_grid(
       keep.capacity * (widest > 32 ? widest : 32) + keys.num_heads + keys.num_tokens, detail::compact_threads, 8192);
-  const unsigned grid = static_cast<unsigned>(blocks_needed);
-  detail::compact_validate_kernel<><<<grid, detail::compact_threads, 0, opt.stream>>>(a);
-  KVEVICT_RETURN_IF_ERROR(detail::launch_status(fn, "compact_validate_kernel"));
-  detail::compact_move_kernel<><<<grid, detail::compact_threads, 0, opt.stream>>>(a, true);
-  KVEVICT_RETURN_IF_ERROR(detail::launch_status(fn, "compact_move_kernel<gather>"));
-  detail::compact_move_kernel<><<<grid, detail::compact_threads, 0, opt.stream>>>(a, false);
-  return detail::launch_status(fn, "compact_move_kernel<scatter>");
+  const detail::launch_config cfg{dim3(static_cast<unsigned>(blocks_needed)), dim3(detail::compact_threads), 0,
+                                  opt.stream};
+  KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "compact_validate_kernel", cfg, detail::compact_validate_kernel<>, a));
+  KVEVICT_RETURN_IF_ERROR(
+      detail::launch(fn, "compact_move_kernel<gather>", cfg, detail::compact_move_kernel<>, a, true));
+  return detail::launch(fn, "compact_move_kernel<scatter>", cfg, detail::compact_move_kernel<>, a, false);
 }
 
 }  // namespace cuda

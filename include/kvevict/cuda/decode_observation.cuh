@@ -101,7 +101,7 @@ __device__ __forceinline__ void update_state(float* s, float eta, float v) {
 template <class QT, class KT, int Vec, bool OnePass>
 __global__ void __launch_bounds__(decode_threads) decode_logits_kernel(decode_args<QT, KT> a) {
   constexpr int TK = static_cast<int>(decode_tile_keys);
-  extern __shared__ float4 decode_smem_raw[];
+  KVEVICT_DYNAMIC_SHARED(float4, decode_smem_raw);
   const int d = a.dim, G = a.group;
   float* qs = reinterpret_cast<float*>(decode_smem_raw);  // [G][d], scaled
   float* ls = qs + G * d;                                 // [G][TK] masked logits
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(decode_threads) decode_logits_kernel(decode_ar
 template <class QT, class KT>
 __global__ void __launch_bounds__(decode_threads) decode_update_kernel(decode_args<QT, KT> a) {
   constexpr int TK = static_cast<int>(decode_tile_keys);
-  extern __shared__ float4 decode_smem_raw[];
+  KVEVICT_DYNAMIC_SHARED(float4, decode_smem_raw);
   float* lse = reinterpret_cast<float*>(decode_smem_raw);  // [G]
   const int tid = static_cast<int>(threadIdx.x);
   const int h = static_cast<int>(blockIdx.y), G = a.group;
@@ -233,19 +233,16 @@ status launch_decode(const decode_args<QT, KT>& a, bool one_pass, unsigned hkv, 
   const unsigned tiles_c = static_cast<unsigned>(num_tiles(a.candidates, decode_tile_keys));
   if (one_pass) {
     if (tiles_c == 0) return status();
-    KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(decode_logits_kernel<QT, KT, Vec, true>, smem, fn));
-    decode_logits_kernel<QT, KT, Vec, true><<<dim3(tiles_c, hkv), decode_threads, smem, stream>>>(a);
-    return launch_status(fn, "decode_logits_kernel<one pass>");
+    return launch(fn, "decode_logits_kernel<one pass>", {dim3(tiles_c, hkv), dim3(decode_threads), smem, stream},
+                  decode_logits_kernel<QT, KT, Vec, true>, a);
   }
   if (a.tiles == 0 || tiles_c == 0) return status();
-  KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(decode_logits_kernel<QT, KT, Vec, false>, smem, fn));
-  decode_logits_kernel<QT, KT, Vec, false>
-      <<<dim3(static_cast<unsigned>(a.tiles), hkv), decode_threads, smem, stream>>>(a);
-  KVEVICT_RETURN_IF_ERROR(launch_status(fn, "decode_logits_kernel"));
+  KVEVICT_RETURN_IF_ERROR(launch(fn, "decode_logits_kernel",
+                                 {dim3(static_cast<unsigned>(a.tiles), hkv), dim3(decode_threads), smem, stream},
+                                 decode_logits_kernel<QT, KT, Vec, false>, a));
   const std::size_t smem2 = static_cast<std::size_t>(a.group) * sizeof(float);
-  KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(decode_update_kernel<QT, KT>, smem2, fn));
-  decode_update_kernel<QT, KT><<<dim3(tiles_c, hkv), decode_threads, smem2, stream>>>(a);
-  return launch_status(fn, "decode_update_kernel");
+  return launch(fn, "decode_update_kernel", {dim3(tiles_c, hkv), dim3(decode_threads), smem2, stream},
+                decode_update_kernel<QT, KT>, a);
 }
 
 }  // namespace detail

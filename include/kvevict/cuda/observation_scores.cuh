@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(obs_threads) obs_tile_kernel(obs_args<QT, KT> 
   constexpr int TK = static_cast<int>(obs_tile_keys);
   constexpr int RT = static_cast<int>(obs_tile_rows);
   constexpr int DC = static_cast<int>(obs_tile_dims);
-  extern __shared__ float4 obs_smem_raw[];
+  KVEVICT_DYNAMIC_SHARED(float4, obs_smem_raw);
   const int d = a.dim, W = a.window, G = a.group, R = a.rows;
   std::int64_t* qpos = reinterpret_cast<std::int64_t*>(obs_smem_raw);
   std::int64_t* kpos = qpos + W;
@@ -399,20 +399,20 @@ status obs_run_passes(const obs_plan<Q, K>& plan, std::int64_t dim, const launch
   const unsigned hkv = static_cast<unsigned>(dims.kv_heads);
   if (a.engine_lse == nullptr && a.softmax_end > 0) {
     const std::size_t smem = obs_shared_bytes(dim, dims.group, dims.window, false);
-    KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(obs_tile_kernel<Q, K, false>, smem, fn));
-    obs_tile_kernel<Q, K, false><<<dim3(static_cast<unsigned>(a.stat_tiles), hkv), obs_threads, smem, opt.stream>>>(a);
-    KVEVICT_RETURN_IF_ERROR(launch_status(fn, "obs_tile_kernel<stats>"));
+    KVEVICT_RETURN_IF_ERROR(
+        launch(fn, "obs_tile_kernel<stats>",
+               {dim3(static_cast<unsigned>(a.stat_tiles), hkv), dim3(obs_threads), smem, opt.stream},
+               obs_tile_kernel<Q, K, false>, a));
     const std::int64_t rows = dims.kv_heads * dims.rows();
-    obs_combine_kernel<><<<static_cast<unsigned>(ceil_div(rows, 8)), 256, 0, opt.stream>>>(a.partials, a.stat_tiles,
-                                                                                           rows, plan.ws.row_lse);
-    KVEVICT_RETURN_IF_ERROR(launch_status(fn, "obs_combine_kernel"));
+    KVEVICT_RETURN_IF_ERROR(launch(fn, "obs_combine_kernel",
+                                   {dim3(static_cast<unsigned>(ceil_div(rows, 8))), dim3(256), 0, opt.stream},
+                                   obs_combine_kernel<>, a.partials, a.stat_tiles, rows, plan.ws.row_lse));
   }
   const std::size_t smem = obs_shared_bytes(dim, dims.group, dims.window, true);
-  KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(obs_tile_kernel<Q, K, true>, smem, fn));
-  obs_tile_kernel<Q, K, true>
-      <<<dim3(static_cast<unsigned>(num_tiles(dims.candidates, obs_tile_keys)), hkv), obs_threads, smem, opt.stream>>>(
-          a);
-  return launch_status(fn, "obs_tile_kernel<accumulate>");
+  return launch(fn, "obs_tile_kernel<accumulate>",
+                {dim3(static_cast<unsigned>(num_tiles(dims.candidates, obs_tile_keys)), hkv), dim3(obs_threads), smem,
+                 opt.stream},
+                obs_tile_kernel<Q, K, true>, a);
 }
 
 }  // namespace detail
@@ -517,10 +517,10 @@ status observation_state(query_view<QT> queries_in, cache_view<KT> keys_in, cons
   if (dims.candidates == 0) return status();
   KVEVICT_RETURN_IF_ERROR(detail::obs_run_passes(plan, keys.head_dim, opt, fn));
   const std::int64_t n = dims.kv_heads * dims.candidates;
-  detail::obs_state_kernel<><<<static_cast<unsigned>(detail::stride_grid(n, 256, 4096)), 256, 0, opt.stream>>>(
-      plan.ws.acc, dims.candidates, static_cast<int>(dims.group), params.gqa, state.data, state.row_stride, eta,
-      dims.kv_heads);
-  return detail::launch_status(fn, "obs_state_kernel");
+  return detail::launch(fn, "obs_state_kernel",
+                        {dim3(static_cast<unsigned>(detail::stride_grid(n, 256, 4096))), dim3(256), 0, opt.stream},
+                        detail::obs_state_kernel<>, plan.ws.acc, dims.candidates, static_cast<int>(dims.group),
+                        params.gqa, state.data, state.row_stride, eta, dims.kv_heads);
 }
 
 }  // namespace cuda
