@@ -70,7 +70,14 @@ inline status check_device_pointer(const void* ptr, const launch_options& opt, c
     return cuda_status(err, fn, arg);
   }
   if (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) return status();
-  if (attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr) return status();
+  // Mapped host memory reaches the kernels through its device pointer, which is the host
+  // pointer only where the device can use host pointers for registered memory. Any other
+  // device pointer means the kernels would dereference an address the device does not map.
+  if (attr.type == cudaMemoryTypeHost && attr.devicePointer == ptr) return status();
+  if (attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr)
+    return status::error(errc::invalid_argument, fn, arg,
+                         "expected a pointer the kernels can dereference, got mapped host memory whose device "
+                         "pointer differs (pass the pointer cudaHostGetDevicePointer returns)");
   return status::error(errc::invalid_argument, fn, arg,
                        "expected device-accessible memory (device, managed or mapped host), got an unregistered "
                        "host pointer");

@@ -174,6 +174,9 @@ inline status finalize_state_scores(const_score_view state, std::int64_t group, 
   KVEVICT_RETURN_IF_ERROR(detail::check_pooling_fits(params.pool, fn));
   if (group < 1)
     return status::error(errc::invalid_argument, fn, "group", "expected >= 1, got %lld", static_cast<long long>(group));
+  if (group > detail::int32_limit)
+    return status::error(errc::overflow, fn, "group", "expected a group size < 2^31 on the GPU, got %lld",
+                         static_cast<long long>(group));
   if (!(scale == scale) || scale == detail::pos_infinity() || scale == detail::neg_infinity())
     return status::error(errc::invalid_argument, fn, "scale", "expected a finite scale, got %g",
                          static_cast<double>(scale));

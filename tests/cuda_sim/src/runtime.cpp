@@ -6,6 +6,8 @@
 //
 // Under ASan, device allocations are poisoned whenever no kernel runs: host code that
 // dereferences a device pointer (which faults on a GPU) is reported as a use-after-poison.
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdarg>
@@ -88,8 +90,12 @@ std::map<std::uintptr_t, allocation> g_allocations;  // by base address
 unsigned g_kernels_running = 0;                      // under g_memory_mutex
 
 // Registered host memory on a device that cannot use host pointers gets device addresses
-// in a range no host allocation uses: the kernels would fault on them, and so would we.
-constexpr std::uintptr_t kAliasBit = std::uintptr_t{1} << 46;
+// in a reserved, inaccessible range: nothing else lives there, and a dereference faults, as
+// it would on the host for a device address.
+std::uintptr_t reserve_alias(std::size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  return p == MAP_FAILED ? 0 : reinterpret_cast<std::uintptr_t>(p);
+}
 
 const allocation* find_locked(const void* p) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
@@ -698,7 +704,8 @@ cudaError_t cudaHostRegister(void* ptr, std::size_t bytes, unsigned) noexcept {
   a.base = reinterpret_cast<std::uintptr_t>(ptr);
   a.bytes = bytes;
   a.kind = memory_kind::registered_host;
-  a.device_alias = host_pointer ? a.base : (a.base | kAliasBit);
+  a.device_alias = host_pointer ? a.base : reserve_alias(bytes);
+  if (a.device_alias == 0) return record_error(cudaErrorMemoryAllocation);
   g_allocations[a.base] = a;
   return cudaSuccess;
 }
@@ -708,6 +715,8 @@ cudaError_t cudaHostUnregister(void* ptr) noexcept {
   auto it = g_allocations.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == g_allocations.end() || it->second.kind != memory_kind::registered_host)
     return record_error(cudaErrorInvalidValue);
+  if (it->second.device_alias != it->second.base)
+    munmap(reinterpret_cast<void*>(it->second.device_alias), it->second.bytes);
   g_allocations.erase(it);
   return cudaSuccess;
 }
@@ -730,7 +739,21 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr, const void* pt
   *attr = cudaPointerAttributes{cudaMemoryTypeUnregistered, 0, nullptr, nullptr};
   std::lock_guard<std::mutex> lock(g_memory_mutex);
   const allocation* a = find_locked(ptr);
-  if (a == nullptr) return cudaSuccess;  // CUDA 11+: unregistered host memory is not an error
+  if (a == nullptr) {
+    // A device address of registered host memory (a device that cannot use host pointers).
+    const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+    for (const auto& e : g_allocations) {
+      const allocation& r = e.second;
+      if (r.kind == memory_kind::registered_host && r.device_alias != r.base && p >= r.device_alias &&
+          p < r.device_alias + r.bytes) {
+        attr->type = cudaMemoryTypeHost;
+        attr->devicePointer = const_cast<void*>(ptr);
+        attr->hostPointer = reinterpret_cast<void*>(r.base + (p - r.device_alias));
+        return cudaSuccess;
+      }
+    }
+    return cudaSuccess;  // CUDA 11+: unregistered host memory is not an error
+  }
   void* p = const_cast<void*>(ptr);
   const std::uintptr_t offset = reinterpret_cast<std::uintptr_t>(ptr) - a->base;
   switch (a->kind) {

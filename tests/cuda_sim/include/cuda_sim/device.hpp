@@ -23,7 +23,6 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 // Shared memory is per block and needs the simulator's allocation: a plain `__shared__` would
 // silently become one object for every block. Declare it with CUDA_SIM_SHARED* instead.
