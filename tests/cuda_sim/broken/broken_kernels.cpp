@@ -30,6 +30,23 @@ __global__ void missing_barrier_kernel(int* out, bool fixed) {
   out[t] = values[(t + 1) % kThreads];
 }
 
+/// A per-warp buffer reused every round: one barrier after writing it, and none after reading
+/// it, so the next round's writes race with this round's reads by slower warps (the shape of
+/// a block-wide scan called in a loop).
+__global__ void reused_shared_buffer_kernel(int* out, bool fixed) {
+  constexpr unsigned warps = kThreads / 32;
+  KVEVICT_SHARED_ARRAY(int, partial, warps);
+  const unsigned t = threadIdx.x, warp = t / 32;
+  int acc = 0;
+  for (int round = 1; round <= 2; ++round) {
+    if (t % 32 == 31) partial[warp] = static_cast<int>(t) * round;
+    __syncthreads();
+    acc += partial[(warp + 1) % warps];
+    if (fixed) __syncthreads();  // the buffer is written again next round
+  }
+  out[t] = acc;
+}
+
 __global__ void cross_block_race_kernel(int* total, bool fixed) {
   if (threadIdx.x != 0) return;
   if (fixed) {
@@ -144,6 +161,7 @@ int main(int argc, char** argv) {
   g_fixed = argc > 2 && std::strcmp(argv[2], "fixed") == 0;
   int rc = 2;
   if (which == "missing_barrier") rc = run<int>(missing_barrier_kernel, 1, kThreads, 0, kThreads);
+  if (which == "reused_shared_buffer") rc = run<int>(reused_shared_buffer_kernel, 1, kThreads, 0, kThreads);
   if (which == "cross_block_race") rc = run<int>(cross_block_race_kernel, 2, kThreads, 0, 1);
   if (which == "shared_overrun")
     rc = run<float>(shared_overrun_kernel, 1, kThreads, kThreads * sizeof(float), kThreads);

@@ -199,6 +199,7 @@ struct pending_collective {
   const char* file = "";
   int line = 0;
   unsigned first_lane = 0;
+  char* sync = nullptr;  // __syncwarp's synchronisation word
 };
 
 struct warp_state {
@@ -208,13 +209,19 @@ struct warp_state {
   // their own); a lane is in at most one.
   pending_collective pending[32];
   int num_pending = 0;
+  unsigned syncwarps = 0;  // __syncwarp instances so far (picks the next word)
 };
 
 /// Synchronisation words of one block, allocated afresh per block so that TSan's clocks
-/// never carry from one block to the next.
+/// never carry from one block to the next. Consecutive barriers (and __syncwarps) use
+/// different words: a thread that has passed a barrier may release into the next one before
+/// a slower thread has acquired from this one, and that slower thread must not inherit the
+/// fast one's later accesses.
+constexpr unsigned kBarrierWords = 4;
+constexpr unsigned kSyncwarpWords = 64;
 struct block_sync {
-  char barrier = 0;
-  char warp[kMaxWarps] = {};
+  char barrier[kBarrierWords] = {};
+  char warp[kMaxWarps][kSyncwarpWords] = {};
 };
 /// Synchronisation words of one launch.
 struct launch_sync {
@@ -255,6 +262,7 @@ struct exec_context {
   sim_thread threads[kMaxThreads];
   warp_state warps[kMaxWarps];
   unsigned barrier_waiting = 0;
+  unsigned barriers = 0;  // completed barriers of the block (picks the next word)
   barrier_op barrier_kind = barrier_op::sync;
   const char* barrier_file = "";
   int barrier_line = 0;
@@ -434,6 +442,7 @@ void run_block(exec_context& c) {
   c.num_warps = (c.num_threads + 31) / 32;
   c.exited = 0;
   c.barrier_waiting = 0;
+  c.barriers = 0;
   c.statics.clear();
   c.static_bytes = 0;
   for (unsigned t = 0; t < c.num_threads; ++t) c.threads[t] = sim_thread{};
@@ -443,6 +452,7 @@ void run_block(exec_context& c) {
     ws.lanes = n == 32 ? 0xffffffffu : ((1u << n) - 1u);
     ws.exited = 0;
     ws.num_pending = 0;
+    ws.syncwarps = 0;
   }
   {
     tsan_ignore_scope ignore;
@@ -720,7 +730,8 @@ int barrier(barrier_op op, int predicate, const char* file, int line) noexcept {
         c.barrier_file, c.barrier_line);
   }
   c.barrier_true += predicate != 0 ? 1 : 0;
-  tsan_release(&c.sync->barrier);
+  char* word = &c.sync->barrier[c.barriers % kBarrierWords];
+  tsan_release(word);
   if (++c.barrier_waiting == c.num_threads) {
     int result = c.barrier_true;
     if (op == barrier_op::all) result = c.barrier_true == static_cast<int>(c.num_threads);
@@ -732,13 +743,14 @@ int barrier(barrier_op op, int predicate, const char* file, int line) noexcept {
     }
     me.barrier_result = result;
     c.barrier_waiting = 0;
+    ++c.barriers;
   } else {
     me.state = thread_state::barrier;
     me.file = file;
     me.line = line;
     yield(c);
   }
-  tsan_acquire(&c.sync->barrier);
+  tsan_acquire(word);
   return me.barrier_result;
 }
 
@@ -778,12 +790,14 @@ warp_result warp_collective(warp_op op, unsigned mask, std::uint64_t value, int 
   }
   if (p == nullptr) {
     p = &w.pending[w.num_pending++];
-    *p = pending_collective{op, mask, 0, bytes, width, file, line, lane};
+    *p = pending_collective{op, mask, 0, bytes, width, file, line, lane, nullptr};
+    if (op == warp_op::syncwarp) p->sync = &c.sync->warp[warp][w.syncwarps++ % kSyncwarpWords];
   }
+  char* word = p->sync;
   me.value = value;
   me.param = param;
   p->arrived |= bit;
-  if (op == warp_op::syncwarp) tsan_release(&c.sync->warp[warp]);
+  if (word != nullptr) tsan_release(word);
   if (p->arrived == mask) {
     resolve(c, warp, *p);
     for (unsigned l = 0; l < 32; ++l)
@@ -796,7 +810,7 @@ warp_result warp_collective(warp_op op, unsigned mask, std::uint64_t value, int 
     me.line = line;
     yield(c);
   }
-  if (op == warp_op::syncwarp) tsan_acquire(&c.sync->warp[warp]);
+  if (word != nullptr) tsan_acquire(word);
   return me.result;
 }
 
