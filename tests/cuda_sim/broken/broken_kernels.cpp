@@ -65,6 +65,13 @@ __global__ void shared_overrun_kernel(float* out, bool fixed) {
   out[t] = tile[t];
 }
 
+/// A 16-byte vector load from an address that is only 4-byte aligned: a misaligned-address
+/// fault on a GPU.
+__global__ void misaligned_vector_load_kernel(float* data, bool fixed) {
+  const float4 v = __ldg(reinterpret_cast<const float4*>(data + (fixed ? 4 : 1)));
+  data[threadIdx.x] = v.x + v.w;
+}
+
 __global__ void divergent_barrier_kernel(int* out, bool fixed) {
   KVEVICT_SHARED_ARRAY(int, values, kThreads);
   const unsigned t = threadIdx.x;
@@ -165,6 +172,7 @@ int main(int argc, char** argv) {
   if (which == "cross_block_race") rc = run<int>(cross_block_race_kernel, 2, kThreads, 0, 1);
   if (which == "shared_overrun")
     rc = run<float>(shared_overrun_kernel, 1, kThreads, kThreads * sizeof(float), kThreads);
+  if (which == "misaligned_vector_load") rc = run<float>(misaligned_vector_load_kernel, 1, 32, 0, 64);
   if (which == "divergent_barrier") rc = run<int>(divergent_barrier_kernel, 1, kThreads, 0, kThreads);
   if (which == "barrier_after_exit") rc = run<int>(barrier_after_exit_kernel, 1, kThreads, 0, kThreads);
   if (which == "exited_lane") rc = run<float>(exited_lane_kernel, 1, 32, 0, 32);

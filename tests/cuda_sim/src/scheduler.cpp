@@ -854,6 +854,13 @@ void device_trap(const char* file, int line) noexcept {
   fatal("__trap() at %s:%d", file, line);
 }
 
+void misaligned(const void* p, std::size_t align, const char* what, const char* file, int line) noexcept {
+  fatal(
+      "misaligned address: %s at %s:%d reads or writes %p, which is not %zu-byte aligned (a misaligned-address "
+      "fault on a GPU)",
+      what, file, line, p, align);
+}
+
 }  // namespace detail
 }  // namespace cudasim
 

@@ -92,7 +92,9 @@ status launch(const char* fn, const char* name, const launch_config& cfg, void (
   // Errors surface through cudaGetLastError below, as for a triple-chevron launch.
   (void)cudaLaunchKernelEx(&c, kernel, std::forward<Args>(args)...);
 #else
-  kernel<<<cfg.grid, cfg.block, cfg.shared_bytes, cfg.stream> > >(std::forward<Args>(args)...);
+  // clang-format off
+  kernel<<<cfg.grid, cfg.block, cfg.shared_bytes, cfg.stream>>>(std::forward<Args>(args)...);
+  // clang-format on
 #endif
   return launch_status(fn, name);
 }

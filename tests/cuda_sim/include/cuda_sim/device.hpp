@@ -295,26 +295,42 @@ inline void __threadfence_system() noexcept {
 }
 
 // ---- loads and stores with cache hints (plain accesses here) ---------------------------
+// A GPU faults on an access not aligned to its size (vector types included); these check it.
+// A plain dereference cannot be checked here: UBSan's alignment check covers scalar loads and
+// member accesses, not whole-struct copies through a misaligned pointer.
+namespace cudasim {
+namespace detail {
+[[noreturn]] void misaligned(const void* p, std::size_t align, const char* what, const char* file, int line) noexcept;
 template <class T>
-T __ldg(const T* p) noexcept {
-  return *p;
+inline void check_aligned(const T* p, const char* what, const char* file, int line) noexcept {
+  if (reinterpret_cast<std::uintptr_t>(p) % alignof(T) != 0) misaligned(p, alignof(T), what, file, line);
 }
-template <class T>
-T __ldcg(const T* p) noexcept {
-  return *p;
-}
-template <class T>
-T __ldcs(const T* p) noexcept {
-  return *p;
-}
-template <class T>
-void __stcg(T* p, T v) noexcept {
-  *p = v;
-}
-template <class T>
-void __stcs(T* p, T v) noexcept {
-  *p = v;
-}
+}  // namespace detail
+}  // namespace cudasim
+
+#define CUDA_SIM_LOAD(name)                                                                       \
+  template <class T>                                                                              \
+  T name(const T* p, const char* file = __builtin_FILE(), int line = __builtin_LINE()) noexcept { \
+    cudasim::detail::check_aligned(p, #name, file, line);                                         \
+    return *p;                                                                                    \
+  }
+#define CUDA_SIM_STORE(name)                                                                        \
+  template <class T>                                                                                \
+  void name(T* p, T v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) noexcept { \
+    cudasim::detail::check_aligned(p, #name, file, line);                                           \
+    *p = v;                                                                                         \
+  }
+CUDA_SIM_LOAD(__ldg)
+CUDA_SIM_LOAD(__ldcg)
+CUDA_SIM_LOAD(__ldcs)
+CUDA_SIM_LOAD(__ldlu)
+CUDA_SIM_LOAD(__ldcv)
+CUDA_SIM_STORE(__stcg)
+CUDA_SIM_STORE(__stcs)
+CUDA_SIM_STORE(__stwb)
+CUDA_SIM_STORE(__stwt)
+#undef CUDA_SIM_LOAD
+#undef CUDA_SIM_STORE
 
 // ---- integer and bit intrinsics --------------------------------------------------------
 inline int __ffs(int x) noexcept {
