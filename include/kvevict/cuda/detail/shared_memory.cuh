@@ -14,6 +14,8 @@
 //   KVEVICT_SHARED_ARRAY(T, name, count) __shared__ T name[count];
 //   KVEVICT_DYNAMIC_SHARED(T, name)      extern __shared__ T name[];   (the launch's bytes)
 
+#include <cuda_runtime.h>
+
 #if defined(KVEVICT_CUDA_SIMULATOR)
 // The simulator's <cuda_runtime.h> provides the CUDA_SIM_* forms.
 #if !defined(CUDA_SIM_SHARED)
