@@ -26,6 +26,7 @@
 
 #include "gpu_runner.hpp"
 #include "kvevict/detail/finalize.hpp"
+#include "kvevict/detail/validate.hpp"
 #include "kvevict/scoring/observation_scores.hpp"
 #include "kvevict/selection/select.hpp"
 #include "kvevict/views/layouts.hpp"
@@ -858,6 +859,76 @@ TEST_CASE("GPU compaction: problems found on the device leave the cache untouche
     const auto g = run();
     REQUIRE((g.flags & kvevict::cuda::flag_duplicate_block) != 0);
     untouched(g);
+  }
+}
+
+TEST_CASE("GPU compaction: random corruptions are flagged exactly when the CPU rejects them", "[gpu][gpu_compact]") {
+  // Keep-lists corrupted the ways an engine's bug would (an index out of range or out of
+  // order, an offset bumped, offsets[0] moved, negative offsets, too small a capacity) and
+  // block tables with an id outside the pool or repeated: the device must flag exactly the
+  // inputs the CPU validators reject, read nothing outside its arguments (the sanitizer
+  // builds of the simulator check that), and leave the cache as it was.
+  const std::int64_t heads = 3, tokens = 40, d = 8;
+  std::mt19937_64 rng(23);
+  for (int trial = 0; trial < 120; ++trial) {
+    auto k = test::make_cache<bf16>(test::layout::paged_nhd, heads, tokens, d,
+                                    test::normal(static_cast<std::size_t>(heads * tokens * d), rng()), 8, rng());
+    auto v = test::make_cache<float>(trial % 2 ? test::layout::paged_hnd : test::layout::contiguous, heads, tokens, d,
+                                     test::normal(static_cast<std::size_t>(heads * tokens * d), rng()), 8, rng());
+    std::vector<std::int64_t> offsets, indices;
+    random_keep(heads, tokens, rng(), &offsets, &indices);
+    std::int64_t capacity = static_cast<std::int64_t>(indices.size()) + static_cast<std::int64_t>(rng() % 3);
+    bool table_bad = false;
+    const int kind = static_cast<int>(rng() % 9);
+    switch (kind) {
+      case 0:
+        if (!indices.empty()) indices[rng() % indices.size()] = static_cast<std::int64_t>(rng() % (tokens + 4)) - 2;
+        break;
+      case 1:
+        offsets[rng() % offsets.size()] += 1 + static_cast<std::int64_t>(rng() % 3);
+        break;
+      case 2:
+        offsets[0] = -static_cast<std::int64_t>(rng() % 5) - 1;
+        break;
+      case 3:
+        for (std::size_t h = 1; h < offsets.size(); ++h) offsets[h] = -offsets[h];
+        break;
+      case 4:
+        capacity = std::max<std::int64_t>(0, static_cast<std::int64_t>(indices.size()) - 1);
+        break;
+      case 5:
+        if (indices.size() > 1) std::swap(indices[0], indices[1]);
+        break;
+      case 6:
+        k.table[rng() % k.table.size()] = static_cast<std::int32_t>(rng() % 2 ? k.pool_blocks : -1);
+        table_bad = true;
+        break;
+      case 7:
+        if (k.table.size() > 1) {
+          k.table[1] = k.table[0];
+          table_bad = true;
+        }
+        break;
+      default:
+        break;  // valid
+    }
+    std::vector<std::int64_t> padded = indices;
+    padded.resize(static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)), 0);
+    const kvevict::const_keep_list_view keep{heads, offsets.data(), padded.data(), capacity};
+    const bool cpu_ok = kvevict::detail::validate_keep_list(keep, heads, tokens, "t", "keep").ok();
+    INFO("trial " << trial << " corruption " << kind);
+    const auto g = gpu::compact(k.view, gpu::buffer_of(k.buffer), k.table, v.view, gpu::buffer_of(v.buffer), v.table,
+                                offsets, indices, capacity);
+    REQUIRE(g.st.ok());
+    REQUIRE((g.flags != 0) == (!cpu_ok || table_bad));
+    if (g.flags != 0) {
+      require_bytes(g.keys, k.buffer);
+      require_bytes(g.values, v.buffer);
+      for (std::int64_t x : g.head_lengths) REQUIRE(x == -7);
+    } else {
+      require_bytes(g.keys, expected_compaction(k, offsets, indices));
+      require_bytes(g.values, expected_compaction(v, offsets, indices));
+    }
   }
 }
 
