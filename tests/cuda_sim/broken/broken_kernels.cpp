@@ -69,7 +69,7 @@ __global__ void shared_overrun_kernel(float* out, bool fixed) {
 /// fault on a GPU.
 __global__ void misaligned_vector_load_kernel(float* data, bool fixed) {
   const float4 v = __ldg(reinterpret_cast<const float4*>(data + (fixed ? 4 : 1)));
-  data[threadIdx.x] = v.x + v.w;
+  data[32 + threadIdx.x] = v.x + v.w;  // the second half: no thread writes what another reads
 }
 
 __global__ void divergent_barrier_kernel(int* out, bool fixed) {
