@@ -14,8 +14,10 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -24,6 +26,7 @@
 
 #include "gpu_runner.hpp"
 #include "kvevict/detail/finalize.hpp"
+#include "kvevict/detail/validate.hpp"
 #include "kvevict/scoring/observation_scores.hpp"
 #include "kvevict/selection/select.hpp"
 #include "kvevict/views/layouts.hpp"
@@ -188,6 +191,16 @@ void check_obs(const shape& s, test::layout lay, const kvevict::scoring_params& 
   }
 }
 
+/// Every combination of the parameter sweep by default. KVEVICT_GPU_SWEEP_STRIDE=k checks
+/// every k-th one only: a fixed subset (k = 7 keeps 69 of 480, with every pair of parameter
+/// values, which the test verifies), for the sanitizer runs of the CPU simulator. A GPU runs
+/// them all.
+std::size_t sweep_stride() {
+  const char* env = std::getenv("KVEVICT_GPU_SWEEP_STRIDE");
+  const long k = env != nullptr ? std::strtol(env, nullptr, 10) : 1;
+  return k > 1 ? static_cast<std::size_t>(k) : 1;
+}
+
 const kvevict::scoring_params kKvpress =
     make_params(softmax_domain::visible, window_aggregation::mean, gqa_reduction::mean, gqa_order::after_pooling,
                 pooling_kind::avg, 5, true, 0);
@@ -237,25 +250,47 @@ TEST_CASE("GPU observation scores: every parameter combination", "[gpu][gpu_scor
                              {pooling_kind::max, 7, true}};
   std::vector<float> weights;
   for (std::int64_t t = 0; t < s.window; ++t) weights.push_back(std::pow(0.9f, static_cast<float>(s.window - 1 - t)));
+  const std::size_t stride = sweep_stride();
+  std::vector<std::array<int, 6>> run;  // the parameter indices of every combination checked
   std::uint64_t seed = 100;
-  for (auto dom : {softmax_domain::visible, softmax_domain::candidates})
-    for (auto win : windows)
-      for (auto red : {gqa_reduction::mean, gqa_reduction::max, gqa_reduction::sum})
-        for (auto order : {gqa_order::before_pooling, gqa_order::after_pooling})
-          for (const pool_case& pc : pools)
-            for (std::int64_t protect : {std::int64_t{0}, std::int64_t{20}}) {
-              INFO("domain " << int(dom) << " window " << int(win) << " gqa " << int(red) << " order " << int(order)
-                             << " pool " << int(pc.kind) << "/" << pc.kernel << " protect " << protect);
+  std::size_t index = 0;
+  for (int dom = 0; dom < 2; ++dom)
+    for (int win = 0; win < 5; ++win)
+      for (int red = 0; red < 3; ++red)
+        for (int order = 0; order < 2; ++order)
+          for (int pool = 0; pool < 4; ++pool)
+            for (int protect = 0; protect < 2; ++protect, ++seed) {
+              if (index++ % stride != 0) continue;
+              run.push_back({dom, win, red, order, pool, protect});
+              const pool_case& pc = pools[pool];
+              const kvevict::scoring_params p =
+                  make_params(dom == 0 ? softmax_domain::visible : softmax_domain::candidates, windows[win],
+                              static_cast<gqa_reduction>(red), static_cast<gqa_order>(order), pc.kind, pc.kernel,
+                              pc.count, protect * 20);
+              INFO("domain " << int(p.domain) << " window " << int(p.window) << " gqa " << int(p.gqa) << " order "
+                             << int(p.order) << " pool " << int(pc.kind) << "/" << pc.kernel << " protect "
+                             << p.protected_tail);
               obs_case c;
               // Early observations see a prefix only (causal masking inside the window).
               c.qpos = tail_positions(s.tokens, s.window);
               c.qpos[0] = 40;
               c.qpos[1] = 90;
-              if (win == window_aggregation::weighted) c.weights = weights;
-              check_obs<float, float>(s, test::layout::contiguous,
-                                      make_params(dom, win, red, order, pc.kind, pc.kernel, pc.count, protect), c,
-                                      seed++);
+              if (p.window == window_aggregation::weighted) c.weights = weights;
+              check_obs<float, float>(s, test::layout::contiguous, p, c, seed);
             }
+  // A trimmed sweep must still pair every value of every parameter with every value of
+  // every other parameter.
+  const int values[6] = {2, 5, 3, 2, 4, 2};
+  for (int a = 0; a < 6; ++a)
+    for (int b = a + 1; b < 6; ++b)
+      for (int va = 0; va < values[a]; ++va)
+        for (int vb = 0; vb < values[b]; ++vb) {
+          INFO("stride " << stride << ": parameter " << a << " = " << va << " never meets parameter " << b << " = "
+                         << vb);
+          REQUIRE(std::any_of(run.begin(), run.end(), [&](const std::array<int, 6>& r) {
+            return r[static_cast<std::size_t>(a)] == va && r[static_cast<std::size_t>(b)] == vb;
+          }));
+        }
 }
 
 TEST_CASE("GPU observation scores: edge shapes, positions, engine LSE, special values", "[gpu][gpu_scoring]") {
@@ -824,6 +859,76 @@ TEST_CASE("GPU compaction: problems found on the device leave the cache untouche
     const auto g = run();
     REQUIRE((g.flags & kvevict::cuda::flag_duplicate_block) != 0);
     untouched(g);
+  }
+}
+
+TEST_CASE("GPU compaction: random corruptions are flagged exactly when the CPU rejects them", "[gpu][gpu_compact]") {
+  // Keep-lists corrupted the ways an engine's bug would (an index out of range or out of
+  // order, an offset bumped, offsets[0] moved, negative offsets, too small a capacity) and
+  // block tables with an id outside the pool or repeated: the device must flag exactly the
+  // inputs the CPU validators reject, read nothing outside its arguments (the sanitizer
+  // builds of the simulator check that), and leave the cache as it was.
+  const std::int64_t heads = 3, tokens = 40, d = 8;
+  std::mt19937_64 rng(23);
+  for (int trial = 0; trial < 120; ++trial) {
+    auto k = test::make_cache<bf16>(test::layout::paged_nhd, heads, tokens, d,
+                                    test::normal(static_cast<std::size_t>(heads * tokens * d), rng()), 8, rng());
+    auto v = test::make_cache<float>(trial % 2 ? test::layout::paged_hnd : test::layout::contiguous, heads, tokens, d,
+                                     test::normal(static_cast<std::size_t>(heads * tokens * d), rng()), 8, rng());
+    std::vector<std::int64_t> offsets, indices;
+    random_keep(heads, tokens, rng(), &offsets, &indices);
+    std::int64_t capacity = static_cast<std::int64_t>(indices.size()) + static_cast<std::int64_t>(rng() % 3);
+    bool table_bad = false;
+    const int kind = static_cast<int>(rng() % 9);
+    switch (kind) {
+      case 0:
+        if (!indices.empty()) indices[rng() % indices.size()] = static_cast<std::int64_t>(rng() % (tokens + 4)) - 2;
+        break;
+      case 1:
+        offsets[rng() % offsets.size()] += 1 + static_cast<std::int64_t>(rng() % 3);
+        break;
+      case 2:
+        offsets[0] = -static_cast<std::int64_t>(rng() % 5) - 1;
+        break;
+      case 3:
+        for (std::size_t h = 1; h < offsets.size(); ++h) offsets[h] = -offsets[h];
+        break;
+      case 4:
+        capacity = std::max<std::int64_t>(0, static_cast<std::int64_t>(indices.size()) - 1);
+        break;
+      case 5:
+        if (indices.size() > 1) std::swap(indices[0], indices[1]);
+        break;
+      case 6:
+        k.table[rng() % k.table.size()] = static_cast<std::int32_t>(rng() % 2 ? k.pool_blocks : -1);
+        table_bad = true;
+        break;
+      case 7:
+        if (k.table.size() > 1) {
+          k.table[1] = k.table[0];
+          table_bad = true;
+        }
+        break;
+      default:
+        break;  // valid
+    }
+    std::vector<std::int64_t> padded = indices;
+    padded.resize(static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)), 0);
+    const kvevict::const_keep_list_view keep{heads, offsets.data(), padded.data(), capacity};
+    const bool cpu_ok = kvevict::detail::validate_keep_list(keep, heads, tokens, "t", "keep").ok();
+    INFO("trial " << trial << " corruption " << kind);
+    const auto g = gpu::compact(k.view, gpu::buffer_of(k.buffer), k.table, v.view, gpu::buffer_of(v.buffer), v.table,
+                                offsets, indices, capacity);
+    REQUIRE(g.st.ok());
+    REQUIRE((g.flags != 0) == (!cpu_ok || table_bad));
+    if (g.flags != 0) {
+      require_bytes(g.keys, k.buffer);
+      require_bytes(g.values, v.buffer);
+      for (std::int64_t x : g.head_lengths) REQUIRE(x == -7);
+    } else {
+      require_bytes(g.keys, expected_compaction(k, offsets, indices));
+      require_bytes(g.values, expected_compaction(v, offsets, indices));
+    }
   }
 }
 

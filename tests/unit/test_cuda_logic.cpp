@@ -646,6 +646,11 @@ TEST_CASE("compaction workspace and block-table relations", "[cuda_logic]") {
   REQUIRE(rel.shared_pool);
   REQUIRE_FALSE(rel.same_table);
   REQUIRE(cd::make_compact_dims(k, v_shared, 40).value_bitmap_ids == 0);
+  // The shared bitmap covers the view with more blocks (V's ids are checked against V's count).
+  const auto v_shared_larger = kvevict::paged_nhd(pool.data(), 4000, 16, 2, 8, table_b, 20);
+  REQUIRE(cd::relate_tables(k, v_shared_larger).shared_pool);
+  REQUIRE(cd::make_compact_dims(k, v_shared_larger, 40).key_bitmap_ids == 4000);
+  REQUIRE(cd::make_compact_dims(v_shared_larger, k, 40).key_bitmap_ids == 4000);
   // One pool *and* one table is K aliasing V: the shared bitmap flags every block twice.
   REQUIRE(cd::relate_tables(k, k).shared_pool);
   // Separate pools, separate tables: two bitmaps.
@@ -691,17 +696,19 @@ TEST_CASE("keep-list checks of the validation kernel agree with the CPU validato
     indices.resize(static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)), 0);
     const kvevict::const_keep_list_view keep{heads, offsets.data(), indices.data(), capacity};
     const bool cpu_ok = kvevict::detail::validate_keep_list(keep, heads, tokens, "t", "keep").ok();
-    // The kernel's checks, run over every head and entry.
+    // The kernel's checks, run over every head and entry as the kernel runs them: no
+    // short-circuit, so an entry check that would read out of range does it here too.
     bool gpu_ok = true;
-    for (std::int64_t h = 0; h < heads; ++h) gpu_ok = gpu_ok && cd::offsets_ok(offsets.data(), h, capacity);
+    for (std::int64_t h = 0; h < heads; ++h) gpu_ok = cd::offsets_ok(offsets.data(), h, capacity) && gpu_ok;
     const std::int64_t total = std::clamp<std::int64_t>(offsets[static_cast<std::size_t>(heads)], 0, capacity);
     for (std::int64_t e = 0; e < total; ++e) {
       const std::int64_t h = cd::head_of_entry(offsets.data(), heads, e);
       REQUIRE(h >= 0);
       REQUIRE(h < heads);
-      const bool first = e == offsets[static_cast<std::size_t>(h)];
-      gpu_ok = gpu_ok && cd::entry_ok(indices[static_cast<std::size_t>(e)],
-                                      first ? -1 : indices[static_cast<std::size_t>(e - 1)], first, tokens);
+      const bool first = cd::entry_starts_head(offsets.data(), h, e);
+      gpu_ok = cd::entry_ok(indices[static_cast<std::size_t>(e)], first ? -1 : indices[static_cast<std::size_t>(e - 1)],
+                            first, tokens) &&
+               gpu_ok;
     }
     INFO("trial " << trial);
     REQUIRE(gpu_ok == cpu_ok);

@@ -14,7 +14,7 @@
 // in device memory: the kernels check them and report through launch_options::device_flags
 // (see device_flags.hpp for what each bit means and how the kernels proceed).
 
-#if !defined(__CUDACC__)
+#if !defined(__CUDACC__) && !defined(KVEVICT_CUDA_SIMULATOR)
 #error "kvevict/cuda/*.cuh holds CUDA kernels: compile this translation unit with nvcc (a .cu file)"
 #endif
 
@@ -26,6 +26,8 @@
 #include <type_traits>
 
 #include "kvevict/config.hpp"
+#include "kvevict/cuda/detail/launch.cuh"
+#include "kvevict/cuda/detail/shared_memory.cuh"
 #include "kvevict/cuda/detail/tiling.hpp"
 #include "kvevict/cuda/device_flags.hpp"
 #include "kvevict/detail/validate.hpp"
@@ -56,19 +58,6 @@ struct launch_options {
 
 namespace detail {
 
-/// A status for a failed CUDA runtime call.
-inline status cuda_status(cudaError_t err, const char* fn, const char* what) noexcept {
-  if (err == cudaSuccess) return status();
-  return status::error(errc::device_error, fn, what, "CUDA error %d (%s): %s", static_cast<int>(err),
-                       cudaGetErrorName(err), cudaGetErrorString(err));
-}
-
-/// After a kernel launch: launch-configuration errors (too much shared memory, a bad grid)
-/// come back from cudaGetLastError without synchronising.
-inline status launch_status(const char* fn, const char* kernel) noexcept {
-  return cuda_status(cudaGetLastError(), fn, kernel);
-}
-
 /// `ptr` must be dereferenceable by kernels. Null pointers are reported by the callers'
 /// shape checks, so they pass here.
 inline status check_device_pointer(const void* ptr, const launch_options& opt, const char* fn,
@@ -81,36 +70,17 @@ inline status check_device_pointer(const void* ptr, const launch_options& opt, c
     return cuda_status(err, fn, arg);
   }
   if (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) return status();
-  if (attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr) return status();
+  // Mapped host memory reaches the kernels through its device pointer, which is the host
+  // pointer only where the device can use host pointers for registered memory. Any other
+  // device pointer means the kernels would dereference an address the device does not map.
+  if (attr.type == cudaMemoryTypeHost && attr.devicePointer == ptr) return status();
+  if (attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr)
+    return status::error(errc::invalid_argument, fn, arg,
+                         "expected a pointer the kernels can dereference, got mapped host memory whose device "
+                         "pointer differs (pass the pointer cudaHostGetDevicePointer returns)");
   return status::error(errc::invalid_argument, fn, arg,
                        "expected device-accessible memory (device, managed or mapped host), got an unregistered "
                        "host pointer");
-}
-
-/// Shared memory a kernel may use per block on the current device (opt-in maximum).
-inline status max_shared_bytes(std::size_t* out, const char* fn) noexcept {
-  int device = 0;
-  KVEVICT_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), fn, "cudaGetDevice"));
-  int bytes = 0;
-  KVEVICT_RETURN_IF_ERROR(cuda_status(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-                                      fn, "cudaDeviceGetAttribute"));
-  *out = static_cast<std::size_t>(bytes);
-  return status();
-}
-
-/// Raises a kernel's dynamic shared memory limit when it needs more than the default 48 KiB.
-template <class Kernel>
-status allow_shared_bytes(Kernel kernel, std::size_t bytes, const char* fn) noexcept {
-  if (bytes <= 48 * 1024) return status();
-  std::size_t limit = 0;
-  KVEVICT_RETURN_IF_ERROR(max_shared_bytes(&limit, fn));
-  if (bytes > limit)
-    return status::error(errc::unsupported, fn, "shape",
-                         "the kernel needs %zu bytes of shared memory per block for this head_dim, group and window "
-                         "(or pooling kernel), the device offers %zu",
-                         bytes, limit);
-  return cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
-                     fn, "cudaFuncSetAttribute");
 }
 
 /// cache_view checks that need no device memory (kvevict::detail::validate_cache_view_metadata)

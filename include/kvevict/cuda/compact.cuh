@@ -69,6 +69,8 @@ __device__ __forceinline__ void compact_fail(const compact_args& a, std::uint32_
   raise_flag(a.flags, bits);
 }
 
+/// Every id of v's table must lie in v's own pool; with a bitmap, an id seen before (by this
+/// table or by another table sharing the bitmap) is a duplicate.
 __device__ __forceinline__ void check_table(const compact_args& a, const byte_view& v, std::uint32_t* bitmap,
                                             std::int64_t gtid, std::int64_t nthreads) {
   if (v.block_table == nullptr || v.num_tokens == 0) return;  // an empty view may have any geometry
@@ -79,6 +81,7 @@ __device__ __forceinline__ void check_table(const compact_args& a, const byte_vi
       compact_fail(a, flag_block_id_out_of_range);
       continue;
     }
+    if (bitmap == nullptr) continue;
     const std::uint32_t bit = bitmap_bit(id);
     if (atomicOr(bitmap + bitmap_word(id), bit) & bit) compact_fail(a, flag_duplicate_block);
   }
@@ -94,12 +97,15 @@ __global__ void __launch_bounds__(compact_threads) compact_validate_kernel(compa
   total = total < 0 ? 0 : (total > a.capacity ? a.capacity : total);
   for (std::int64_t e = gtid; e < total; e += nthreads) {
     const std::int64_t h = head_of_entry(a.offsets, a.num_heads, e);
-    const bool first = e == a.offsets[h];
+    const bool first = entry_starts_head(a.offsets, h, e);
     if (!entry_ok(a.indices[e], first ? -1 : a.indices[e - 1], first, a.k.num_tokens))
       compact_fail(a, flag_invalid_keep_list);
   }
   check_table(a, a.k, a.ws.key_bitmap, gtid, nthreads);
-  if (!a.v_same_table) check_table(a, a.v, a.shared_pool ? a.ws.key_bitmap : a.ws.value_bitmap, gtid, nthreads);
+  // V through K's table (vLLM) repeats K's ids, whose duplicates K's pass has caught; the ids
+  // must still lie in V's pool, which may be smaller than K's.
+  std::uint32_t* v_bitmap = a.v_same_table ? nullptr : (a.shared_pool ? a.ws.key_bitmap : a.ws.value_bitmap);
+  check_table(a, a.v, v_bitmap, gtid, nthreads);
 }
 
 /// Copies row_bytes bytes from src to dst with one warp, `unit` bytes per lane and copy.
@@ -288,13 +294,12 @@ status compact(cache_view<KT> keys, cache_view<VT> values, const_keep_list_view 
 
   const std::int64_t blocks_needed = detail::stride_grid(
       keep.capacity * (widest > 32 ? widest : 32) + keys.num_heads + keys.num_tokens, detail::compact_threads, 8192);
-  const unsigned grid = static_cast<unsigned>(blocks_needed);
-  detail::compact_validate_kernel<><<<grid, detail::compact_threads, 0, opt.stream>>>(a);
-  KVEVICT_RETURN_IF_ERROR(detail::launch_status(fn, "compact_validate_kernel"));
-  detail::compact_move_kernel<><<<grid, detail::compact_threads, 0, opt.stream>>>(a, true);
-  KVEVICT_RETURN_IF_ERROR(detail::launch_status(fn, "compact_move_kernel<gather>"));
-  detail::compact_move_kernel<><<<grid, detail::compact_threads, 0, opt.stream>>>(a, false);
-  return detail::launch_status(fn, "compact_move_kernel<scatter>");
+  const detail::launch_config cfg{dim3(static_cast<unsigned>(blocks_needed)), dim3(detail::compact_threads), 0,
+                                  opt.stream};
+  KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "compact_validate_kernel", cfg, detail::compact_validate_kernel<>, a));
+  KVEVICT_RETURN_IF_ERROR(
+      detail::launch(fn, "compact_move_kernel<gather>", cfg, detail::compact_move_kernel<>, a, true));
+  return detail::launch(fn, "compact_move_kernel<scatter>", cfg, detail::compact_move_kernel<>, a, false);
 }
 
 }  // namespace cuda

@@ -20,8 +20,10 @@
 //      With an engine LSE this kernel also applies the softmax and updates the state: one
 //      pass. Without it, it writes the masked logits [Hq, L] (4 bytes per query head and
 //      key, against 2*d bytes of K per KV head and key) and per-tile softmax partials.
-//   2. update (two-pass only): each block folds the G rows' partials into their LSEs (fixed
-//      order), turns its keys' logits into probabilities and updates the state.
+//   2. row LSE (two-pass only, detail/row_lse.cuh): one warp per query head folds its tile
+//      partials into its LSE (fixed order), once.
+//   3. update (two-pass only): each block turns its keys' logits into probabilities with the
+//      G LSEs of its KV head and updates the state.
 
 #include <cuda_runtime.h>
 
@@ -32,6 +34,7 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/cuda/common.cuh"
+#include "kvevict/cuda/detail/row_lse.cuh"
 #include "kvevict/cuda/detail/score_logic.hpp"
 #include "kvevict/cuda/detail/tiling.hpp"
 #include "kvevict/cuda/detail/workspace_plan.hpp"
@@ -80,6 +83,7 @@ struct decode_args {
   std::int64_t engine_lse_stride = 1;
   float* logits = nullptr;              // [Hq, softmax_end]
   softmax_partial* partials = nullptr;  // [Hq, tiles]
+  float* row_lse = nullptr;             // [Hq]
   float* state = nullptr;
   std::int64_t state_stride = 0;
   float eta = 1.0f;
@@ -101,7 +105,7 @@ __device__ __forceinline__ void update_state(float* s, float eta, float v) {
 template <class QT, class KT, int Vec, bool OnePass>
 __global__ void __launch_bounds__(decode_threads) decode_logits_kernel(decode_args<QT, KT> a) {
   constexpr int TK = static_cast<int>(decode_tile_keys);
-  extern __shared__ float4 decode_smem_raw[];
+  KVEVICT_DYNAMIC_SHARED(float4, decode_smem_raw);
   const int d = a.dim, G = a.group;
   float* qs = reinterpret_cast<float*>(decode_smem_raw);  // [G][d], scaled
   float* ls = qs + G * d;                                 // [G][TK] masked logits
@@ -196,23 +200,11 @@ __global__ void __launch_bounds__(decode_threads) decode_logits_kernel(decode_ar
 template <class QT, class KT>
 __global__ void __launch_bounds__(decode_threads) decode_update_kernel(decode_args<QT, KT> a) {
   constexpr int TK = static_cast<int>(decode_tile_keys);
-  extern __shared__ float4 decode_smem_raw[];
+  KVEVICT_DYNAMIC_SHARED(float4, decode_smem_raw);
   float* lse = reinterpret_cast<float*>(decode_smem_raw);  // [G]
   const int tid = static_cast<int>(threadIdx.x);
   const int h = static_cast<int>(blockIdx.y), G = a.group;
-  const int warp = tid >> 5, lane = tid & 31;
-  for (int g = warp; g < G; g += decode_threads / 32) {
-    const std::int64_t qh = static_cast<std::int64_t>(h) * G + g;
-    softmax_partial p;
-    for (int i = lane; i < a.tiles; i += 32) p = combine(p, a.partials[qh * a.tiles + i]);
-    for (int o = 16; o > 0; o /= 2) {
-      softmax_partial other;
-      other.max = __shfl_xor_sync(full_warp, p.max, o);
-      other.sum = __shfl_xor_sync(full_warp, p.sum, o);
-      p = combine(p, other);
-    }
-    if (lane == 0) lse[g] = partial_lse(p);
-  }
+  for (int g = tid; g < G; g += decode_threads) lse[g] = a.row_lse[static_cast<std::int64_t>(h) * G + g];
   __syncthreads();
   const int j0 = static_cast<int>(blockIdx.x) * TK;
   const int nk = a.candidates - j0 < TK ? a.candidates - j0 : TK;
@@ -233,25 +225,25 @@ status launch_decode(const decode_args<QT, KT>& a, bool one_pass, unsigned hkv, 
   const unsigned tiles_c = static_cast<unsigned>(num_tiles(a.candidates, decode_tile_keys));
   if (one_pass) {
     if (tiles_c == 0) return status();
-    KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(decode_logits_kernel<QT, KT, Vec, true>, smem, fn));
-    decode_logits_kernel<QT, KT, Vec, true><<<dim3(tiles_c, hkv), decode_threads, smem, stream>>>(a);
-    return launch_status(fn, "decode_logits_kernel<one pass>");
+    return launch(fn, "decode_logits_kernel<one pass>", {dim3(tiles_c, hkv), dim3(decode_threads), smem, stream},
+                  decode_logits_kernel<QT, KT, Vec, true>, a);
   }
   if (a.tiles == 0 || tiles_c == 0) return status();
-  KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(decode_logits_kernel<QT, KT, Vec, false>, smem, fn));
-  decode_logits_kernel<QT, KT, Vec, false>
-      <<<dim3(static_cast<unsigned>(a.tiles), hkv), decode_threads, smem, stream>>>(a);
-  KVEVICT_RETURN_IF_ERROR(launch_status(fn, "decode_logits_kernel"));
+  KVEVICT_RETURN_IF_ERROR(launch(fn, "decode_logits_kernel",
+                                 {dim3(static_cast<unsigned>(a.tiles), hkv), dim3(decode_threads), smem, stream},
+                                 decode_logits_kernel<QT, KT, Vec, false>, a));
+  KVEVICT_RETURN_IF_ERROR(
+      launch_row_lse(a.partials, a.tiles, static_cast<std::int64_t>(hkv) * a.group, a.row_lse, stream, fn));
   const std::size_t smem2 = static_cast<std::size_t>(a.group) * sizeof(float);
-  KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(decode_update_kernel<QT, KT>, smem2, fn));
-  decode_update_kernel<QT, KT><<<dim3(tiles_c, hkv), decode_threads, smem2, stream>>>(a);
-  return launch_status(fn, "decode_update_kernel");
+  return launch(fn, "decode_update_kernel", {dim3(tiles_c, hkv), dim3(decode_threads), smem2, stream},
+                decode_update_kernel<QT, KT>, a);
 }
 
 }  // namespace detail
 
 /// Bytes of device workspace `decode_observation` needs (0 with an engine LSE): the masked
-/// logits [Hq, L'] and tile partials [Hq, ceil(L' / 256)], L' = L (visible domain) or C.
+/// logits [Hq, L'], tile partials [Hq, ceil(L' / 256)] and LSEs [Hq], L' = L (visible
+/// domain) or C.
 inline std::size_t decode_observation_workspace_size(const layer_shape& shape, const decode_params& p,
                                                      bool engine_lse = false) noexcept {
   scoring_params sp;
@@ -326,7 +318,7 @@ status decode_observation(query_view<QT> queries_in, cache_view<KT> keys_in, con
     KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(in.lse, opt, fn, "inputs.lse"));
   }
   if (!detail::fits_int32(dims.tokens, 2 * detail::decode_tile_keys) ||
-      !detail::fits_int32(queries.num_heads * dims.softmax_end()))
+      !detail::fits_int32(kvevict::detail::saturating_mul(queries.num_heads, dims.softmax_end())))
     return status::error(errc::overflow, fn, "keys.num_tokens",
                          "expected L < 2^31 - 512 and Hq * L < 2^31 on the GPU, got L = %lld",
                          static_cast<long long>(dims.tokens));
@@ -352,6 +344,7 @@ status decode_observation(query_view<QT> queries_in, cache_view<KT> keys_in, con
   a.engine_lse_stride = lse_stride;
   a.logits = w.logits;
   a.partials = w.partials;
+  a.row_lse = w.row_lse;
   a.state = state.data;
   a.state_stride = state.row_stride;
   a.eta = p.eta;

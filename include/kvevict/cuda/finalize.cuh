@@ -65,7 +65,7 @@ struct finalize_args {
 // includes the header may instantiate them without multiple-definition errors.
 template <int Unused = 0>
 __global__ void __launch_bounds__(256) finalize_kernel(finalize_args a) {
-  extern __shared__ float finalize_smem[];
+  KVEVICT_DYNAMIC_SHARED(float, finalize_smem);
   const int tid = static_cast<int>(threadIdx.x);
   const std::int64_t h = blockIdx.y;
   const index_range tile = tile_range(blockIdx.x, finalize_tile_keys, a.tokens);
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(256) finalize_kernel(finalize_args a) {
   float* red = xs + window_size;
   float* cnt = red + window_size;
 
-  __shared__ float weighted_scale;
+  KVEVICT_SHARED(float, weighted_scale);
   if (a.weights != nullptr && tid == 0) {
     double sum = 0.0;
     bool bad = false;
@@ -140,10 +140,9 @@ inline status launch_finalize(const finalize_args& a, std::int64_t kv_heads, cud
                               const char* fn) noexcept {
   if (a.tokens == 0) return status();
   const std::size_t smem = finalize_shared_bytes(pool_radius(a.params.pool));
-  KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(finalize_kernel<>, smem, fn));
   const dim3 grid(static_cast<unsigned>(num_tiles(a.tokens, finalize_tile_keys)), static_cast<unsigned>(kv_heads));
-  finalize_kernel<><<<grid, static_cast<unsigned>(finalize_tile_keys), smem, stream>>>(a);
-  return launch_status(fn, "finalize_kernel");
+  return launch(fn, "finalize_kernel", {grid, dim3(static_cast<unsigned>(finalize_tile_keys)), smem, stream},
+                finalize_kernel<>, a);
 }
 
 /// Host checks shared by every entry that finalises: the pooling window fits shared memory.
@@ -175,6 +174,9 @@ inline status finalize_state_scores(const_score_view state, std::int64_t group, 
   KVEVICT_RETURN_IF_ERROR(detail::check_pooling_fits(params.pool, fn));
   if (group < 1)
     return status::error(errc::invalid_argument, fn, "group", "expected >= 1, got %lld", static_cast<long long>(group));
+  if (group > detail::int32_limit)
+    return status::error(errc::overflow, fn, "group", "expected a group size < 2^31 on the GPU, got %lld",
+                         static_cast<long long>(group));
   if (!(scale == scale) || scale == detail::pos_infinity() || scale == detail::neg_infinity())
     return status::error(errc::invalid_argument, fn, "scale", "expected a finite scale, got %g",
                          static_cast<double>(scale));

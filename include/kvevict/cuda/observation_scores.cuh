@@ -12,8 +12,8 @@
 //      at a time in a 64x64 register tile (queries staged 32 channels at a time). So each K
 //      tile is read from memory once per KV head for all G*W queries. Per row it writes the
 //      tile's softmax partial (max, sum of exp(x - max)).
-//   2. combine: one warp per row folds that row's tile partials, in a fixed order, into its
-//      log-sum-exp.
+//   2. row LSE (detail/row_lse.cuh): one warp per row folds that row's tile partials, in a
+//      fixed order, into its log-sum-exp.
 //   3. accumulate: grid (candidate tiles, Hkv). Recomputes each tile's logits the same way,
 //      turns them into probabilities with the row's lse, and aggregates over the window in
 //      ascending t, per query head, in shared memory; writes acc[Hq, C].
@@ -31,6 +31,7 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/cuda/common.cuh"
+#include "kvevict/cuda/detail/row_lse.cuh"
 #include "kvevict/cuda/detail/score_logic.hpp"
 #include "kvevict/cuda/detail/tiling.hpp"
 #include "kvevict/cuda/detail/workspace_plan.hpp"
@@ -102,7 +103,7 @@ __global__ void __launch_bounds__(obs_threads) obs_tile_kernel(obs_args<QT, KT> 
   constexpr int TK = static_cast<int>(obs_tile_keys);
   constexpr int RT = static_cast<int>(obs_tile_rows);
   constexpr int DC = static_cast<int>(obs_tile_dims);
-  extern __shared__ float4 obs_smem_raw[];
+  KVEVICT_DYNAMIC_SHARED(float4, obs_smem_raw);
   const int d = a.dim, W = a.window, G = a.group, R = a.rows;
   std::int64_t* qpos = reinterpret_cast<std::int64_t*>(obs_smem_raw);
   std::int64_t* kpos = qpos + W;
@@ -264,33 +265,15 @@ __global__ void __launch_bounds__(obs_threads) obs_tile_kernel(obs_args<QT, KT> 
   }
 }
 
-/// One warp per observation row: folds the row's tile partials (lanes stride over tiles,
-/// then a butterfly; combine is commutative, so every lane ends with the same bits).
-template <int Unused = 0>
-__global__ void __launch_bounds__(256)
-    obs_combine_kernel(const softmax_partial* partials, int tiles, std::int64_t rows, float* row_lse) {
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
-  if (row >= rows) return;  // whole warps leave together
-  softmax_partial p;
-  for (int i = lane; i < tiles; i += 32) p = combine(p, partials[row * tiles + i]);
-  for (int o = 16; o > 0; o /= 2) {
-    softmax_partial other;
-    other.max = __shfl_xor_sync(full_warp, p.max, o);
-    other.sum = __shfl_xor_sync(full_warp, p.sum, o);
-    p = combine(p, other);
-  }
-  if (lane == 0) row_lse[row] = partial_lse(p);
-}
-
 /// Shapes and 32-bit limits checked before anything is launched.
 inline status check_obs_limits(const obs_dims& d, std::int64_t dim, const char* fn) noexcept {
   if (!fits_int32(d.tokens, 2 * obs_tile_keys))
     return status::error(errc::overflow, fn, "keys.num_tokens", "expected < 2^31 - 128 tokens on the GPU, got %lld",
                          static_cast<long long>(d.tokens));
-  if (!fits_int32(d.rows(), obs_tile_rows) || !fits_int32(d.kv_heads * d.rows()))
+  const std::int64_t all_rows = kvevict::detail::saturating_mul(d.kv_heads, d.rows());
+  if (!fits_int32(d.rows(), obs_tile_rows) || !fits_int32(all_rows))
     return status::error(errc::overflow, fn, "queries", "expected Hq * W < 2^31 observation rows, got %lld",
-                         static_cast<long long>(d.kv_heads * d.rows()));
+                         static_cast<long long>(all_rows));
   if (!grid_fits(num_tiles(d.tokens, obs_tile_keys), d.kv_heads))
     return status::error(errc::overflow, fn, "keys.num_heads", "expected Hkv <= 65535 on the GPU, got %lld",
                          static_cast<long long>(d.kv_heads));
@@ -399,20 +382,18 @@ status obs_run_passes(const obs_plan<Q, K>& plan, std::int64_t dim, const launch
   const unsigned hkv = static_cast<unsigned>(dims.kv_heads);
   if (a.engine_lse == nullptr && a.softmax_end > 0) {
     const std::size_t smem = obs_shared_bytes(dim, dims.group, dims.window, false);
-    KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(obs_tile_kernel<Q, K, false>, smem, fn));
-    obs_tile_kernel<Q, K, false><<<dim3(static_cast<unsigned>(a.stat_tiles), hkv), obs_threads, smem, opt.stream>>>(a);
-    KVEVICT_RETURN_IF_ERROR(launch_status(fn, "obs_tile_kernel<stats>"));
-    const std::int64_t rows = dims.kv_heads * dims.rows();
-    obs_combine_kernel<><<<static_cast<unsigned>(ceil_div(rows, 8)), 256, 0, opt.stream>>>(a.partials, a.stat_tiles,
-                                                                                           rows, plan.ws.row_lse);
-    KVEVICT_RETURN_IF_ERROR(launch_status(fn, "obs_combine_kernel"));
+    KVEVICT_RETURN_IF_ERROR(
+        launch(fn, "obs_tile_kernel<stats>",
+               {dim3(static_cast<unsigned>(a.stat_tiles), hkv), dim3(obs_threads), smem, opt.stream},
+               obs_tile_kernel<Q, K, false>, a));
+    KVEVICT_RETURN_IF_ERROR(
+        launch_row_lse(a.partials, a.stat_tiles, dims.kv_heads * dims.rows(), plan.ws.row_lse, opt.stream, fn));
   }
   const std::size_t smem = obs_shared_bytes(dim, dims.group, dims.window, true);
-  KVEVICT_RETURN_IF_ERROR(allow_shared_bytes(obs_tile_kernel<Q, K, true>, smem, fn));
-  obs_tile_kernel<Q, K, true>
-      <<<dim3(static_cast<unsigned>(num_tiles(dims.candidates, obs_tile_keys)), hkv), obs_threads, smem, opt.stream>>>(
-          a);
-  return launch_status(fn, "obs_tile_kernel<accumulate>");
+  return launch(fn, "obs_tile_kernel<accumulate>",
+                {dim3(static_cast<unsigned>(num_tiles(dims.candidates, obs_tile_keys)), hkv), dim3(obs_threads), smem,
+                 opt.stream},
+                obs_tile_kernel<Q, K, true>, a);
 }
 
 }  // namespace detail
@@ -517,10 +498,10 @@ status observation_state(query_view<QT> queries_in, cache_view<KT> keys_in, cons
   if (dims.candidates == 0) return status();
   KVEVICT_RETURN_IF_ERROR(detail::obs_run_passes(plan, keys.head_dim, opt, fn));
   const std::int64_t n = dims.kv_heads * dims.candidates;
-  detail::obs_state_kernel<><<<static_cast<unsigned>(detail::stride_grid(n, 256, 4096)), 256, 0, opt.stream>>>(
-      plan.ws.acc, dims.candidates, static_cast<int>(dims.group), params.gqa, state.data, state.row_stride, eta,
-      dims.kv_heads);
-  return detail::launch_status(fn, "obs_state_kernel");
+  return detail::launch(fn, "obs_state_kernel",
+                        {dim3(static_cast<unsigned>(detail::stride_grid(n, 256, 4096))), dim3(256), 0, opt.stream},
+                        detail::obs_state_kernel<>, plan.ws.acc, dims.candidates, static_cast<int>(dims.group),
+                        params.gqa, state.data, state.row_stride, eta, dims.kv_heads);
 }
 
 }  // namespace cuda

@@ -81,9 +81,9 @@ __device__ T block_exclusive_scan(T v, T* total, T* warp_sums) {
 template <int Unused = 0>
 __global__ void __launch_bounds__(select_threads) select_rows_kernel(const select_row* rows, std::int64_t max_length,
                                                                      const std::uint32_t* gate, std::uint32_t* flags) {
-  __shared__ std::uint32_t hist[radix_buckets];
-  __shared__ std::uint32_t warp_sums[32];
-  __shared__ radix_state state;
+  KVEVICT_SHARED_ARRAY(std::uint32_t, hist, radix_buckets);
+  KVEVICT_SHARED_ARRAY(std::uint32_t, warp_sums, 32);
+  KVEVICT_SHARED(radix_state, state);
   if (gate != nullptr && *gate != 0) return;
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31;
   const select_row row = rows[blockIdx.x];
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(1024)
     select_prepare_kernel(const float* scores, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                           const std::int64_t* head_budgets, std::int64_t uniform, selection_params params,
                           keep_list_view out, select_row* descs, std::uint32_t* gate, std::uint32_t* flags) {
-  __shared__ unsigned long long warp_sums[32];
+  KVEVICT_SHARED_ARRAY(unsigned long long, warp_sums, 32);
   const int tid = static_cast<int>(threadIdx.x);
   unsigned long long running = 0;
   bool bad = false;
@@ -274,13 +274,12 @@ inline status select_matrix(const_score_view scores, const std::int64_t* head_bu
   carve_select_workspace(a, scores.rows, &w);
   KVEVICT_RETURN_IF_ERROR(check_workspace(a, ws, opt, fn, "select_workspace_size"));
 
-  select_prepare_kernel<><<<1, 1024, 0, opt.stream>>>(scores.data, scores.rows, scores.cols, scores.row_stride,
-                                                      head_budgets, uniform, params, out, w.rows, w.status,
-                                                      opt.device_flags);
-  KVEVICT_RETURN_IF_ERROR(launch_status(fn, "select_prepare_kernel"));
-  select_rows_kernel<><<<static_cast<unsigned>(scores.rows), select_threads, 0, opt.stream>>>(
-      w.rows, scores.cols, w.status, opt.device_flags);
-  return launch_status(fn, "select_rows_kernel");
+  KVEVICT_RETURN_IF_ERROR(launch(fn, "select_prepare_kernel", {dim3(1), dim3(1024), 0, opt.stream},
+                                 select_prepare_kernel<>, scores.data, scores.rows, scores.cols, scores.row_stride,
+                                 head_budgets, uniform, params, out, w.rows, w.status, opt.device_flags));
+  return launch(fn, "select_rows_kernel",
+                {dim3(static_cast<unsigned>(scores.rows)), dim3(select_threads), 0, opt.stream}, select_rows_kernel<>,
+                w.rows, scores.cols, w.status, opt.device_flags);
 }
 
 }  // namespace detail
@@ -312,9 +311,9 @@ inline status select_rows(const select_row* rows, std::int64_t num_rows, std::in
     return status::error(errc::overflow, fn, "num_rows", "expected fewer than 2^31 rows, got %lld",
                          static_cast<long long>(num_rows));
   KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(rows, opt, fn, "rows"));
-  detail::select_rows_kernel<><<<static_cast<unsigned>(num_rows), detail::select_threads, 0, opt.stream>>>(
-      rows, max_length, nullptr, opt.device_flags);
-  return detail::launch_status(fn, "select_rows_kernel");
+  return detail::launch(fn, "select_rows_kernel",
+                        {dim3(static_cast<unsigned>(num_rows)), dim3(detail::select_threads), 0, opt.stream},
+                        detail::select_rows_kernel<>, rows, max_length, nullptr, opt.device_flags);
 }
 
 /// Bytes of device workspace `select` needs for a scores matrix of `num_rows` rows.

@@ -48,6 +48,14 @@ KVEVICT_HOST_DEVICE inline bool offsets_ok(const std::int64_t* offsets, std::int
   return offsets[h] <= offsets[h + 1] && offsets[h + 1] <= capacity;
 }
 
+/// Whether flattened entry e of head h (head_of_entry) is compared with no predecessor: the
+/// first of its head, and always entry 0. With corrupt offsets (offsets[0] != 0, negative)
+/// the head found for entry 0 need not start there, and its predecessor would be index -1.
+KVEVICT_HOST_DEVICE inline bool entry_starts_head(const std::int64_t* offsets, std::int64_t h,
+                                                  std::int64_t e) noexcept {
+  return e == 0 || e == offsets[h];
+}
+
 /// Check of one entry: index in [0, num_tokens) and strictly above its predecessor in the
 /// same head (`first_of_head` when e == offsets[h]).
 KVEVICT_HOST_DEVICE inline bool entry_ok(std::int64_t index, std::int64_t previous, bool first_of_head,

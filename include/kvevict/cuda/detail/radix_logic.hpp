@@ -33,12 +33,14 @@ constexpr int radix_passes = 32 / radix_bits;   // 4
 constexpr int radix_digits_per_lane = radix_buckets / 32;
 
 /// Unsigned key with the selection order: NaN -> 0, -0 -> key(+0). Equals the CPU's
-/// kvevict::detail::score_key bit for bit (tested).
+/// kvevict::detail::score_key bit for bit (tested). Integer operations only: any float
+/// operation (a `x += 0.0f` to fold -0 into +0, say) flushes denormal scores to zero under
+/// --use_fast_math, tying them with 0.
 KVEVICT_HOST_DEVICE inline std::uint32_t radix_key(float x) noexcept {
-  if (x != x) return 0u;
-  x += 0.0f;  // -0 + 0 = +0
   std::uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0u;  // NaN
+  if (bits == 0x80000000u) bits = 0u;                 // -0 -> +0
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 

@@ -78,6 +78,7 @@ inline void carve_obs_workspace(kvevict::detail::arena& a, const obs_dims& d, bo
 struct decode_workspace {
   float* logits = nullptr;              ///< [Hq, softmax_end] masked logits (two-pass only)
   softmax_partial* partials = nullptr;  ///< [Hq, tiles] (two-pass only)
+  float* row_lse = nullptr;             ///< [Hq] (two-pass only)
 };
 
 inline std::int64_t decode_tiles(const obs_dims& d) noexcept {
@@ -90,15 +91,17 @@ inline void carve_decode_workspace(kvevict::detail::arena& a, const obs_dims& d,
   const std::int64_t hq = saturating_mul(d.kv_heads, d.group);
   out->logits = engine_lse ? nullptr : a.take<float>(saturating_mul(hq, d.softmax_end()));
   out->partials = engine_lse ? nullptr : a.take<softmax_partial>(saturating_mul(hq, decode_tiles(d)));
+  out->row_lse = engine_lse ? nullptr : a.take<float>(hq);
 }
 
 /// Compaction: a private status word, the staged rows of K and V, and (paged caches) one
 /// bitmap per block pool for the duplicate-block check.
 struct compact_dims {
-  std::int64_t capacity = 0;          ///< keep-list entries (keep.capacity)
-  std::int64_t key_row_bytes = 0;     ///< dk * sizeof(KT)
-  std::int64_t value_row_bytes = 0;   ///< dv * sizeof(VT)
-  std::int64_t key_bitmap_ids = 0;    ///< pool blocks of K when paged, else 0
+  std::int64_t capacity = 0;         ///< keep-list entries (keep.capacity)
+  std::int64_t key_row_bytes = 0;    ///< dk * sizeof(KT)
+  std::int64_t value_row_bytes = 0;  ///< dv * sizeof(VT)
+  std::int64_t key_bitmap_ids =
+      0;  ///< pool blocks of K when paged (of K or V, whichever has more, when shared), else 0
   std::int64_t value_bitmap_ids = 0;  ///< pool blocks of V when paged with its own pool, else 0
 };
 
@@ -111,7 +114,11 @@ compact_dims make_compact_dims(const cache_view<KT>& keys, const cache_view<VT>&
   d.capacity = capacity < 0 ? 0 : capacity;
   d.key_row_bytes = kvevict::detail::saturating_mul(keys.head_dim, static_cast<std::int64_t>(sizeof(KT)));
   d.value_row_bytes = kvevict::detail::saturating_mul(values.head_dim, static_cast<std::int64_t>(sizeof(VT)));
-  d.key_bitmap_ids = keys.is_paged() ? keys.num_pool_blocks : 0;
+  // A pool shared by K and V puts both tables' ids in K's bitmap: it covers the larger of
+  // the two views' block counts (each view's ids are checked against its own count).
+  const std::int64_t shared_ids =
+      values.num_pool_blocks > keys.num_pool_blocks ? values.num_pool_blocks : keys.num_pool_blocks;
+  d.key_bitmap_ids = keys.is_paged() ? (rel.shared_pool ? shared_ids : keys.num_pool_blocks) : 0;
   d.value_bitmap_ids = values.is_paged() && !rel.same_table && !rel.shared_pool ? values.num_pool_blocks : 0;
   return d;
 }

@@ -1,0 +1,879 @@
+// The simulator's scheduler: one fiber per CUDA thread, the blocks of a grid one after
+// another on the launching host thread, __syncthreads as a block barrier, warp collectives
+// resolved when every lane their mask names has arrived, and per-block shared memory.
+//
+// Under ThreadSanitizer this translation unit is compiled without TSan instrumentation
+// (CMake adds -fno-sanitize=thread): the fiber entry never returns and the yield is
+// re-entered by pooled fibers, which instrumented code would record as ever-deeper call
+// stacks; and the scheduler's own bookkeeping is not an access of the simulated threads.
+// Happens-before is added only where CUDA gives it: host -> every thread of a launch, each
+// __syncthreads (release on arrival, acquire on leaving), __syncwarp within its mask, and
+// every thread -> host at the end of the launch. Warp shuffles give none, and nothing orders
+// one block after another, so a missing barrier or a cross-block race stays a race.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "cuda_sim/device.hpp"
+#include "internal.hpp"
+#include "sanitizers.hpp"
+
+#if !defined(__x86_64__) || defined(CUDA_SIM_UCONTEXT)
+#define CUDA_SIM_USE_UCONTEXT 1
+#include <ucontext.h>
+#endif
+
+namespace cudasim {
+namespace detail {
+struct fiber;
+}  // namespace detail
+}  // namespace cudasim
+
+extern "C" [[noreturn]] void cudasim_fiber_main(cudasim::detail::fiber* f) noexcept;
+
+#if !defined(CUDA_SIM_USE_UCONTEXT)
+// A context switch saves the callee-saved registers on the current stack, stores the stack
+// pointer, loads the other one and pops its registers: about a hundred times cheaper than
+// swapcontext, which also saves the signal mask with a system call. MXCSR and the x87 control
+// word are per host thread, shared by every fiber (a test that sets flush-to-zero sets it for
+// its kernels too).
+extern "C" void cudasim_switch(void** save_sp, void* to_sp) noexcept;
+extern "C" void cudasim_fiber_start() noexcept;
+asm(R"(
+  .text
+  .globl cudasim_switch
+  .hidden cudasim_switch
+  .type cudasim_switch, @function
+cudasim_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size cudasim_switch, .-cudasim_switch
+
+  .globl cudasim_fiber_start
+  .hidden cudasim_fiber_start
+  .type cudasim_fiber_start, @function
+cudasim_fiber_start:
+  .cfi_startproc
+  .cfi_undefined rip
+  movq %r12, %rdi
+  callq *%r13
+  ud2
+  .cfi_endproc
+  .size cudasim_fiber_start, .-cudasim_fiber_start
+)");
+#endif
+
+namespace cudasim {
+namespace detail {
+
+namespace {
+
+constexpr unsigned kMaxThreads = 1024;
+constexpr unsigned kMaxWarps = kMaxThreads / 32;
+constexpr std::size_t kStackBytes = 256 * 1024;
+constexpr std::size_t kStaticSharedLimit = 48 * 1024;
+
+struct machine_context {
+#if defined(CUDA_SIM_USE_UCONTEXT)
+  ucontext_t uc;
+#else
+  void* sp = nullptr;
+#endif
+};
+
+}  // namespace
+
+/// A pooled execution context for one CUDA thread index: its stack (with a guard page
+/// below it), its TSan fiber, and ASan's fake-stack handle.
+struct fiber {
+  machine_context context;
+  void* mapping = nullptr;
+  std::size_t mapping_bytes = 0;
+  const void* stack_lo = nullptr;
+  std::size_t stack_bytes = 0;
+  void* tsan = nullptr;
+  void* asan_fake_stack = nullptr;
+};
+
+namespace {
+
+enum class thread_state : std::uint8_t { ready, barrier, collective, done };
+
+const char* op_name(warp_op op) {
+  switch (op) {
+    case warp_op::shfl:
+      return "__shfl_sync";
+    case warp_op::shfl_up:
+      return "__shfl_up_sync";
+    case warp_op::shfl_down:
+      return "__shfl_down_sync";
+    case warp_op::shfl_xor:
+      return "__shfl_xor_sync";
+    case warp_op::ballot:
+      return "__ballot_sync";
+    case warp_op::any:
+      return "__any_sync";
+    case warp_op::all:
+      return "__all_sync";
+    case warp_op::match_any:
+      return "__match_any_sync";
+    case warp_op::match_all:
+      return "__match_all_sync";
+    case warp_op::reduce_add:
+      return "__reduce_add_sync";
+    case warp_op::reduce_min_signed:
+    case warp_op::reduce_min_unsigned:
+      return "__reduce_min_sync";
+    case warp_op::reduce_max_signed:
+    case warp_op::reduce_max_unsigned:
+      return "__reduce_max_sync";
+    case warp_op::reduce_and:
+      return "__reduce_and_sync";
+    case warp_op::reduce_or:
+      return "__reduce_or_sync";
+    case warp_op::reduce_xor:
+      return "__reduce_xor_sync";
+    case warp_op::syncwarp:
+      return "__syncwarp";
+  }
+  return "a warp function";
+}
+
+const char* barrier_name(barrier_op op) {
+  switch (op) {
+    case barrier_op::sync:
+      return "__syncthreads";
+    case barrier_op::count:
+      return "__syncthreads_count";
+    case barrier_op::all:
+      return "__syncthreads_and";
+    case barrier_op::any:
+      return "__syncthreads_or";
+  }
+  return "__syncthreads";
+}
+
+bool same_site(const char* f1, int l1, const char* f2, int l2) {
+  return l1 == l2 && (f1 == f2 || std::strcmp(f1, f2) == 0);
+}
+
+struct sim_thread {
+  thread_state state = thread_state::ready;
+  // Where the thread waits, for diagnostics.
+  const char* file = "";
+  int line = 0;
+  warp_op op = warp_op::syncwarp;
+  // This lane's contribution to the pending warp collective, and the results handed back.
+  std::uint64_t value = 0;
+  int param = 0;
+  warp_result result{0, 0};
+  int barrier_result = 0;
+};
+
+struct pending_collective {
+  warp_op op = warp_op::syncwarp;
+  unsigned mask = 0;
+  unsigned arrived = 0;
+  int bytes = 0;
+  int width = 32;
+  const char* file = "";
+  int line = 0;
+  unsigned first_lane = 0;
+  char* sync = nullptr;  // __syncwarp's synchronisation word
+};
+
+struct warp_state {
+  unsigned lanes = 0;   // lanes that exist (the last warp of a block may be partial)
+  unsigned exited = 0;  // lanes whose thread has returned
+  // Collectives in progress: their masks are disjoint (lanes 0-15 and 16-31 may each run
+  // their own); a lane is in at most one.
+  pending_collective pending[32];
+  int num_pending = 0;
+  unsigned syncwarps = 0;  // __syncwarp instances so far (picks the next word)
+};
+
+/// Synchronisation words of one block, allocated afresh per block so that TSan's clocks
+/// never carry from one block to the next. Consecutive barriers (and __syncwarps) use
+/// different words: a thread that has passed a barrier may release into the next one before
+/// a slower thread has acquired from this one, and that slower thread must not inherit the
+/// fast one's later accesses.
+constexpr unsigned kBarrierWords = 4;
+constexpr unsigned kSyncwarpWords = 64;
+struct block_sync {
+  char barrier[kBarrierWords] = {};
+  char warp[kMaxWarps][kSyncwarpWords] = {};
+};
+/// Synchronisation words of one launch.
+struct launch_sync {
+  char start = 0;
+  char end = 0;
+};
+
+struct static_declaration {
+  const void* site;
+  void* storage;
+  std::size_t bytes;
+};
+
+struct exec_context {
+  // The host thread's own context while a fiber runs.
+  machine_context host;
+  void* host_tsan_fiber = nullptr;
+  void* host_fake_stack = nullptr;
+  const void* host_stack_lo = nullptr;
+  std::size_t host_stack_bytes = 0;
+  // Fibers per thread index, in two pools: consecutive blocks never share a fiber, so
+  // program order of a pooled fiber does not hide a race between neighbouring blocks.
+  std::vector<std::unique_ptr<fiber>> pools[2];
+
+  // The launch in progress.
+  const kernel_launch* launch = nullptr;
+  launch_sync* lsync = nullptr;
+  std::size_t shared_limit = 0;
+  std::size_t largest_static = 0;
+
+  // The block in progress.
+  uint3 block{0, 0, 0};
+  unsigned parity = 0;
+  unsigned num_threads = 0;
+  unsigned num_warps = 0;
+  unsigned current = 0;
+  unsigned exited = 0;
+  sim_thread threads[kMaxThreads];
+  warp_state warps[kMaxWarps];
+  unsigned barrier_waiting = 0;
+  unsigned barriers = 0;  // completed barriers of the block (picks the next word)
+  barrier_op barrier_kind = barrier_op::sync;
+  const char* barrier_file = "";
+  int barrier_line = 0;
+  int barrier_true = 0;
+  block_sync* sync = nullptr;
+  void* dynamic_smem = nullptr;
+  std::size_t dynamic_bytes = 0;
+  std::vector<static_declaration> statics;
+  std::size_t static_bytes = 0;
+
+  ~exec_context();
+};
+
+thread_local std::unique_ptr<exec_context> tls_context;
+
+exec_context& context() {
+  if (!tls_context) tls_context = std::make_unique<exec_context>();
+  return *tls_context;
+}
+
+exec_context& kernel_context(const char* what) {
+  exec_context* c = tls_context.get();
+  if (c == nullptr || c->launch == nullptr) fatal("%s called outside a kernel", what);
+  return *c;
+}
+
+// ---- fibers ----------------------------------------------------------------------------
+
+std::unique_ptr<fiber> make_fiber(unsigned pool, unsigned index) {
+  auto f = std::make_unique<fiber>();
+  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  f->mapping_bytes = kStackBytes + page;
+  f->mapping =
+      mmap(nullptr, f->mapping_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (f->mapping == MAP_FAILED) fatal("cannot map a %zu-byte fiber stack", f->mapping_bytes);
+  // The page below the stack faults on overflow instead of corrupting a neighbour's stack.
+  if (mprotect(f->mapping, page, PROT_NONE) != 0) fatal("cannot protect a fiber stack's guard page");
+  auto* lo = static_cast<unsigned char*>(f->mapping) + page;
+  f->stack_lo = lo;
+  f->stack_bytes = kStackBytes;
+#if defined(CUDA_SIM_USE_UCONTEXT)
+  getcontext(&f->context.uc);
+  f->context.uc.uc_stack.ss_sp = lo;
+  f->context.uc.uc_stack.ss_size = kStackBytes;
+  f->context.uc.uc_link = nullptr;
+  const auto bits = reinterpret_cast<std::uintptr_t>(f.get());
+  makecontext(&f->context.uc, reinterpret_cast<void (*)()>(+[](unsigned hi, unsigned lo_bits) {
+    cudasim_fiber_main(reinterpret_cast<fiber*>((static_cast<std::uintptr_t>(hi) << 32) | lo_bits));
+  }),
+              2, static_cast<unsigned>(bits >> 32), static_cast<unsigned>(bits & 0xffffffffu));
+#else
+  // Initial frame, as cudasim_switch pops it: r15 r14 r13 r12 rbx rbp, then the return
+  // address cudasim_fiber_start, which calls r13(r12) = cudasim_fiber_main(fiber) with the
+  // stack 16-byte aligned. rbp = 0 ends frame-pointer unwinding there.
+  auto top = reinterpret_cast<std::uintptr_t>(lo + kStackBytes) & ~static_cast<std::uintptr_t>(15);
+  auto* frame = reinterpret_cast<std::uintptr_t*>(top - 9 * sizeof(std::uintptr_t));
+  std::memset(frame, 0, 9 * sizeof(std::uintptr_t));
+  frame[2] = reinterpret_cast<std::uintptr_t>(&cudasim_fiber_main);
+  frame[3] = reinterpret_cast<std::uintptr_t>(f.get());
+  frame[6] = reinterpret_cast<std::uintptr_t>(&cudasim_fiber_start);
+  f->context.sp = frame;
+#endif
+  if (__tsan_create_fiber != nullptr) {
+    f->tsan = __tsan_create_fiber(0);
+    if (__tsan_set_fiber_name != nullptr) {
+      char name[64];
+      std::snprintf(name, sizeof(name), "CUDA thread %u (fiber pool %u)", index, pool);
+      __tsan_set_fiber_name(f->tsan, name);
+    }
+  }
+  return f;
+}
+
+exec_context::~exec_context() {
+  for (auto& pool : pools)
+    for (auto& f : pool) {
+      // Frames of the parked fiber leave ASan poison behind; clear it before the pages can
+      // be mapped again for something else.
+      asan_unpoison(f->stack_lo, f->stack_bytes);
+      if (f->tsan != nullptr && __tsan_destroy_fiber != nullptr) __tsan_destroy_fiber(f->tsan);
+      munmap(f->mapping, f->mapping_bytes);
+    }
+}
+
+inline void raw_switch(machine_context& from, machine_context& to) {
+#if defined(CUDA_SIM_USE_UCONTEXT)
+  swapcontext(&from.uc, &to.uc);
+#else
+  cudasim_switch(&from.sp, to.sp);
+#endif
+}
+
+fiber& current_fiber(exec_context& c) {
+  return *c.pools[c.parity][c.current];
+}
+
+/// Host -> fiber of thread `t` of the current block; returns when that thread waits or ends.
+void resume(exec_context& c, unsigned t) {
+  c.current = t;
+  const dim3 b = c.launch->block;
+  threadIdx = uint3{t % b.x, (t / b.x) % b.y, t / (b.x * b.y)};
+  fiber& f = *c.pools[c.parity][t];
+  if (__tsan_switch_to_fiber != nullptr) __tsan_switch_to_fiber(f.tsan, 1 /* no sync */);
+  if (__sanitizer_start_switch_fiber != nullptr)
+    __sanitizer_start_switch_fiber(&c.host_fake_stack, f.stack_lo, f.stack_bytes);
+  raw_switch(c.host, f.context);
+  if (__sanitizer_finish_switch_fiber != nullptr) __sanitizer_finish_switch_fiber(c.host_fake_stack, nullptr, nullptr);
+}
+
+/// Fiber -> host: the current thread waits (or has ended); returns when it is resumed.
+void yield(exec_context& c) {
+  fiber& f = current_fiber(c);
+  if (__tsan_switch_to_fiber != nullptr) __tsan_switch_to_fiber(c.host_tsan_fiber, 1 /* no sync */);
+  if (__sanitizer_start_switch_fiber != nullptr)
+    __sanitizer_start_switch_fiber(&f.asan_fake_stack, c.host_stack_lo, c.host_stack_bytes);
+  raw_switch(f.context, c.host);
+  if (__sanitizer_finish_switch_fiber != nullptr)
+    __sanitizer_finish_switch_fiber(f.asan_fake_stack, &c.host_stack_lo, &c.host_stack_bytes);
+}
+
+// ---- diagnostics -----------------------------------------------------------------------
+
+struct thread_name {
+  char text[96];
+};
+/// "thread (x,y,z) [warp w lane l]" of thread t of the current block (for messages only).
+thread_name who(const exec_context& c, unsigned t) {
+  thread_name n;
+  const dim3 b = c.launch->block;
+  std::snprintf(n.text, sizeof(n.text), "thread (%u,%u,%u) [warp %u lane %u]", t % b.x, (t / b.x) % b.y,
+                t / (b.x * b.y), t / 32, t % 32);
+  return n;
+}
+
+void format_lanes(unsigned mask, char* out, std::size_t n) {
+  std::size_t used = 0;
+  out[0] = '\0';
+  for (unsigned lane = 0; lane < 32 && used + 8 < n; ++lane) {
+    if (!(mask & (1u << lane))) continue;
+    unsigned end = lane;
+    while (end + 1 < 32 && (mask & (1u << (end + 1)))) ++end;
+    const int w = end > lane ? std::snprintf(out + used, n - used, "%s%u-%u", used ? "," : "", lane, end)
+                             : std::snprintf(out + used, n - used, "%s%u", used ? "," : "", lane);
+    used += static_cast<std::size_t>(w > 0 ? w : 0);
+    lane = end;
+  }
+}
+
+[[noreturn]] void deadlock(exec_context& c) {
+  std::fprintf(stderr, "cudasim: deadlock: no thread of the block can proceed\n");
+  unsigned shown = 0;
+  for (unsigned t = 0; t < c.num_threads && shown < 12; ++t) {
+    const sim_thread& s = c.threads[t];
+    if (s.state == thread_state::done || s.state == thread_state::ready) continue;
+    if (s.state == thread_state::barrier) {
+      std::fprintf(stderr, "  %s waits at %s (%s:%d)\n", who(c, t).text, barrier_name(c.barrier_kind), s.file, s.line);
+    } else {
+      const warp_state& w = c.warps[t / 32];
+      unsigned waiting_for = 0;
+      for (int i = 0; i < w.num_pending; ++i)
+        if (w.pending[i].mask & (1u << (t % 32))) waiting_for = w.pending[i].mask & ~w.pending[i].arrived;
+      char lanes[160];
+      format_lanes(waiting_for, lanes, sizeof(lanes));
+      std::fprintf(stderr, "  %s waits in %s (%s:%d) for lanes %s\n", who(c, t).text, op_name(s.op), s.file, s.line,
+                   lanes);
+    }
+    ++shown;
+  }
+  fatal("deadlock in a kernel (see the waiting threads above)");
+}
+
+// ---- blocks ----------------------------------------------------------------------------
+
+void run_block(exec_context& c) {
+  const dim3 b = c.launch->block;
+  c.num_threads = b.x * b.y * b.z;
+  c.num_warps = (c.num_threads + 31) / 32;
+  c.exited = 0;
+  c.barrier_waiting = 0;
+  c.barriers = 0;
+  c.statics.clear();
+  c.static_bytes = 0;
+  for (unsigned t = 0; t < c.num_threads; ++t) c.threads[t] = sim_thread{};
+  for (unsigned w = 0; w < c.num_warps; ++w) {
+    warp_state& ws = c.warps[w];
+    const unsigned n = c.num_threads - w * 32 < 32 ? c.num_threads - w * 32 : 32;
+    ws.lanes = n == 32 ? 0xffffffffu : ((1u << n) - 1u);
+    ws.exited = 0;
+    ws.num_pending = 0;
+    ws.syncwarps = 0;
+  }
+  {
+    tsan_ignore_scope ignore;
+    c.sync = new block_sync();
+    // The dynamic arena is exactly the launch's size (an overrun is a heap-buffer-overflow
+    // under ASan), 16-byte aligned like CUDA's, and holds 0xff: no zeroes to hide reads of
+    // memory no thread of the block wrote.
+    c.dynamic_bytes = c.launch->dynamic_smem;
+    if (posix_memalign(&c.dynamic_smem, 16, c.dynamic_bytes) != 0) fatal("cannot allocate dynamic shared memory");
+    std::memset(c.dynamic_smem, 0xff, c.dynamic_bytes);
+  }
+
+  for (;;) {
+    bool progress = false;
+    // A warp at a time until each of its threads waits at a barrier or has ended: warps
+    // only wait for each other at barriers.
+    for (unsigned w = 0; w < c.num_warps; ++w) {
+      const unsigned t_end = (w + 1) * 32 < c.num_threads ? (w + 1) * 32 : c.num_threads;
+      for (bool again = true; again;) {
+        again = false;
+        for (unsigned t = w * 32; t < t_end; ++t) {
+          if (c.threads[t].state != thread_state::ready) continue;
+          resume(c, t);
+          progress = again = true;
+        }
+      }
+    }
+    if (c.exited == c.num_threads) break;
+    if (!progress) deadlock(c);
+  }
+
+  if (c.static_bytes > c.largest_static) c.largest_static = c.static_bytes;
+  tsan_ignore_scope ignore;
+  for (const static_declaration& d : c.statics) std::free(d.storage);
+  c.statics.clear();
+  std::free(c.dynamic_smem);
+  c.dynamic_smem = nullptr;
+  delete c.sync;
+  c.sync = nullptr;
+}
+
+void thread_exit(exec_context& c) {
+  sim_thread& me = c.threads[c.current];
+  me.state = thread_state::done;
+  ++c.exited;
+  const unsigned lane = c.current % 32;
+  warp_state& w = c.warps[c.current / 32];
+  w.exited |= 1u << lane;
+  if (c.barrier_waiting > 0)
+    fatal(
+        "%s returned while %u threads of its block wait at %s (%s:%d): a barrier must be reached by every thread "
+        "of the block (a barrier in divergent code, or after some threads exited)",
+        who(c, c.current).text, c.barrier_waiting, barrier_name(c.barrier_kind), c.barrier_file, c.barrier_line);
+  for (int i = 0; i < w.num_pending; ++i) {
+    const pending_collective& p = w.pending[i];
+    if ((p.mask & (1u << lane)) && !(p.arrived & (1u << lane)))
+      fatal("%s returned while lanes of its warp wait for it in %s (%s:%d), whose mask 0x%08x names it",
+            who(c, c.current).text, op_name(p.op), p.file, p.line, p.mask);
+  }
+}
+
+// ---- warp collectives ------------------------------------------------------------------
+
+std::uint64_t mask_bytes(std::uint64_t v, int bytes) {
+  return bytes >= 8 ? v : (v & ((std::uint64_t{1} << (8 * bytes)) - 1));
+}
+
+/// Computes every participating lane's result; called by the lane that completes the set.
+void resolve(exec_context& c, unsigned warp, const pending_collective& p) {
+  sim_thread* lanes = &c.threads[warp * 32];
+  const unsigned width = static_cast<unsigned>(p.width);
+  auto source = [&](unsigned lane, unsigned src) -> const sim_thread& {
+    if (!(p.mask & (1u << src))) {
+      fatal("%s reads lane %u in %s (%s:%d), but the mask 0x%08x does not name that lane: the value is undefined",
+            who(c, warp * 32 + lane).text, src, op_name(p.op), p.file, p.line, p.mask);
+    }
+    return lanes[src];
+  };
+  for (unsigned lane = 0; lane < 32; ++lane) {
+    if (!(p.mask & (1u << lane))) continue;
+    sim_thread& me = lanes[lane];
+    warp_result r{0, 0};
+    const unsigned segment = lane & ~(width - 1);
+    switch (p.op) {
+      case warp_op::shfl: {
+        const int w = static_cast<int>(width);
+        const unsigned src = segment + static_cast<unsigned>(((me.param % w) + w) % w);
+        r.value = source(lane, src).value;
+        break;
+      }
+      case warp_op::shfl_up: {
+        const unsigned delta = static_cast<unsigned>(me.param);
+        r.value = (lane - segment) >= delta ? source(lane, lane - delta).value : me.value;
+        break;
+      }
+      case warp_op::shfl_down: {
+        const unsigned delta = static_cast<unsigned>(me.param);
+        r.value = (lane - segment) + delta < width ? source(lane, lane + delta).value : me.value;
+        break;
+      }
+      case warp_op::shfl_xor: {
+        const unsigned src = lane ^ static_cast<unsigned>(me.param);
+        // Lanes of later segments (or past the warp) are not readable: own value, as CUDA.
+        r.value = (src >= 32 || (src & ~(width - 1)) > segment) ? me.value : source(lane, src).value;
+        break;
+      }
+      case warp_op::ballot:
+      case warp_op::any:
+      case warp_op::all: {
+        unsigned bits = 0;
+        for (unsigned l = 0; l < 32; ++l)
+          if ((p.mask & (1u << l)) && lanes[l].value != 0) bits |= 1u << l;
+        r.value = bits;
+        r.predicate = p.op == warp_op::any ? (bits != 0) : (bits == p.mask);
+        break;
+      }
+      case warp_op::match_any:
+      case warp_op::match_all: {
+        unsigned same = 0;
+        for (unsigned l = 0; l < 32; ++l)
+          if ((p.mask & (1u << l)) && mask_bytes(lanes[l].value, p.bytes) == mask_bytes(me.value, p.bytes))
+            same |= 1u << l;
+        if (p.op == warp_op::match_any) {
+          r.value = same;
+        } else {
+          r.predicate = same == p.mask;
+          r.value = r.predicate ? p.mask : 0u;
+        }
+        break;
+      }
+      case warp_op::reduce_add:
+      case warp_op::reduce_min_signed:
+      case warp_op::reduce_max_signed:
+      case warp_op::reduce_min_unsigned:
+      case warp_op::reduce_max_unsigned:
+      case warp_op::reduce_and:
+      case warp_op::reduce_or:
+      case warp_op::reduce_xor: {
+        bool first = true;
+        std::uint32_t acc = 0;
+        for (unsigned l = 0; l < 32; ++l) {
+          if (!(p.mask & (1u << l))) continue;
+          const auto v = static_cast<std::uint32_t>(lanes[l].value);
+          const auto sv = static_cast<std::int32_t>(v), sacc = static_cast<std::int32_t>(acc);
+          if (first) {
+            acc = v;
+            first = false;
+            continue;
+          }
+          switch (p.op) {
+            case warp_op::reduce_add:
+              acc += v;
+              break;
+            case warp_op::reduce_min_signed:
+              acc = static_cast<std::uint32_t>(sv < sacc ? sv : sacc);
+              break;
+            case warp_op::reduce_max_signed:
+              acc = static_cast<std::uint32_t>(sv > sacc ? sv : sacc);
+              break;
+            case warp_op::reduce_min_unsigned:
+              acc = v < acc ? v : acc;
+              break;
+            case warp_op::reduce_max_unsigned:
+              acc = v > acc ? v : acc;
+              break;
+            case warp_op::reduce_and:
+              acc &= v;
+              break;
+            case warp_op::reduce_or:
+              acc |= v;
+              break;
+            default:
+              acc ^= v;
+              break;
+          }
+        }
+        r.value = acc;
+        break;
+      }
+      case warp_op::syncwarp:
+        break;
+    }
+    me.result = r;
+  }
+}
+
+}  // namespace
+
+// ---- entry points ------------------------------------------------------------------------
+
+bool in_kernel() noexcept {
+  const exec_context* c = tls_context.get();
+  return c != nullptr && c->launch != nullptr;
+}
+
+void fatal(const char* format, ...) noexcept {
+  std::fflush(stdout);
+  std::fprintf(stderr, "cudasim: ");
+  va_list args;
+  va_start(args, format);
+  std::vfprintf(stderr, format, args);
+  va_end(args);
+  std::fprintf(stderr, "\n");
+  const exec_context* c = tls_context.get();
+  if (c != nullptr && c->launch != nullptr) {
+    const dim3 g = c->launch->grid, b = c->launch->block;
+    std::fprintf(stderr,
+                 "cudasim:   in a launch of grid (%u,%u,%u) x block (%u,%u,%u), %zu bytes of dynamic shared memory; "
+                 "block (%u,%u,%u), thread (%u,%u,%u)\n",
+                 g.x, g.y, g.z, b.x, b.y, b.z, c->launch->dynamic_smem, c->block.x, c->block.y, c->block.z, threadIdx.x,
+                 threadIdx.y, threadIdx.z);
+  }
+  std::fflush(stderr);
+  std::abort();
+}
+
+std::size_t run_grid(const kernel_launch& l, std::size_t shared_limit) noexcept {
+  exec_context& c = context();
+  if (c.launch != nullptr) fatal("a kernel launched a kernel (dynamic parallelism is not simulated)");
+  const unsigned threads = l.block.x * l.block.y * l.block.z;
+  for (unsigned p = 0; p < 2; ++p)
+    while (c.pools[p].size() < threads) c.pools[p].push_back(make_fiber(p, static_cast<unsigned>(c.pools[p].size())));
+  if (__tsan_get_current_fiber != nullptr) c.host_tsan_fiber = __tsan_get_current_fiber();
+  c.launch = &l;
+  c.shared_limit = shared_limit;
+  c.largest_static = 0;
+  {
+    tsan_ignore_scope ignore;
+    c.lsync = new launch_sync();
+  }
+  tsan_release(&c.lsync->start);  // everything the host did before the launch
+  gridDim = l.grid;
+  blockDim = l.block;
+  for (unsigned z = 0; z < l.grid.z; ++z)
+    for (unsigned y = 0; y < l.grid.y; ++y)
+      for (unsigned x = 0; x < l.grid.x; ++x) {
+        c.block = uint3{x, y, z};
+        blockIdx = c.block;
+        c.parity = (x + y + z) & 1u;
+        run_block(c);
+      }
+  tsan_acquire(&c.lsync->end);  // the host sees everything the kernel did
+  {
+    tsan_ignore_scope ignore;
+    delete c.lsync;
+    c.lsync = nullptr;
+  }
+  c.launch = nullptr;
+  threadIdx = uint3{0, 0, 0};
+  blockIdx = uint3{0, 0, 0};
+  return c.largest_static;
+}
+
+int barrier(barrier_op op, int predicate, const char* file, int line) noexcept {
+  exec_context& c = kernel_context(barrier_name(op));
+  sim_thread& me = c.threads[c.current];
+  if (c.exited > 0) {
+    unsigned first = 0;
+    while (c.threads[first].state != thread_state::done) ++first;
+    fatal(
+        "%s reached %s (%s:%d) after %u threads of its block returned (first %s): a barrier must be reached by "
+        "every thread of the block",
+        who(c, c.current).text, barrier_name(op), file, line, c.exited, who(c, first).text);
+  }
+  if (c.barrier_waiting == 0) {
+    c.barrier_kind = op;
+    c.barrier_file = file;
+    c.barrier_line = line;
+    c.barrier_true = 0;
+  } else if (op != c.barrier_kind || !same_site(file, line, c.barrier_file, c.barrier_line)) {
+    fatal(
+        "divergent barrier: %s reached %s (%s:%d) while %u threads of its block wait at %s (%s:%d); every thread "
+        "of a block must reach the same barrier",
+        who(c, c.current).text, barrier_name(op), file, line, c.barrier_waiting, barrier_name(c.barrier_kind),
+        c.barrier_file, c.barrier_line);
+  }
+  c.barrier_true += predicate != 0 ? 1 : 0;
+  char* word = &c.sync->barrier[c.barriers % kBarrierWords];
+  tsan_release(word);
+  if (++c.barrier_waiting == c.num_threads) {
+    int result = c.barrier_true;
+    if (op == barrier_op::all) result = c.barrier_true == static_cast<int>(c.num_threads);
+    if (op == barrier_op::any) result = c.barrier_true != 0;
+    for (unsigned t = 0; t < c.num_threads; ++t) {
+      if (c.threads[t].state != thread_state::barrier) continue;
+      c.threads[t].barrier_result = result;
+      c.threads[t].state = thread_state::ready;
+    }
+    me.barrier_result = result;
+    c.barrier_waiting = 0;
+    ++c.barriers;
+  } else {
+    me.state = thread_state::barrier;
+    me.file = file;
+    me.line = line;
+    yield(c);
+  }
+  tsan_acquire(word);
+  return me.barrier_result;
+}
+
+warp_result warp_collective(warp_op op, unsigned mask, std::uint64_t value, int bytes, int param, int width,
+                            const char* file, int line) noexcept {
+  exec_context& c = kernel_context(op_name(op));
+  const unsigned t = c.current, warp = t / 32, lane = t % 32, bit = 1u << lane;
+  sim_thread& me = c.threads[t];
+  warp_state& w = c.warps[warp];
+  if (width < 1 || width > 32 || (width & (width - 1)) != 0)
+    fatal("%s calls %s (%s:%d) with width %d: expected a power of two in [1, 32]", who(c, t).text, op_name(op), file,
+          line, width);
+  if (!(mask & bit))
+    fatal("%s calls %s (%s:%d) with mask 0x%08x, which does not name its own lane", who(c, t).text, op_name(op), file,
+          line, mask);
+  if (mask & ~w.lanes)
+    fatal("%s calls %s (%s:%d) with mask 0x%08x, which names lanes that do not exist (the block has %u threads)",
+          who(c, t).text, op_name(op), file, line, mask, c.num_threads);
+  if (mask & w.exited) {
+    char lanes[160];
+    format_lanes(mask & w.exited, lanes, sizeof(lanes));
+    fatal("%s calls %s (%s:%d) with mask 0x%08x, which names lanes %s that have returned", who(c, t).text, op_name(op),
+          file, line, mask, lanes);
+  }
+  pending_collective* p = nullptr;
+  for (int i = 0; i < w.num_pending; ++i) {
+    pending_collective& q = w.pending[i];
+    if (!(q.mask & mask)) continue;
+    if (q.mask != mask || q.op != op || q.bytes != bytes || q.width != width) {
+      fatal(
+          "mismatched warp functions: %s calls %s (%s:%d) with mask 0x%08x while %s waits in %s (%s:%d) with mask "
+          "0x%08x; the lanes a mask names must all call the same function with the same mask",
+          who(c, t).text, op_name(op), file, line, mask, who(c, warp * 32 + q.first_lane).text, op_name(q.op), q.file,
+          q.line, q.mask);
+    }
+    p = &q;
+  }
+  if (p == nullptr) {
+    p = &w.pending[w.num_pending++];
+    *p = pending_collective{op, mask, 0, bytes, width, file, line, lane, nullptr};
+    if (op == warp_op::syncwarp) p->sync = &c.sync->warp[warp][w.syncwarps++ % kSyncwarpWords];
+  }
+  char* word = p->sync;
+  me.value = value;
+  me.param = param;
+  p->arrived |= bit;
+  if (word != nullptr) tsan_release(word);
+  if (p->arrived == mask) {
+    resolve(c, warp, *p);
+    for (unsigned l = 0; l < 32; ++l)
+      if ((mask & (1u << l)) && l != lane) c.threads[warp * 32 + l].state = thread_state::ready;
+    *p = w.pending[--w.num_pending];
+  } else {
+    me.state = thread_state::collective;
+    me.op = op;
+    me.file = file;
+    me.line = line;
+    yield(c);
+  }
+  if (word != nullptr) tsan_acquire(word);
+  return me.result;
+}
+
+unsigned active_mask() noexcept {
+  exec_context& c = kernel_context("__activemask");
+  const warp_state& w = c.warps[c.current / 32];
+  return w.lanes & ~w.exited;
+}
+
+void* static_shared(const void* site, std::size_t bytes, std::size_t align, const char* name) noexcept {
+  exec_context& c = kernel_context("a __shared__ declaration");
+  for (const static_declaration& d : c.statics)
+    if (d.site == site) return d.storage;
+  // The first thread of the block to reach the declaration allocates it for the block.
+  if (c.static_bytes + bytes > kStaticSharedLimit)
+    fatal("static shared memory of the kernel exceeds 48 KiB at '%s' (%zu + %zu bytes)", name, c.static_bytes, bytes);
+  if (c.static_bytes + bytes + c.dynamic_bytes > c.shared_limit)
+    fatal(
+        "static (%zu bytes with '%s') plus dynamic (%zu bytes) shared memory exceeds the device's %zu bytes per "
+        "block: the launch would fail",
+        c.static_bytes + bytes, name, c.dynamic_bytes, c.shared_limit);
+  void* p = nullptr;
+  {
+    tsan_ignore_scope ignore;
+    if (posix_memalign(&p, align < 16 ? 16 : align, bytes) != 0) fatal("cannot allocate shared memory '%s'", name);
+    std::memset(p, 0xff, bytes);
+  }
+  c.statics.push_back({site, p, bytes});
+  c.static_bytes += bytes;
+  return p;
+}
+
+void* dynamic_shared(std::size_t align, const char* name) noexcept {
+  exec_context& c = kernel_context("extern __shared__");
+  if (align > 16)
+    fatal("dynamic shared memory '%s' needs %zu-byte alignment; the arena is 16-byte aligned", name, align);
+  return c.dynamic_smem;
+}
+
+void device_trap(const char* file, int line) noexcept {
+  fatal("__trap() at %s:%d", file, line);
+}
+
+void misaligned(const void* p, std::size_t align, const char* what, const char* file, int line) noexcept {
+  fatal(
+      "misaligned address: %s at %s:%d reads or writes %p, which is not %zu-byte aligned (a misaligned-address "
+      "fault on a GPU)",
+      what, file, line, p, align);
+}
+
+}  // namespace detail
+}  // namespace cudasim
+
+extern "C" void cudasim_fiber_main(cudasim::detail::fiber* f) noexcept {
+  using namespace cudasim::detail;
+  exec_context& c = context();
+  if (__sanitizer_finish_switch_fiber != nullptr)
+    __sanitizer_finish_switch_fiber(f->asan_fake_stack, &c.host_stack_lo, &c.host_stack_bytes);
+  for (;;) {
+    tsan_acquire(&c.lsync->start);
+    c.launch->run_thread(c.launch->payload);
+    tsan_release(&c.lsync->end);
+    thread_exit(c);
+    yield(c);
+  }
+}
