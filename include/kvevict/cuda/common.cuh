@@ -183,7 +183,8 @@ __device__ __forceinline__ std::int64_t checked_row_offset(const cache_view<T>& 
                                                            std::uint32_t* flags) {
   if (v.block_table != nullptr) {
     const std::int64_t block = j / v.block_size;
-    const std::int32_t id = __ldg(v.block_table + block);
+    // Per-head tables (head_table_stride != 0): head h's table starts h * head_table_stride in.
+    const std::int32_t id = __ldg(v.block_table + h * v.head_table_stride + block);
     if (id < 0 || id >= v.num_pool_blocks) {
       raise_flag(flags, flag_block_id_out_of_range);
       return -1;

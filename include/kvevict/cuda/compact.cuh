@@ -75,8 +75,8 @@ __device__ __forceinline__ void check_table(const compact_args& a, const byte_vi
                                             std::int64_t gtid, std::int64_t nthreads) {
   if (v.block_table == nullptr || v.num_tokens == 0) return;  // an empty view may have any geometry
   const std::int64_t used = ceil_div(v.num_tokens, v.block_size);
-  for (std::int64_t b = gtid; b < used; b += nthreads) {
-    const std::int32_t id = v.block_table[b];
+  for (std::int64_t e = gtid; e < v.num_tables * used; e += nthreads) {
+    const std::int32_t id = v.block_table[(e / used) * v.head_table_stride + e % used];  // every head's table
     if (id < 0 || id >= v.num_pool_blocks) {
       compact_fail(a, flag_block_id_out_of_range);
       continue;

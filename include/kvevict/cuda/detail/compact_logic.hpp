@@ -90,14 +90,16 @@ struct byte_view {
   std::int64_t row_bytes = 0;  // head_dim * element_bytes
   const std::int32_t* block_table = nullptr;
   std::int64_t block_size = 0, block_stride = 0, num_pool_blocks = 0;
+  std::int64_t head_table_stride = 0;  // entries between heads' tables; 0: one table for every head
+  std::int64_t num_tables = 1;         // tables to check: num_heads with per-head tables, else 1
   std::int64_t num_tokens = 0;
   int unit = 0;  // contiguous rows: bytes per lane and copy (16, 8, 4, 2); 0: channel-strided
 
   KVEVICT_HOST_DEVICE std::int64_t row_offset(std::int64_t h, std::int64_t j) const noexcept {
     if (block_table != nullptr) {
       const std::int64_t block = j / block_size;
-      return static_cast<std::int64_t>(block_table[block]) * block_stride + (j - block * block_size) * token_stride +
-             h * head_stride;
+      return static_cast<std::int64_t>(block_table[h * head_table_stride + block]) * block_stride +
+             (j - block * block_size) * token_stride + h * head_stride;
     }
     return h * head_stride + j * token_stride;
   }
@@ -130,6 +132,8 @@ byte_view make_byte_view(const cache_view<T>& v) noexcept {
   b.block_size = v.block_size;
   b.block_stride = v.block_stride * e;
   b.num_pool_blocks = v.num_pool_blocks;
+  b.head_table_stride = v.head_table_stride;
+  b.num_tables = v.num_tables();
   b.num_tokens = v.num_tokens;
   b.unit = (v.dim_stride == 1 || v.head_dim == 1)
                ? copy_unit(reinterpret_cast<std::uintptr_t>(v.data), b.row_bytes, b.head_stride, b.token_stride,
@@ -153,7 +157,8 @@ kv_tables relate_tables(const cache_view<KT>& keys, const cache_view<VT>& values
                   static_cast<const void*>(keys.data) == static_cast<const void*>(values.data) &&
                   keys.block_stride == values.block_stride;
   r.same_table = !r.shared_pool && keys.is_paged() && values.block_table == keys.block_table &&
-                 values.block_size == keys.block_size;
+                 values.block_size == keys.block_size && values.head_table_stride == keys.head_table_stride &&
+                 values.num_heads == keys.num_heads;
   return r;
 }
 
