@@ -10,6 +10,7 @@
 // (compacting the cache), rope/ (position helpers).
 
 #include "kvevict/config.hpp"
+#include "kvevict/cpu_isa.hpp"
 #include "kvevict/dtype.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/executor.hpp"

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/abi_std.hpp"
 #include "kvevict/detail/checked.hpp"
 #include "kvevict/detail/finalize.hpp"
 #include "kvevict/detail/observe.hpp"
@@ -77,7 +78,7 @@ struct deferkv_config {
 namespace detail {
 /// v = n zeros, or false (v unchanged) when the memory cannot be allocated: no exception
 /// leaves a status-returning call, with or without exceptions enabled.
-inline bool assign_zeros(std::vector<float>& v, std::size_t n) noexcept {
+inline bool assign_zeros(std::vector<float, detail::abi_allocator<float>>& v, std::size_t n) noexcept {
 #if KVEVICT_HAS_EXCEPTIONS
   try {
     v.assign(n, 0.0f);  // strong guarantee: v is unchanged if this throws
@@ -381,7 +382,7 @@ class deferkv_state {
 
   deferkv_config config_;
   std::int64_t layer_ = 0;
-  std::vector<float> sums_;
+  std::vector<float, detail::abi_allocator<float>> sums_;
   std::int64_t heads_capacity_ = 0, tokens_capacity_ = 0;
   std::int64_t heads_ = 0, group_ = 1;
   std::int64_t prompt_tokens_ = 0, steps_ = 0;
