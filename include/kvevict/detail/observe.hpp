@@ -78,7 +78,7 @@ struct observation_scratch {
   float* row_max = nullptr;         ///< [R]
   float* row_lse = nullptr;         ///< [R]
   float* acc = nullptr;             ///< [G, C]
-  float* cached = nullptr;          ///< [R, softmax_end] logits, for small row counts only
+  float* cached = nullptr;          ///< [cached rows, softmax_end] logits, when G <= cached_logit_rows
 };
 
 /// Tile sizes for a head dimension: keys per tile and query rows per logits call, chosen so
@@ -152,9 +152,9 @@ KVEVICT_ALWAYS_INLINE std::int64_t visible_prefix(const observation_problem& p, 
   return lo;
 }
 
-/// Prepares row `r` of a logits tile for the softmax: NaN logits become -inf (a NaN key or
-/// query gets zero attention instead of poisoning the row), keys the observation does not
-/// see become -inf. Returns how many leading entries can be nonzero.
+/// Prepares row `r` of a logits tile for the softmax: keys the observation does not see
+/// become -inf. Returns how many leading entries can be nonzero. (NaN logits, from a NaN key
+/// or query, need nothing here: the softmax kernels give them zero attention.)
 KVEVICT_ALWAYS_INLINE std::int64_t mask_row(const observation_problem& p, float* row, std::int64_t j0, std::int64_t n,
                                             std::int64_t pos) noexcept {
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
@@ -165,8 +165,6 @@ KVEVICT_ALWAYS_INLINE std::int64_t mask_row(const observation_problem& p, float*
     for (std::int64_t i = 0; i < n; ++i)
       if (p.key_positions[j0 + i] > pos) row[i] = neg_inf;
   }
-  for (std::int64_t i = 0; i < live; ++i)
-    if (row[i] != row[i]) row[i] = neg_inf;
   return live;
 }
 

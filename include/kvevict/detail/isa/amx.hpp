@@ -111,6 +111,7 @@ inline void narrow_logits_amx(const std::uint16_t* k, std::int64_t k_stride, std
     }
     _tile_stored(0, c_tile, 64);
     __m512i r[16];
+    KVEVICT_UNROLL
     for (int t = 0; t < 16; ++t) r[t] = _mm512_load_si512(c_tile + 16 * t);
     transpose16x16_epi32(r);  // r[q] = query row q's logits of the 16 keys
     for (std::int64_t q = 0; q < rows; ++q)

@@ -15,10 +15,12 @@
 //   - widening is exact on both (bf16: a shift; fp16: VCVTPH2PS).
 // tests/unit/test_cpu_isa.cpp checks the identity; docs/cpu-dispatch.md says why it holds.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "kvevict/config.hpp"
 #include "kvevict/detail/isa/common.hpp"
@@ -50,6 +52,10 @@ void pack_panels_portable(const cache_view<const KT>& keys, std::int64_t h, std:
 
 KVEVICT_TARGET_AVX2_BEGIN
 namespace isa_avx2 {
+
+/// Whether narrow_logits reads keys straight from a cache with contiguous channels, so that
+/// prompt windows can compute their logits once, in chunks of cached rows (observe_head.inl).
+constexpr bool reads_keys_unpacked = true;
 
 constexpr std::int64_t panel_keys = 16;
 
@@ -103,18 +109,25 @@ KVEVICT_ALWAYS_INLINE float hmax16(__m256 lo, __m256 hi) noexcept {
   return m;
 }
 
-/// Online log-sum-exp update of one prepared row, in AVX-512's 16-lane order.
+/// Online log-sum-exp update of one prepared row, in AVX-512's 16-lane order; NaN logits count
+/// as -inf. Whole chunks of 16 use plain loads, the tail masked ones (the same values: AMD's
+/// masked moves are slow).
 inline void lse_update(const float* row, std::int64_t live, float* row_max, float* row_sum) noexcept {
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
   if (live <= 0) return;
   const __m256 vneg_inf = _mm256_set1_ps(neg_inf);
+  const std::int64_t full = live - live % 16;
   __m256 max_lo = vneg_inf, max_hi = vneg_inf;
-  for (std::int64_t j = 0; j < live; j += 16) {
-    const __m256i m_lo = first_lanes8(live - j), m_hi = first_lanes8(live - j - 8);
-    max_lo =
-        _mm256_max_ps(max_lo, _mm256_blendv_ps(vneg_inf, _mm256_maskload_ps(row + j, m_lo), _mm256_castsi256_ps(m_lo)));
+  for (std::int64_t j = 0; j < full; j += 16) {
+    max_lo = _mm256_max_ps(_mm256_loadu_ps(row + j), max_lo);  // the second operand wins over NaN
+    max_hi = _mm256_max_ps(_mm256_loadu_ps(row + j + 8), max_hi);
+  }
+  const __m256i t_lo = first_lanes8(live - full), t_hi = first_lanes8(live - full - 8);
+  if (full < live) {
+    max_lo = _mm256_max_ps(_mm256_blendv_ps(vneg_inf, _mm256_maskload_ps(row + full, t_lo), _mm256_castsi256_ps(t_lo)),
+                           max_lo);
     max_hi = _mm256_max_ps(
-        max_hi, _mm256_blendv_ps(vneg_inf, _mm256_maskload_ps(row + j + 8, m_hi), _mm256_castsi256_ps(m_hi)));
+        _mm256_blendv_ps(vneg_inf, _mm256_maskload_ps(row + full + 8, t_hi), _mm256_castsi256_ps(t_hi)), max_hi);
   }
   const float tile_max = hmax16(max_lo, max_hi);
   if (tile_max == neg_inf) return;
@@ -124,37 +137,45 @@ inline void lse_update(const float* row, std::int64_t live, float* row_max, floa
   }
   const __m256 vm = _mm256_set1_ps(*row_max);
   __m256 sum_lo = _mm256_setzero_ps(), sum_hi = _mm256_setzero_ps();
-  for (std::int64_t j = 0; j < live; j += 16) {
-    const __m256i m_lo = first_lanes8(live - j), m_hi = first_lanes8(live - j - 8);
-    const __m256 e_lo = exp8(_mm256_sub_ps(_mm256_maskload_ps(row + j, m_lo), vm));
-    const __m256 e_hi = exp8(_mm256_sub_ps(_mm256_maskload_ps(row + j + 8, m_hi), vm));
-    sum_lo = _mm256_blendv_ps(sum_lo, _mm256_add_ps(sum_lo, e_lo), _mm256_castsi256_ps(m_lo));
-    sum_hi = _mm256_blendv_ps(sum_hi, _mm256_add_ps(sum_hi, e_hi), _mm256_castsi256_ps(m_hi));
+  // Lanes holding -inf or NaN, and (in the tail) lanes past `live`, keep their sums, as
+  // AVX-512's masked add does.
+  auto add = [&](__m256 sum, __m256 x, __m256 take) {
+    take = _mm256_and_ps(take, _mm256_cmp_ps(x, vneg_inf, _CMP_GT_OQ));
+    return _mm256_blendv_ps(sum, _mm256_add_ps(sum, exp8(_mm256_sub_ps(x, vm))), take);
+  };
+  const __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  for (std::int64_t j = 0; j < full; j += 16) {
+    sum_lo = add(sum_lo, _mm256_loadu_ps(row + j), all);
+    sum_hi = add(sum_hi, _mm256_loadu_ps(row + j + 8), all);
+  }
+  if (full < live) {
+    sum_lo = add(sum_lo, _mm256_maskload_ps(row + full, t_lo), _mm256_castsi256_ps(t_lo));
+    sum_hi = add(sum_hi, _mm256_maskload_ps(row + full + 8, t_hi), _mm256_castsi256_ps(t_hi));
   }
   *row_sum += hsum16(sum_lo, sum_hi);
 }
 
-/// acc[j] += weight * exp(row[j] - lse) (or the NaN-propagating max) for j < live; -inf
-/// logits contribute exactly 0. Lane-wise, so any vector width gives the same bits.
+/// acc[j] += weight * exp(row[j] - lse) (or the NaN-propagating max) for j < live; -inf and
+/// NaN logits contribute exactly 0. Lane-wise, so any vector width gives the same bits.
 inline void accumulate_row(bool max_over_window, const float* row, std::int64_t live, float lse, float weight,
                            float* acc) noexcept {
   const __m256 vlse = _mm256_set1_ps(lse), vw = _mm256_set1_ps(weight),
                vneg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (std::int64_t j = 0; j < live; j += 8) {
-    const __m256i m = first_lanes8(live - j);
-    const __m256 x = _mm256_maskload_ps(row + j, m);
-    // A -inf logit is exactly 0 even when the row's LSE is NaN (a +inf logit elsewhere in the
-    // row): an observation must not poison keys it does not see.
-    const __m256 prob = _mm256_and_ps(_mm256_cmp_ps(x, vneg_inf, _CMP_NEQ_UQ), exp8(_mm256_sub_ps(x, vlse)));
-    const __m256 a = _mm256_maskload_ps(acc + j, m);
-    __m256 out;
+  auto update = [&](__m256 x, __m256 a) {
+    // A -inf or NaN logit is exactly 0 even when the row's LSE is NaN (a +inf logit elsewhere
+    // in the row): an observation must not poison keys it does not see.
+    const __m256 prob = _mm256_and_ps(_mm256_cmp_ps(x, vneg_inf, _CMP_GT_OQ), exp8(_mm256_sub_ps(x, vlse)));
     if (max_over_window) {  // nan_max: a NaN probability wins, as torch.max propagates it
       const __m256 take = _mm256_or_ps(_mm256_cmp_ps(prob, a, _CMP_GT_OQ), _mm256_cmp_ps(prob, prob, _CMP_UNORD_Q));
-      out = _mm256_blendv_ps(a, prob, take);
-    } else {
-      out = _mm256_fmadd_ps(vw, prob, a);
+      return _mm256_blendv_ps(a, prob, take);
     }
-    _mm256_maskstore_ps(acc + j, m, out);
+    return _mm256_fmadd_ps(vw, prob, a);
+  };
+  std::int64_t j = 0;
+  for (; live - j >= 8; j += 8) _mm256_storeu_ps(acc + j, update(_mm256_loadu_ps(row + j), _mm256_loadu_ps(acc + j)));
+  if (j < live) {  // the tail under a mask (AMD's masked stores are slow: once per row)
+    const __m256i m = first_lanes8(live - j);
+    _mm256_maskstore_ps(acc + j, m, update(_mm256_maskload_ps(row + j, m), _mm256_maskload_ps(acc + j, m)));
   }
 }
 
@@ -225,14 +246,17 @@ void pack_panels(const cache_view<const KT>& keys, std::int64_t h, std::int64_t 
     float* dst = panel + p * dim * K;
     for (std::int64_t o = 0; o < K; o += 8) {  // eight keys at a time
       const KT* rows[8];
+      KVEVICT_UNROLL
       for (std::int64_t t = 0; t < 8; ++t) {
         const std::int64_t j = p * K + o + t;
         rows[t] = j < n ? keys.row(h, j0 + j) : nullptr;
       }
       for (std::int64_t c = 0; c < full; c += 8) {
         __m256 r[8];
+        KVEVICT_UNROLL
         for (int t = 0; t < 8; ++t) r[t] = rows[t] != nullptr ? widen8(rows[t] + c) : _mm256_setzero_ps();
         transpose8x8(r);
+        KVEVICT_UNROLL
         for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (c + i) * K + o, r[i]);
       }
     }
@@ -251,15 +275,18 @@ template <int MR>
 KVEVICT_ALWAYS_INLINE void logits_block(const float* q, std::int64_t dim, const float* panel, float* out,
                                         std::int64_t ld) noexcept {
   __m256 acc[MR][2];
+  KVEVICT_UNROLL
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (std::int64_t c = 0; c < dim; ++c) {
     const __m256 k0 = _mm256_loadu_ps(panel + c * panel_keys), k1 = _mm256_loadu_ps(panel + c * panel_keys + 8);
+    KVEVICT_UNROLL
     for (int i = 0; i < MR; ++i) {
       const __m256 qv = _mm256_broadcast_ss(q + i * dim + c);
       acc[i][0] = _mm256_fmadd_ps(qv, k0, acc[i][0]);
       acc[i][1] = _mm256_fmadd_ps(qv, k1, acc[i][1]);
     }
   }
+  KVEVICT_UNROLL
   for (int i = 0; i < MR; ++i) {
     _mm256_storeu_ps(out + i * ld, acc[i][0]);
     _mm256_storeu_ps(out + i * ld + 8, acc[i][1]);
@@ -270,29 +297,36 @@ KVEVICT_ALWAYS_INLINE void logits_block(const float* q, std::int64_t dim, const 
 inline void logits_panels(const float* q, std::int64_t rows, std::int64_t dim, const float* panel, std::int64_t n,
                           float* out, std::int64_t ld) noexcept {
   const std::int64_t panels = (n + panel_keys - 1) / panel_keys;
-  for (std::int64_t p = 0; p < panels; ++p) {
-    const float* kp = panel + p * dim * panel_keys;
-    float* o = out + p * panel_keys;
-    std::int64_t r = 0;
-    for (; rows - r >= 6; r += 6) logits_block<6>(q + r * dim, dim, kp, o + r * ld, ld);
-    switch (rows - r) {
-      case 5:
-        logits_block<5>(q + r * dim, dim, kp, o + r * ld, ld);
-        break;
-      case 4:
-        logits_block<4>(q + r * dim, dim, kp, o + r * ld, ld);
-        break;
-      case 3:
-        logits_block<3>(q + r * dim, dim, kp, o + r * ld, ld);
-        break;
-      case 2:
-        logits_block<2>(q + r * dim, dim, kp, o + r * ld, ld);
-        break;
-      case 1:
-        logits_block<1>(q + r * dim, dim, kp, o + r * ld, ld);
-        break;
-      default:
-        break;
+  // Rows in chunks whose queries stay in L1 (about 12 KB) while every panel passes by; each
+  // panel, read once per chunk, stays in L1 for the chunk's micro-kernels. Streaming all the
+  // rows' queries from L2 for every panel ran at two thirds of the FMA peak.
+  const std::int64_t chunk = std::max<std::int64_t>(6, 3072 / (dim > 0 ? dim : 1) / 6 * 6);
+  for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) {
+    const std::int64_t end = std::min(rows, r0 + chunk);
+    for (std::int64_t p = 0; p < panels; ++p) {
+      const float* kp = panel + p * dim * panel_keys;
+      float* o = out + p * panel_keys;
+      std::int64_t r = r0;
+      for (; end - r >= 6; r += 6) logits_block<6>(q + r * dim, dim, kp, o + r * ld, ld);
+      switch (end - r) {
+        case 5:
+          logits_block<5>(q + r * dim, dim, kp, o + r * ld, ld);
+          break;
+        case 4:
+          logits_block<4>(q + r * dim, dim, kp, o + r * ld, ld);
+          break;
+        case 3:
+          logits_block<3>(q + r * dim, dim, kp, o + r * ld, ld);
+          break;
+        case 2:
+          logits_block<2>(q + r * dim, dim, kp, o + r * ld, ld);
+          break;
+        case 1:
+          logits_block<1>(q + r * dim, dim, kp, o + r * ld, ld);
+          break;
+        default:
+          break;
+      }
     }
   }
 }
@@ -302,6 +336,7 @@ inline void logits_panels(const float* q, std::int64_t rows, std::int64_t dim, c
 /// four group sums as (g0 + g2) + (g1 + g3).
 KVEVICT_ALWAYS_INLINE __m128 hsum4(const __m256* lo, const __m256* hi) noexcept {
   __m256 part[2];
+  KVEVICT_UNROLL
   for (int half = 0; half < 2; ++half) {
     const __m256* v = half == 0 ? lo : hi;
     const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
@@ -329,26 +364,40 @@ KVEVICT_ALWAYS_INLINE void widen16(const KT* k, std::int64_t c, std::int64_t dim
   *hi = widen8(tail + 8);
 }
 
-/// out[i * stride] = dot(q[i], k) for RB (<= 4) float32 query rows q[i] = q + i * dim and one
+/// out[i * stride] = dot(q[i], k) for RB (<= 6) float32 query rows q[i] = q + i * dim and one
 /// key row k (storage type, contiguous channels), each dot product accumulated in AVX-512's
 /// 16 lanes (channel c in lane c mod 16) and reduced by its tree.
 template <int RB, class KT>
 KVEVICT_ALWAYS_INLINE void narrow_dots(const float* q, std::int64_t dim, const KT* k, float* out,
                                        std::int64_t stride) noexcept {
-  static_assert(RB >= 1 && RB <= 4, "rows per pass");
-  __m256 acc_lo[4], acc_hi[4];
-  for (int i = 0; i < 4; ++i) acc_lo[i] = acc_hi[i] = _mm256_setzero_ps();
-  for (std::int64_t c = 0; c < dim; c += 16) {
-    __m256 k_lo, k_hi;
-    widen16(k, c, dim, &k_lo, &k_hi);
-    const __m256i m_lo = first_lanes8(dim - c), m_hi = first_lanes8(dim - c - 8);
+  static_assert(RB >= 1 && RB <= 6, "rows per pass");
+  constexpr int R4 = RB > 4 ? 8 : 4;  // hsum4 reduces four rows at a time
+  __m256 acc_lo[R4], acc_hi[R4];
+  KVEVICT_UNROLL
+  for (int i = 0; i < R4; ++i) acc_lo[i] = acc_hi[i] = _mm256_setzero_ps();
+  const std::int64_t full = dim - dim % 16;
+  for (std::int64_t c = 0; c < full; c += 16) {
+    const __m256 k_lo = widen8(k + c), k_hi = widen8(k + c + 8);
+    KVEVICT_UNROLL
     for (int i = 0; i < RB; ++i) {
-      acc_lo[i] = _mm256_fmadd_ps(k_lo, _mm256_maskload_ps(q + i * dim + c, m_lo), acc_lo[i]);
-      acc_hi[i] = _mm256_fmadd_ps(k_hi, _mm256_maskload_ps(q + i * dim + c + 8, m_hi), acc_hi[i]);
+      acc_lo[i] = _mm256_fmadd_ps(k_lo, _mm256_loadu_ps(q + i * dim + c), acc_lo[i]);
+      acc_hi[i] = _mm256_fmadd_ps(k_hi, _mm256_loadu_ps(q + i * dim + c + 8), acc_hi[i]);
     }
   }
-  alignas(16) float sums[4];
+  if (full < dim) {  // channels past dim are zero, as AVX-512's masked loads give them
+    __m256 k_lo, k_hi;
+    widen16(k, full, dim, &k_lo, &k_hi);
+    const __m256i m_lo = first_lanes8(dim - full), m_hi = first_lanes8(dim - full - 8);
+    KVEVICT_UNROLL
+    for (int i = 0; i < RB; ++i) {
+      acc_lo[i] = _mm256_fmadd_ps(k_lo, _mm256_maskload_ps(q + i * dim + full, m_lo), acc_lo[i]);
+      acc_hi[i] = _mm256_fmadd_ps(k_hi, _mm256_maskload_ps(q + i * dim + full + 8, m_hi), acc_hi[i]);
+    }
+  }
+  alignas(16) float sums[8];
   _mm_store_ps(sums, hsum4(acc_lo, acc_hi));
+  if (RB > 4) _mm_store_ps(sums + 4, hsum4(acc_lo + 4, acc_hi + 4));
+  KVEVICT_UNROLL
   for (int i = 0; i < RB; ++i) out[i * stride] = sums[i];
 }
 
@@ -363,39 +412,41 @@ KVEVICT_ALWAYS_INLINE void prefetch_key(const cache_view<const KT>& keys, std::i
   for (std::int64_t b = 0; b < dim * static_cast<std::int64_t>(sizeof(KT)); b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
 }
 
-template <int RB, class KT>
-void narrow_rows(const cache_view<const KT>& keys, std::int64_t h, std::int64_t j0, std::int64_t n, const float* q,
-                 std::int64_t dim, float* out, std::int64_t stride) noexcept {
-  const std::int64_t end = keys.num_tokens;
-  for (std::int64_t j = 0; j < n; ++j) {
-    prefetch_key(keys, h, j0 + j, end, dim);
-    narrow_dots<RB>(q, dim, keys.row(h, j0 + j), out + j, stride);
-  }
-}
-
-/// Logits of `rows` queries over keys [j0, j0+n) of head h, out[r * stride + (j - j0)],
-/// straight from the cache (keys read once). False where channels are not contiguous.
+/// Logits of `rows` (<= 16) queries over keys [j0, j0+n) of head h, out[r * stride + (j - j0)],
+/// straight from the cache (keys read once: each key row feeds every row pass while it is in
+/// L1). False where channels are not contiguous.
 template <class KT>
 bool narrow_logits(const cache_view<const KT>& keys, std::int64_t h, std::int64_t j0, std::int64_t n,
                    const narrow_queries& nq, std::int64_t rows, std::int64_t dim, float* out,
                    std::int64_t stride) noexcept {
   if (keys.dim_stride != 1) return false;
-  for (std::int64_t r0 = 0; r0 < rows; r0 += 4) {
-    const float* q = nq.q + r0 * dim;
-    float* o = out + r0 * stride;
-    switch (rows - r0 < 4 ? rows - r0 : 4) {
-      case 1:
-        narrow_rows<1>(keys, h, j0, n, q, dim, o, stride);
-        break;
-      case 2:
-        narrow_rows<2>(keys, h, j0, n, q, dim, o, stride);
-        break;
-      case 3:
-        narrow_rows<3>(keys, h, j0, n, q, dim, o, stride);
-        break;
-      default:
-        narrow_rows<4>(keys, h, j0, n, q, dim, o, stride);
-        break;
+  const std::int64_t end = keys.num_tokens;
+  for (std::int64_t j = 0; j < n; ++j) {
+    prefetch_key(keys, h, j0 + j, end, dim);
+    const KT* k = keys.row(h, j0 + j);
+    for (std::int64_t r0 = 0; r0 < rows; r0 += 6) {
+      const float* q = nq.q + r0 * dim;
+      float* o = out + r0 * stride + j;
+      switch (rows - r0 < 6 ? rows - r0 : 6) {
+        case 1:
+          narrow_dots<1>(q, dim, k, o, stride);
+          break;
+        case 2:
+          narrow_dots<2>(q, dim, k, o, stride);
+          break;
+        case 3:
+          narrow_dots<3>(q, dim, k, o, stride);
+          break;
+        case 4:
+          narrow_dots<4>(q, dim, k, o, stride);
+          break;
+        case 5:
+          narrow_dots<5>(q, dim, k, o, stride);
+          break;
+        default:
+          narrow_dots<6>(q, dim, k, o, stride);
+          break;
+      }
     }
   }
   return true;

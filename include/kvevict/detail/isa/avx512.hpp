@@ -17,6 +17,7 @@
 // an engine's -O3 -march=native build of kvevict 0.1). The masked forms below, with every
 // lane selected and a defined pass-through, compile to the same instructions and are clean.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -116,7 +117,7 @@ KVEVICT_ALWAYS_INLINE float hmax16(__m512 v) noexcept {
 }
 
 /// acc[j] += weight * exp(row[j] - lse) (or max) for the first `live` entries of a prepared
-/// row; -inf logits (masked, or NaN) contribute exactly 0.
+/// row; -inf and NaN logits (masked keys; NaN keys or queries) contribute exactly 0.
 inline void accumulate_row(bool max_over_window, const float* row, std::int64_t live, float lse, float weight,
                            float* acc) noexcept {
   const __m512 vlse = _mm512_set1_ps(lse), vw = _mm512_set1_ps(weight),
@@ -124,10 +125,9 @@ inline void accumulate_row(bool max_over_window, const float* row, std::int64_t 
   for (std::int64_t j = 0; j < live; j += 16) {
     const __mmask16 m = first_lanes(live - j);
     const __m512 x = _mm512_maskz_loadu_ps(m, row + j);
-    // A -inf logit is exactly 0 even when the row's LSE is NaN (a +inf logit elsewhere in the
-    // row): an observation must not poison keys it does not see.
-    const __m512 prob =
-        _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vneg_inf, _CMP_NEQ_UQ), exp16(_mm512_sub_ps(x, vlse)));
+    // A -inf or NaN logit is exactly 0 even when the row's LSE is NaN (a +inf logit elsewhere
+    // in the row): an observation must not poison keys it does not see.
+    const __m512 prob = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vneg_inf, _CMP_GT_OQ), exp16(_mm512_sub_ps(x, vlse)));
     const __m512 a = _mm512_maskz_loadu_ps(m, acc + j);
     if (max_over_window) {  // nan_max: a NaN probability wins, as torch.max propagates it
       const __mmask16 take = _mm512_cmp_ps_mask(prob, a, _CMP_GT_OQ) | _mm512_cmp_ps_mask(prob, prob, _CMP_UNORD_Q);
@@ -138,24 +138,25 @@ inline void accumulate_row(bool max_over_window, const float* row, std::int64_t 
   }
 }
 
-/// Online log-sum-exp update of one row with a prepared tile row.
+/// Online log-sum-exp update of one row with a prepared tile row; NaN logits count as -inf.
 inline void lse_update(const float* row, std::int64_t live, float* row_max, float* row_sum) noexcept {
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
   if (live <= 0) return;
   __m512 vmax = _mm512_set1_ps(neg_inf);
   for (std::int64_t j = 0; j < live; j += 16)
-    vmax = max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), first_lanes(live - j), row + j));
+    vmax = max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), first_lanes(live - j), row + j), vmax);
   const float tile_max = hmax16(vmax);
   if (tile_max == neg_inf) return;
   if (tile_max > *row_max) {
     *row_sum *= std::exp(*row_max - tile_max);
     *row_max = tile_max;
   }
-  const __m512 vm = _mm512_set1_ps(*row_max);
+  const __m512 vm = _mm512_set1_ps(*row_max), vneg_inf = _mm512_set1_ps(neg_inf);
   __m512 sum = _mm512_setzero_ps();
   for (std::int64_t j = 0; j < live; j += 16) {
-    const __mmask16 m = first_lanes(live - j);
-    sum = _mm512_mask_add_ps(sum, m, sum, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), vm)));
+    const __m512 x = _mm512_maskz_loadu_ps(first_lanes(live - j), row + j);
+    const __mmask16 m = _mm512_mask_cmp_ps_mask(first_lanes(live - j), x, vneg_inf, _CMP_GT_OQ);
+    sum = _mm512_mask_add_ps(sum, m, sum, exp16(_mm512_sub_ps(x, vm)));
   }
   *row_sum += hsum16(sum);
 }
@@ -193,6 +194,10 @@ inline void widen_row(const fp16* src, std::int64_t stride, float* dst, std::int
   widen_row_narrow(src, stride, dst, n);
 }
 
+/// Whether narrow_logits reads keys straight from a cache with contiguous channels, so that
+/// prompt windows can compute their logits once, in chunks of cached rows (observe_head.inl).
+constexpr bool reads_keys_unpacked = true;
+
 constexpr std::int64_t panel_keys = 32;
 
 template <class KT>
@@ -207,15 +212,18 @@ template <int MR>
 KVEVICT_ALWAYS_INLINE void logits_block(const float* q, std::int64_t dim, const float* panel, float* out,
                                         std::int64_t ld) noexcept {
   __m512 acc[MR][2];
+  KVEVICT_UNROLL
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (std::int64_t c = 0; c < dim; ++c) {
     const __m512 k0 = _mm512_loadu_ps(panel + c * panel_keys), k1 = _mm512_loadu_ps(panel + c * panel_keys + 16);
+    KVEVICT_UNROLL
     for (int i = 0; i < MR; ++i) {
       const __m512 qv = _mm512_set1_ps(q[i * dim + c]);
       acc[i][0] = _mm512_fmadd_ps(qv, k0, acc[i][0]);
       acc[i][1] = _mm512_fmadd_ps(qv, k1, acc[i][1]);
     }
   }
+  KVEVICT_UNROLL
   for (int i = 0; i < MR; ++i) {
     _mm512_storeu_ps(out + i * ld, acc[i][0]);
     _mm512_storeu_ps(out + i * ld + 16, acc[i][1]);
@@ -226,35 +234,42 @@ KVEVICT_ALWAYS_INLINE void logits_block(const float* q, std::int64_t dim, const 
 inline void logits_panels(const float* q, std::int64_t rows, std::int64_t dim, const float* panel, std::int64_t n,
                           float* out, std::int64_t ld) noexcept {
   const std::int64_t panels = (n + panel_keys - 1) / panel_keys;
-  for (std::int64_t p = 0; p < panels; ++p) {
-    const float* kp = panel + p * dim * panel_keys;
-    float* o = out + p * panel_keys;
-    std::int64_t r = 0;
-    for (; rows - r >= 8; r += 8) logits_block<8>(q + r * dim, dim, kp, o + r * ld, ld);
-    switch (rows - r) {
-      case 7:
-        logits_block<7>(q + r * dim, dim, kp, o + r * ld, ld);
-        break;
-      case 6:
-        logits_block<6>(q + r * dim, dim, kp, o + r * ld, ld);
-        break;
-      case 5:
-        logits_block<5>(q + r * dim, dim, kp, o + r * ld, ld);
-        break;
-      case 4:
-        logits_block<4>(q + r * dim, dim, kp, o + r * ld, ld);
-        break;
-      case 3:
-        logits_block<3>(q + r * dim, dim, kp, o + r * ld, ld);
-        break;
-      case 2:
-        logits_block<2>(q + r * dim, dim, kp, o + r * ld, ld);
-        break;
-      case 1:
-        logits_block<1>(q + r * dim, dim, kp, o + r * ld, ld);
-        break;
-      default:
-        break;
+  // Rows in chunks whose queries stay in L1 (about 12 KB) while every panel passes by; each
+  // panel, read once per chunk, stays in L1 for the chunk's micro-kernels. Streaming all the
+  // rows' queries from L2 for every panel ran at two thirds of the FMA peak.
+  const std::int64_t chunk = std::max<std::int64_t>(8, 3072 / (dim > 0 ? dim : 1) / 8 * 8);
+  for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) {
+    const std::int64_t end = std::min(rows, r0 + chunk);
+    for (std::int64_t p = 0; p < panels; ++p) {
+      const float* kp = panel + p * dim * panel_keys;
+      float* o = out + p * panel_keys;
+      std::int64_t r = r0;
+      for (; end - r >= 8; r += 8) logits_block<8>(q + r * dim, dim, kp, o + r * ld, ld);
+      switch (end - r) {
+        case 7:
+          logits_block<7>(q + r * dim, dim, kp, o + r * ld, ld);
+          break;
+        case 6:
+          logits_block<6>(q + r * dim, dim, kp, o + r * ld, ld);
+          break;
+        case 5:
+          logits_block<5>(q + r * dim, dim, kp, o + r * ld, ld);
+          break;
+        case 4:
+          logits_block<4>(q + r * dim, dim, kp, o + r * ld, ld);
+          break;
+        case 3:
+          logits_block<3>(q + r * dim, dim, kp, o + r * ld, ld);
+          break;
+        case 2:
+          logits_block<2>(q + r * dim, dim, kp, o + r * ld, ld);
+          break;
+        case 1:
+          logits_block<1>(q + r * dim, dim, kp, o + r * ld, ld);
+          break;
+        default:
+          break;
+      }
     }
   }
 }
@@ -280,56 +295,86 @@ KVEVICT_ALWAYS_INLINE void narrow_dots(const float* q, std::int64_t dim, const K
                                        std::int64_t stride) noexcept {
   static_assert(RB >= 1 && RB <= 8 && KB >= 1 && KB <= 2, "rows and keys per pass");
   __m512 acc[KB][8];
-  for (int b = 0; b < KB; ++b)
+  KVEVICT_UNROLL
+  for (int b = 0; b < KB; ++b) {
+    KVEVICT_UNROLL
     for (int i = 0; i < 8; ++i) acc[b][i] = _mm512_setzero_ps();
+  }
   for (std::int64_t c = 0; c < dim; c += 16) {
     const __mmask16 m = first_lanes(dim - c);
     __m512 kv[KB];
+    KVEVICT_UNROLL
     for (int b = 0; b < KB; ++b) kv[b] = widen16(k[b] + c, m);
+    KVEVICT_UNROLL
     for (int i = 0; i < RB; ++i) {
       const __m512 qv = _mm512_maskz_loadu_ps(m, q + i * dim + c);
+      KVEVICT_UNROLL
       for (int b = 0; b < KB; ++b) acc[b][i] = _mm512_fmadd_ps(kv[b], qv, acc[b][i]);
     }
   }
+  KVEVICT_UNROLL
   for (int b = 0; b < KB; ++b) {
     alignas(16) float sums[8];
     _mm_store_ps(sums, hsum4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]));
     if (RB > 4) _mm_store_ps(sums + 4, hsum4(acc[b][4], acc[b][5], acc[b][6], acc[b][7]));
+    KVEVICT_UNROLL
     for (int i = 0; i < RB; ++i) out[i * stride + b] = sums[i];
   }
 }
 
-template <int RB, class KT>
-void narrow_rows(const cache_view<const KT>& keys, std::int64_t h, std::int64_t j0, std::int64_t n, const float* q,
-                 std::int64_t dim, float* out, std::int64_t stride) noexcept {
-  std::int64_t j = 0;
-  const std::int64_t end = keys.num_tokens;
-  for (; j + 2 <= n; j += 2) {
-    isa_avx2::prefetch_key(keys, h, j0 + j, end, dim);
-    isa_avx2::prefetch_key(keys, h, j0 + j + 1, end, dim);
-    const KT* k[2] = {keys.row(h, j0 + j), keys.row(h, j0 + j + 1)};
-    narrow_dots<RB, 2>(q, dim, k, out + j, stride);
-  }
-  for (; j < n; ++j) {
-    const KT* k[1] = {keys.row(h, j0 + j)};
-    narrow_dots<RB, 1>(q, dim, k, out + j, stride);
+/// Rows [r0, rows) of one key pair (KB = 2) or key (KB = 1), in passes of up to 8 rows.
+template <int KB, class KT>
+KVEVICT_ALWAYS_INLINE void narrow_key_rows(const float* q, std::int64_t rows, std::int64_t dim, const KT* const* k,
+                                           float* out, std::int64_t stride) noexcept {
+  for (std::int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const float* qr = q + r0 * dim;
+    float* o = out + r0 * stride;
+    switch (rows - r0 < 8 ? rows - r0 : 8) {
+      case 1:
+        narrow_dots<1, KB>(qr, dim, k, o, stride);
+        break;
+      case 2:
+        narrow_dots<2, KB>(qr, dim, k, o, stride);
+        break;
+      case 3:
+        narrow_dots<3, KB>(qr, dim, k, o, stride);
+        break;
+      case 4:
+        narrow_dots<4, KB>(qr, dim, k, o, stride);
+        break;
+      case 5:
+        narrow_dots<5, KB>(qr, dim, k, o, stride);
+        break;
+      case 6:
+        narrow_dots<6, KB>(qr, dim, k, o, stride);
+        break;
+      case 7:
+        narrow_dots<7, KB>(qr, dim, k, o, stride);
+        break;
+      default:
+        narrow_dots<8, KB>(qr, dim, k, o, stride);
+        break;
+    }
   }
 }
 
 /// In place: r[k] (16 rows of 16 dwords) becomes its transpose, r[k][t] = old r[t][k].
 KVEVICT_ALWAYS_INLINE void transpose16x16_epi32(__m512i* r) noexcept {
   __m512i t[16], u[16];
+  KVEVICT_UNROLL
   for (int i = 0; i < 16; i += 2) {  // within 128-bit lanes: (a0 b0 a1 b1), (a2 b2 a3 b3)
     t[i] = _mm512_mask_unpacklo_epi32(r[i], all16, r[i], r[i + 1]);
     t[i + 1] = _mm512_mask_unpackhi_epi32(r[i], all16, r[i], r[i + 1]);
   }
   constexpr __mmask8 all8 = 0xff;
+  KVEVICT_UNROLL
   for (int g = 0; g < 16; g += 4) {  // u[g + e], lane L: rows g..g+3 at column 4L + e
     u[g + 0] = _mm512_mask_unpacklo_epi64(t[g], all8, t[g], t[g + 2]);
     u[g + 1] = _mm512_mask_unpackhi_epi64(t[g], all8, t[g], t[g + 2]);
     u[g + 2] = _mm512_mask_unpacklo_epi64(t[g + 1], all8, t[g + 1], t[g + 3]);
     u[g + 3] = _mm512_mask_unpackhi_epi64(t[g + 1], all8, t[g + 1], t[g + 3]);
   }
+  KVEVICT_UNROLL
   for (int e = 0; e < 4; ++e) {  // gather lane L of u[e], u[4+e], u[8+e], u[12+e] into row 4L + e
     const __m512i v0 = _mm512_mask_shuffle_i32x4(u[e], all16, u[e], u[4 + e], 0x44);
     const __m512i v1 = _mm512_mask_shuffle_i32x4(u[e], all16, u[e], u[4 + e], 0xee);
@@ -349,9 +394,11 @@ KVEVICT_ALWAYS_INLINE void transpose16x16_epi32(__m512i* r) noexcept {
 inline void pack_key_group_pairs(const std::uint16_t* const* rows, std::int64_t dim, std::uint32_t* panel) noexcept {
   for (std::int64_t c = 0; c < dim / 32; ++c) {
     __m512i r[16];
+    KVEVICT_UNROLL
     for (int t = 0; t < 16; ++t)
       r[t] = rows[t] != nullptr ? _mm512_loadu_si512(rows[t] + 32 * c) : _mm512_setzero_si512();
     transpose16x16_epi32(r);
+    KVEVICT_UNROLL
     for (int k2 = 0; k2 < 16; ++k2) _mm512_storeu_si512(panel + (c * 16 + k2) * 16, r[k2]);
   }
 }
@@ -364,6 +411,7 @@ void pack_key_tile_pairs(const cache_view<const KT>& keys, std::int64_t h, std::
   const std::int64_t groups = (n + 31) / 32 * 2;
   for (std::int64_t g = 0; g < groups; ++g) {
     const std::uint16_t* rows[16];
+    KVEVICT_UNROLL
     for (std::int64_t t = 0; t < 16; ++t) {
       const std::int64_t j = g * 16 + t;
       rows[t] = j < n ? reinterpret_cast<const std::uint16_t*>(keys.row(h, j0 + j)) : nullptr;
@@ -372,7 +420,8 @@ void pack_key_tile_pairs(const cache_view<const KT>& keys, std::int64_t h, std::
   }
 }
 
-/// Keeps offsets j (ascending) with score_key(x[j]) >= threshold; returns how many.
+/// Keeps offsets j (ascending) with score_key(x[j]) >= threshold; returns how many. index
+/// and key need n entries.
 inline std::int64_t filter_at_least(const float* x, std::int64_t n, std::uint32_t threshold, std::uint32_t* index,
                                     std::uint32_t* key) noexcept {
   std::int64_t m = 0, j = 0;
@@ -388,8 +437,11 @@ inline std::int64_t filter_at_least(const float* x, std::int64_t n, std::uint32_
     __m512i k = _mm512_xor_si512(bits, _mm512_or_si512(sign_fill, sign));
     k = _mm512_mask_mov_epi32(k, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_setzero_si512());
     const __mmask16 keep = _mm512_cmp_epu32_mask(k, vthreshold, _MM_CMPINT_NLT);
-    _mm512_mask_compressstoreu_epi32(index + m, keep, iota);
-    _mm512_mask_compressstoreu_epi32(key + m, keep, k);
+    // Compress in registers and store whole vectors: VPCOMPRESSD to memory is microcoded on
+    // AMD Zen 4 (tens of cycles). The lanes past the kept ones land where later ones go, and
+    // m + 16 <= j + 16 <= n keeps the store inside index and key.
+    _mm512_storeu_si512(index + m, _mm512_maskz_compress_epi32(keep, iota));
+    _mm512_storeu_si512(key + m, _mm512_maskz_compress_epi32(keep, k));
     m += __builtin_popcount(static_cast<unsigned>(keep));
     iota = _mm512_add_epi32(iota, step);
   }
@@ -420,22 +472,30 @@ KVEVICT_ALWAYS_INLINE void narrow_dots_bf16(const bf16* q, std::int64_t dim, con
                                             float* out, std::int64_t stride) noexcept {
   static_assert(RB >= 1 && RB <= 8 && KB >= 1 && KB <= 2, "rows and keys per pass");
   __m512 acc[KB][8];
-  for (int b = 0; b < KB; ++b)
+  KVEVICT_UNROLL
+  for (int b = 0; b < KB; ++b) {
+    KVEVICT_UNROLL
     for (int i = 0; i < 8; ++i) acc[b][i] = _mm512_setzero_ps();
+  }
   for (std::int64_t c = 0; c < dim; c += 32) {
     const __mmask32 m = dim - c >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (dim - c)) - 1u);
     __m512i kv[KB];
+    KVEVICT_UNROLL
     for (int b = 0; b < KB; ++b) kv[b] = _mm512_maskz_loadu_epi16(m, k[b] + c);
+    KVEVICT_UNROLL
     for (int i = 0; i < RB; ++i) {
       const __m512i qv = _mm512_maskz_loadu_epi16(m, q + i * dim + c);
+      KVEVICT_UNROLL
       for (int b = 0; b < KB; ++b) acc[b][i] = _mm512_dpbf16_ps(acc[b][i], (__m512bh)kv[b], (__m512bh)qv);
     }
   }
   const __m128 vs = _mm_set1_ps(scale);
+  KVEVICT_UNROLL
   for (int b = 0; b < KB; ++b) {
     alignas(16) float sums[8];
     _mm_store_ps(sums, _mm_mul_ps(vs, hsum4(acc[b][0], acc[b][1], acc[b][2], acc[b][3])));
     if (RB > 4) _mm_store_ps(sums + 4, _mm_mul_ps(vs, hsum4(acc[b][4], acc[b][5], acc[b][6], acc[b][7])));
+    KVEVICT_UNROLL
     for (int i = 0; i < RB; ++i) out[i * stride + b] = sums[i];
   }
 }
@@ -501,9 +561,11 @@ KVEVICT_ALWAYS_INLINE void logits_block_pairs(const std::uint32_t* q, std::int64
                                               const std::uint32_t* g1, float scale, float* out,
                                               std::int64_t ld) noexcept {
   __m512 acc[MR][2];
+  KVEVICT_UNROLL
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (std::int64_t p = 0; p < pairs; ++p) {
     const __m512i k0 = _mm512_loadu_si512(g0 + p * 16), k1 = _mm512_loadu_si512(g1 + p * 16);
+    KVEVICT_UNROLL
     for (int i = 0; i < MR; ++i) {
       const __m512i qv = _mm512_set1_epi32(static_cast<int>(q[i * pairs + p]));
       acc[i][0] = _mm512_dpbf16_ps(acc[i][0], (__m512bh)k0, (__m512bh)qv);
@@ -511,6 +573,7 @@ KVEVICT_ALWAYS_INLINE void logits_block_pairs(const std::uint32_t* q, std::int64
     }
   }
   const __m512 vs = _mm512_set1_ps(scale);
+  KVEVICT_UNROLL
   for (int i = 0; i < MR; ++i) {
     _mm512_storeu_ps(out + i * ld, _mm512_mul_ps(vs, acc[i][0]));
     _mm512_storeu_ps(out + i * ld + 16, _mm512_mul_ps(vs, acc[i][1]));
@@ -564,9 +627,9 @@ KVEVICT_TARGET_AVX512_BEGIN
 namespace isa_avx512 {
 
 /// Logits of `rows` (<= cached_logit_rows) queries over keys [j0, j0+n) of head h, written to
-/// out[r * stride + (j - j0)], computed from the storage type without packing (a decode step
-/// has too few rows for a GEMM to pay). bf16 x bf16 (nq.qb set, only on avx512bf16 and up)
-/// takes VDPBF16PS. False where channels are not contiguous.
+/// out[r * stride + (j - j0)], computed from the storage type without packing (keys read
+/// once). bf16 x bf16 (nq.qb set, only on avx512bf16 and up) takes VDPBF16PS. False where
+/// channels are not contiguous.
 template <class KT>
 bool narrow_logits(const cache_view<const KT>& keys, std::int64_t h, std::int64_t j0, std::int64_t n,
                    const narrow_queries& nq, std::int64_t rows, std::int64_t dim, float* out,
@@ -576,35 +639,18 @@ bool narrow_logits(const cache_view<const KT>& keys, std::int64_t h, std::int64_
     narrow_logits_bf16(keys, h, j0, n, nq, rows, dim, out, stride);
     return true;
   }
-  for (std::int64_t r0 = 0; r0 < rows; r0 += 8) {
-    const float* q = nq.q + r0 * dim;
-    float* o = out + r0 * stride;
-    switch (rows - r0 < 8 ? rows - r0 : 8) {
-      case 1:
-        narrow_rows<1>(keys, h, j0, n, q, dim, o, stride);
-        break;
-      case 2:
-        narrow_rows<2>(keys, h, j0, n, q, dim, o, stride);
-        break;
-      case 3:
-        narrow_rows<3>(keys, h, j0, n, q, dim, o, stride);
-        break;
-      case 4:
-        narrow_rows<4>(keys, h, j0, n, q, dim, o, stride);
-        break;
-      case 5:
-        narrow_rows<5>(keys, h, j0, n, q, dim, o, stride);
-        break;
-      case 6:
-        narrow_rows<6>(keys, h, j0, n, q, dim, o, stride);
-        break;
-      case 7:
-        narrow_rows<7>(keys, h, j0, n, q, dim, o, stride);
-        break;
-      default:
-        narrow_rows<8>(keys, h, j0, n, q, dim, o, stride);
-        break;
-    }
+  const std::int64_t end = keys.num_tokens;
+  // Key pairs outer, row passes inner: each pair feeds every pass while it is in L1.
+  std::int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    isa_avx2::prefetch_key(keys, h, j0 + j, end, dim);
+    isa_avx2::prefetch_key(keys, h, j0 + j + 1, end, dim);
+    const KT* k[2] = {keys.row(h, j0 + j), keys.row(h, j0 + j + 1)};
+    narrow_key_rows<2>(nq.q, rows, dim, k, out + j, stride);
+  }
+  for (; j < n; ++j) {
+    const KT* k[1] = {keys.row(h, j0 + j)};
+    narrow_key_rows<1>(nq.q, rows, dim, k, out + j, stride);
   }
   return true;
 }

@@ -7,6 +7,7 @@
 // functions for row tails and strided rows. Numerics: float32 throughout, std::exp, products
 // summed over channels in order (a compiler may fuse multiply-adds where the baseline has FMA).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +15,7 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/detail/isa/common.hpp"
+#include "kvevict/detail/isa/target.hpp"
 #include "kvevict/detail/pooling.hpp"
 #include "kvevict/dtype.hpp"
 #include "kvevict/views/cache_view.hpp"
@@ -39,6 +41,10 @@ inline void widen_row(const fp16* src, std::int64_t stride, float* dst, std::int
 
 /// Keys per panel: the portable micro-kernel's accumulators (4 rows x 8 keys) fit the 16
 /// vector registers of the x86-64 baseline once the compiler vectorises the key loop.
+/// Whether narrow_logits reads keys straight from a cache with contiguous channels, so that
+/// prompt windows can compute their logits once, in chunks of cached rows (observe_head.inl).
+constexpr bool reads_keys_unpacked = false;
+
 constexpr std::int64_t panel_keys = 8;
 
 /// Keys [j0, j0+n) of head h, widened and transposed into panels: panel p holds keys
@@ -67,13 +73,18 @@ void logits_block(const float* q, std::int64_t dim, const float* panel, float* o
   float acc[MR][panel_keys] = {};
   for (std::int64_t c = 0; c < dim; ++c) {
     const float* k = panel + c * panel_keys;
+    KVEVICT_UNROLL
     for (int i = 0; i < MR; ++i) {
       const float qv = q[i * dim + c];
+      KVEVICT_UNROLL
       for (std::int64_t t = 0; t < panel_keys; ++t) acc[i][t] += qv * k[t];
     }
   }
-  for (int i = 0; i < MR; ++i)
+  KVEVICT_UNROLL
+  for (int i = 0; i < MR; ++i) {
+    KVEVICT_UNROLL
     for (std::int64_t t = 0; t < panel_keys; ++t) out[i * ld + t] = acc[i][t];
+  }
 }
 
 /// out[r * ld + j] = sum_c q[r * dim + c] * key_j[c] for r < rows and j < n rounded up to
@@ -81,50 +92,58 @@ void logits_block(const float* q, std::int64_t dim, const float* panel, float* o
 inline void logits_panels(const float* q, std::int64_t rows, std::int64_t dim, const float* panel, std::int64_t n,
                           float* out, std::int64_t ld) noexcept {
   const std::int64_t panels = (n + panel_keys - 1) / panel_keys;
-  for (std::int64_t p = 0; p < panels; ++p) {
-    const float* kp = panel + p * dim * panel_keys;
-    float* o = out + p * panel_keys;
-    std::int64_t r = 0;
-    for (; rows - r >= 4; r += 4) logits_block<4>(q + r * dim, dim, kp, o + r * ld, ld);
-    switch (rows - r) {
-      case 3:
-        logits_block<3>(q + r * dim, dim, kp, o + r * ld, ld);
-        break;
-      case 2:
-        logits_block<2>(q + r * dim, dim, kp, o + r * ld, ld);
-        break;
-      case 1:
-        logits_block<1>(q + r * dim, dim, kp, o + r * ld, ld);
-        break;
-      default:
-        break;
+  // Rows in chunks whose queries stay in L1 (about 12 KB) while every panel passes by; each
+  // panel, read once per chunk, stays in L1 for the chunk's micro-kernels. Streaming all the
+  // rows' queries from L2 for every panel ran at two thirds of the FMA peak.
+  const std::int64_t chunk = std::max<std::int64_t>(4, 3072 / (dim > 0 ? dim : 1) / 4 * 4);
+  for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) {
+    const std::int64_t end = std::min(rows, r0 + chunk);
+    for (std::int64_t p = 0; p < panels; ++p) {
+      const float* kp = panel + p * dim * panel_keys;
+      float* o = out + p * panel_keys;
+      std::int64_t r = r0;
+      for (; end - r >= 4; r += 4) logits_block<4>(q + r * dim, dim, kp, o + r * ld, ld);
+      switch (end - r) {
+        case 3:
+          logits_block<3>(q + r * dim, dim, kp, o + r * ld, ld);
+          break;
+        case 2:
+          logits_block<2>(q + r * dim, dim, kp, o + r * ld, ld);
+          break;
+        case 1:
+          logits_block<1>(q + r * dim, dim, kp, o + r * ld, ld);
+          break;
+        default:
+          break;
+      }
     }
   }
 }
 
-/// Online log-sum-exp update of one row with a prepared tile row (NaN already -inf).
+/// Online log-sum-exp update of one row with a prepared tile row; NaN logits count as -inf
+/// (a NaN key or query gets zero attention instead of poisoning the row).
 inline void lse_update(const float* row, std::int64_t live, float* row_max, float* row_sum) noexcept {
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
   if (live <= 0) return;
-  float tile_max = row[0];
-  for (std::int64_t j = 1; j < live; ++j) tile_max = row[j] > tile_max ? row[j] : tile_max;
+  float tile_max = neg_inf;
+  for (std::int64_t j = 0; j < live; ++j) tile_max = row[j] > tile_max ? row[j] : tile_max;
   if (tile_max == neg_inf) return;
   if (tile_max > *row_max) {
     *row_sum *= std::exp(*row_max - tile_max);
     *row_max = tile_max;
   }
   float sum = 0.0f;
-  for (std::int64_t j = 0; j < live; ++j) sum += row[j] == neg_inf ? 0.0f : std::exp(row[j] - *row_max);
+  for (std::int64_t j = 0; j < live; ++j) sum += row[j] > neg_inf ? std::exp(row[j] - *row_max) : 0.0f;
   *row_sum += sum;
 }
 
-/// acc[j] += weight * exp(row[j] - lse) (or the NaN-propagating max) for j < live; -inf logits
-/// (masked, or NaN) contribute exactly 0.
+/// acc[j] += weight * exp(row[j] - lse) (or the NaN-propagating max) for j < live; -inf and
+/// NaN logits (masked keys; NaN keys or queries) contribute exactly 0.
 inline void accumulate_row(bool max_over_window, const float* row, std::int64_t live, float lse, float weight,
                            float* acc) noexcept {
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
   for (std::int64_t c = 0; c < live; ++c) {
-    const float prob = row[c] == neg_inf ? 0.0f : std::exp(row[c] - lse);
+    const float prob = row[c] > neg_inf ? std::exp(row[c] - lse) : 0.0f;
     acc[c] = max_over_window ? nan_max(acc[c], prob) : acc[c] + weight * prob;
   }
 }

@@ -42,6 +42,10 @@
 #define KVEVICT_TARGET_END KVEVICT_TARGET_PRAGMA_(GCC pop_options)
 #endif
 
+// Before a loop over a few registers (rows of a micro-kernel, lanes of a transpose): fully
+// unrolled even at -O2 (CMake's RelWithDebInfo), so the accumulators stay in registers.
+#define KVEVICT_UNROLL KVEVICT_TARGET_PRAGMA_(GCC unroll 16)
+
 #define KVEVICT_TARGET_AVX2_BEGIN KVEVICT_TARGET_BEGIN_(KVEVICT_TARGET_STRING_AVX2)
 #define KVEVICT_TARGET_AVX512_BEGIN KVEVICT_TARGET_BEGIN_(KVEVICT_TARGET_STRING_AVX512)
 #define KVEVICT_TARGET_AVX512BF16_BEGIN KVEVICT_TARGET_BEGIN_(KVEVICT_TARGET_STRING_AVX512BF16)
