@@ -4,8 +4,9 @@
 //
 //   roofline/*          this machine's fp32 FMA peak, DRAM read and memcpy bandwidth, measured
 //                       at start-up in the same process (also in the JSON context)
-//   score_prompt/*      prompt-window observation scoring (SnapKV's), two sweeps or one with
-//                       an engine LSE: GFLOP/s (executed and useful), fraction of FMA peak
+//   score_prompt/*      prompt-window observation scoring (SnapKV's), without (window) or with
+//                       an engine LSE: GFLOP/s executed (the sweeps the CPU path takes) and
+//                       useful (one sweep), fraction of FMA peak
 //   score_decode/*      one decode observation (DeferKV's decode step): GB/s of K read, fraction
 //                       of read bandwidth
 //   select/*            top-B selection of [Hkv, L] scores vs std::nth_element/partial_sort
@@ -95,7 +96,7 @@ void bm_score_prompt(benchmark::State& state, const std::string& key, std::int64
       benchmark::Counter(c.executed_flops() * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["useful_GFLOP"] =
       benchmark::Counter(c.useful_flops() * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["sweeps"] = lse ? 1.0 : 2.0;
+  state.counters["sweeps"] = c.sweeps();
   state.counters["peak_GFLOP/s"] = g_roof.fma_gflops();
   const std::string products = c.products();
   state.counters["amx"] = products == "AMX" ? 1.0 : 0.0;
@@ -176,7 +177,7 @@ void register_dtype(std::int64_t tokens) {
   };
   using state = benchmark::State;
   using key = const std::string&;
-  reg("score_prompt/two_sweeps" + suffix, [tokens](state& s, key k) { bm_score_prompt<T>(s, k, tokens, false); });
+  reg("score_prompt/window" + suffix, [tokens](state& s, key k) { bm_score_prompt<T>(s, k, tokens, false); });
   reg("score_prompt/engine_lse" + suffix, [tokens](state& s, key k) { bm_score_prompt<T>(s, k, tokens, true); });
   reg("snapkv/layer" + suffix, [tokens, k_elements](state& s, key k) {
     bm_pipeline<kb::snapkv_layer<T>>(

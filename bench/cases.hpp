@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "common.hpp"
@@ -123,9 +124,17 @@ struct prompt_scoring {
         kvevict::observation_scores(lay->queries(), lay->keys(), config.params(), score_view(), ws, oi));
   }
   kvevict::score_view score_view() { return {scores.data(), lay->shape.hkv, lay->tokens, lay->tokens}; }
-  double executed_flops() const {
-    return scoring_flops_one_sweep(lay->shape, lay->window, lay->tokens) * (with_lse ? 1.0 : 2.0);
+  /// Sweeps over the keys the process's CPU path takes for these logits: one with an engine
+  /// LSE; without, one on the AVX2/AVX-512 float32 FMA paths (16 cached rows at a time,
+  /// detail/isa/observe_head.inl: contiguous channels, G <= 16, as here), two elsewhere (the
+  /// portable path; bf16 pair products on avx512bf16 and amx).
+  int sweeps() const {
+    if (with_lse) return 1;
+    if (kvevict::active_cpu_isa() == kvevict::cpu_isa::scalar) return 2;
+    return std::string(products()) == "FMA" && lay->shape.hq / lay->shape.hkv <= 16 ? 1 : 2;
   }
+  /// The logit FLOPs the path executes (useful_flops() times its sweeps).
+  double executed_flops() const { return useful_flops() * sweeps(); }
   double useful_flops() const { return scoring_flops_one_sweep(lay->shape, lay->window, lay->tokens); }
   /// What computes these logits on the process's CPU path: float32 FMA chains, or for
   /// bf16 x bf16 (d a multiple of 32) VDPBF16PS pair products (avx512bf16) or AMX tiles (amx).

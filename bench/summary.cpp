@@ -77,8 +77,8 @@ int main(int argc, char** argv) {
     const std::string products = two.products();
     const std::string note =
         products == "FMA" ? "(target >= 60% of FMA peak)" : "(target >= 60% of FMA peak; on " + products + ")";
-    row("prompt scoring, two sweeps (GEMM FLOPs)", t, "GFLOP/s", two.executed_flops() / t * 1e-9, roof.fma_gflops(),
-        note.c_str());
+    const std::string what = "prompt scoring, " + std::to_string(two.sweeps()) + " sweep(s) (GEMM FLOPs)";
+    row(what.c_str(), t, "GFLOP/s", two.executed_flops() / t * 1e-9, roof.fma_gflops(), note.c_str());
     kb::prompt_scoring<T> one(lay, true);
     const double t1 = kb::median_seconds([&] { one.run(); }, 3, min_time);
     row("prompt scoring, engine LSE, one sweep", t1, "GFLOP/s", one.executed_flops() / t1 * 1e-9, roof.fma_gflops(),
