@@ -4,8 +4,9 @@
 //
 //   roofline/*          this machine's fp32 FMA peak, DRAM read and memcpy bandwidth, measured
 //                       at start-up in the same process (also in the JSON context)
-//   score_prompt/*      prompt-window observation scoring (SnapKV's), two sweeps or one with
-//                       an engine LSE: GFLOP/s (executed and useful), fraction of FMA peak
+//   score_prompt/*      prompt-window observation scoring (SnapKV's), without (window) or with
+//                       an engine LSE: GFLOP/s executed (the sweeps the CPU path takes) and
+//                       useful (one sweep), fraction of FMA peak
 //   score_decode/*      one decode observation (DeferKV's decode step): GB/s of K read, fraction
 //                       of read bandwidth
 //   select/*            top-B selection of [Hkv, L] scores vs std::nth_element/partial_sort
@@ -95,9 +96,11 @@ void bm_score_prompt(benchmark::State& state, const std::string& key, std::int64
       benchmark::Counter(c.executed_flops() * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["useful_GFLOP"] =
       benchmark::Counter(c.useful_flops() * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["sweeps"] = lse ? 1.0 : 2.0;
-  state.counters["peak_GFLOP/s"] = g_roof.fma_gflops;
-  state.counters["amx"] = c.uses_amx() ? 1.0 : 0.0;
+  state.counters["sweeps"] = c.sweeps();
+  state.counters["peak_GFLOP/s"] = g_roof.fma_gflops();
+  const std::string products = c.products();
+  state.counters["amx"] = products == "AMX" ? 1.0 : 0.0;
+  state.counters["vdpbf16ps"] = products == "VDPBF16PS" ? 1.0 : 0.0;
   set_common(state, static_cast<double>(c.lay->shape.hkv * tokens * c.lay->shape.d), c.scratch_bytes());
 }
 
@@ -174,7 +177,7 @@ void register_dtype(std::int64_t tokens) {
   };
   using state = benchmark::State;
   using key = const std::string&;
-  reg("score_prompt/two_sweeps" + suffix, [tokens](state& s, key k) { bm_score_prompt<T>(s, k, tokens, false); });
+  reg("score_prompt/window" + suffix, [tokens](state& s, key k) { bm_score_prompt<T>(s, k, tokens, false); });
   reg("score_prompt/engine_lse" + suffix, [tokens](state& s, key k) { bm_score_prompt<T>(s, k, tokens, true); });
   reg("snapkv/layer" + suffix, [tokens, k_elements](state& s, key k) {
     bm_pipeline<kb::snapkv_layer<T>>(
@@ -219,14 +222,29 @@ void register_all(bool quick) {
   // The rooflines as benchmarks too, so every report carries them next to the kernels.
   benchmark::RegisterBenchmark("roofline/fma_peak", [](benchmark::State& s) {
     volatile float seed = 1.0f;  // read per call: the kernel is pure and would be hoisted
-    for (auto _ : s) benchmark::DoNotOptimize(kb::fma_kernel(1 << 16, seed));
-    s.counters["GFLOP"] = benchmark::Counter((1 << 16) * kb::fma_kernel_flops_per_iteration * 1e-9,
-                                             benchmark::Counter::kIsIterationInvariantRate);
+    const kvevict::cpu_isa isa = kvevict::active_cpu_isa();
+    double flops = 12.0 * 16 * 2;
+    for (auto _ : s) {
+#if KVEVICT_X86_DISPATCH
+      if (isa == kvevict::cpu_isa::avx2) {
+        benchmark::DoNotOptimize(kb::fma_kernel_avx2(1 << 16, seed));
+        flops = 12.0 * 8 * 2;
+        continue;
+      }
+      if (isa != kvevict::cpu_isa::scalar) {
+        benchmark::DoNotOptimize(kb::fma_kernel_avx512(1 << 16, seed));
+        continue;
+      }
+#endif
+      benchmark::DoNotOptimize(kb::fma_kernel_portable(1 << 16, seed));
+    }
+    (void)isa;
+    s.counters["GFLOP"] = benchmark::Counter((1 << 16) * flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   });
   benchmark::RegisterBenchmark("roofline/read_bw", [](benchmark::State& s) {
     kb::big_buffer b(kb::roofline_buffer_bytes);
     float* volatile data = b.data();
-    for (auto _ : s) benchmark::DoNotOptimize(kb::read_kernel(data, b.floats()));
+    for (auto _ : s) benchmark::DoNotOptimize(kb::read_kernel_portable(data, b.floats()));
     s.counters["GB"] =
         benchmark::Counter(static_cast<double>(b.bytes()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   })->Unit(benchmark::kMillisecond);
@@ -258,8 +276,18 @@ int main(int argc, char** argv) {
 
   g_roof = kb::measure_rooflines(quick ? (std::size_t{256} << 20) : kb::roofline_buffer_bytes, quick ? 0.1 : 0.3);
   char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.2f", g_roof.fma_gflops);
+  benchmark::AddCustomContext("kvevict_cpu_isa", kvevict::to_string(kvevict::active_cpu_isa()));
+  benchmark::AddCustomContext("kvevict_cpu_isa_supported", kvevict::to_string(kvevict::supported_cpu_isa()));
+  std::snprintf(buf, sizeof(buf), "%.2f", g_roof.fma_gflops());
   benchmark::AddCustomContext("kvevict_fma_peak_gflops", buf);
+  std::snprintf(buf, sizeof(buf), "%.2f", g_roof.scalar_gflops);
+  benchmark::AddCustomContext("kvevict_scalar_peak_gflops", buf);
+  std::snprintf(buf, sizeof(buf), "%.2f", g_roof.avx2_gflops);
+  benchmark::AddCustomContext("kvevict_avx2_fma_peak_gflops", buf);
+  std::snprintf(buf, sizeof(buf), "%.2f", g_roof.avx512_gflops);
+  benchmark::AddCustomContext("kvevict_avx512_fma_peak_gflops", buf);
+  std::snprintf(buf, sizeof(buf), "%.2f", g_roof.bf16_dot_gflops);
+  benchmark::AddCustomContext("kvevict_vdpbf16ps_peak_gflops", buf);
   std::snprintf(buf, sizeof(buf), "%.2f", g_roof.amx_gflops);
   benchmark::AddCustomContext("kvevict_amx_bf16_peak_gflops", buf);
   std::snprintf(buf, sizeof(buf), "%.2f", g_roof.read_gbs);
@@ -269,9 +297,11 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("kvevict_build", kb::build_line());
   benchmark::AddCustomContext("kvevict_shape", "Hq=32 Hkv=8 d=128 W=32 B=2048 (Llama-3.1-8B, Qwen3-8B, Mistral-7B)");
   std::fprintf(stderr,
-               "rooflines: fp32 FMA %.1f GFLOP/s, AMX bf16 %.1f GFLOP/s, read %.1f GB/s, memcpy %.1f GB/s (CPU time, "
-               "one thread)\n",
-               g_roof.fma_gflops, g_roof.amx_gflops, g_roof.read_gbs, g_roof.memcpy_gbs);
+               "CPU path %s; rooflines: fp32 FMA %.1f GFLOP/s (scalar %.1f, AVX2 %.1f, AVX-512 %.1f), VDPBF16PS %.1f, "
+               "AMX bf16 %.1f GFLOP/s, read %.1f GB/s, memcpy %.1f GB/s (CPU time, one thread)\n",
+               kvevict::to_string(kvevict::active_cpu_isa()), g_roof.fma_gflops(), g_roof.scalar_gflops,
+               g_roof.avx2_gflops, g_roof.avx512_gflops, g_roof.bf16_dot_gflops, g_roof.amx_gflops, g_roof.read_gbs,
+               g_roof.memcpy_gbs);
 
   register_all(quick);
   benchmark::RunSpecifiedBenchmarks();

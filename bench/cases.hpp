@@ -11,14 +11,13 @@
 #ifndef KVEVICT_BENCH_CASES_HPP
 #define KVEVICT_BENCH_CASES_HPP
 
-#include <Eigen/Core>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "common.hpp"
@@ -44,45 +43,60 @@ struct rotation {
 };
 
 /// Natural-log LSE [Hq, W] of each window query's scaled logits over every key it sees, as
-/// flash attention would hand it over (computed here in double, outside any timing).
+/// flash attention would hand it over (float32 logits, double sums; outside any timing).
 template <class T>
 std::vector<float> window_lse(const layer<T>& lay) {
-  using mat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   const auto& s = lay.shape;
-  const std::int64_t g = s.hq / s.hkv, w = lay.window, chunk = 4096;
+  const std::int64_t g = s.hq / s.hkv, w = lay.window, rows = g * w;
   std::vector<float> out(static_cast<std::size_t>(s.hq * w));
-  mat qh(g * w, s.d), kc(chunk, s.d);
+  // Queries transposed [d][rows], so the logits of one key for every row are one loop over
+  // rows that the compiler vectorises (no reassociation needed).
+  std::vector<float> qt(static_cast<std::size_t>(s.d * rows)), logits(static_cast<std::size_t>(rows));
   const float scale = 1.0f / std::sqrt(static_cast<float>(s.d));
   for (std::int64_t h = 0; h < s.hkv; ++h) {
-    for (std::int64_t r = 0; r < g * w; ++r)
+    for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t c = 0; c < s.d; ++c)
-        qh(r, c) = scale * kvevict::to_float(lay.q[static_cast<std::size_t>(((h * g) * w + r) * s.d + c)]);
-    std::vector<double> mx(static_cast<std::size_t>(g * w), -INFINITY), sum(static_cast<std::size_t>(g * w), 0.0);
-    for (std::int64_t j0 = 0; j0 < lay.tokens; j0 += chunk) {
-      const std::int64_t n = std::min(chunk, lay.tokens - j0);
-      for (std::int64_t j = 0; j < n; ++j)
-        for (std::int64_t c = 0; c < s.d; ++c)
-          kc(j, c) = kvevict::to_float(lay.k[static_cast<std::size_t>((h * lay.capacity + j0 + j) * s.d + c)]);
-      const mat logits = qh * kc.topRows(n).transpose();
-      for (std::int64_t r = 0; r < g * w; ++r) {
-        const std::int64_t visible = std::min(n, lay.positions[static_cast<std::size_t>(r % w)] + 1 - j0);
+        qt[static_cast<std::size_t>(c * rows + r)] =
+            scale * kvevict::to_float(lay.q[static_cast<std::size_t>(((h * g) * w + r) * s.d + c)]);
+    std::vector<double> mx(static_cast<std::size_t>(rows), -INFINITY), sum(static_cast<std::size_t>(rows), 0.0);
+    for (std::int64_t j = 0; j < lay.tokens; ++j) {
+      std::fill(logits.begin(), logits.end(), 0.0f);
+      const T* key = lay.k.data() + (h * lay.capacity + j) * s.d;
+      for (std::int64_t c = 0; c < s.d; ++c) {
+        const float kc = kvevict::to_float(key[c]);
+        const float* q = qt.data() + c * rows;
+        for (std::int64_t r = 0; r < rows; ++r) logits[static_cast<std::size_t>(r)] += q[r] * kc;
+      }
+      for (std::int64_t r = 0; r < rows; ++r) {
+        if (j > lay.positions[static_cast<std::size_t>(r % w)]) continue;  // not visible to this query
+        const double x = logits[static_cast<std::size_t>(r)];
         auto& m = mx[static_cast<std::size_t>(r)];
         auto& z = sum[static_cast<std::size_t>(r)];
-        for (std::int64_t j = 0; j < visible; ++j) {
-          const double x = logits(r, j);
-          if (x > m) {
-            z = z * std::exp(m - x);
-            m = x;
-          }
-          z += std::exp(x - m);
+        if (x > m) {
+          z = z * std::exp(m - x);
+          m = x;
         }
+        z += std::exp(x - m);
       }
     }
-    for (std::int64_t r = 0; r < g * w; ++r)
-      out[static_cast<std::size_t>(h * g * w + r)] =
+    for (std::int64_t r = 0; r < rows; ++r)
+      out[static_cast<std::size_t>(h * rows + r)] =
           static_cast<float>(mx[static_cast<std::size_t>(r)] + std::log(sum[static_cast<std::size_t>(r)]));
   }
   return out;
+}
+
+template <class T>
+const char* logit_products(std::int64_t d) {
+  if (!std::is_same<T, bf16>::value || d % 32 != 0) return "FMA";
+  switch (kvevict::active_cpu_isa()) {
+    case kvevict::cpu_isa::amx:
+      return "AMX";
+    case kvevict::cpu_isa::avx512bf16:
+      return "VDPBF16PS";
+    default:
+      return "FMA";
+  }
 }
 
 /// Prompt-window observation scoring of one layer (SnapKV's scoring at the reference
@@ -110,12 +124,21 @@ struct prompt_scoring {
         kvevict::observation_scores(lay->queries(), lay->keys(), config.params(), score_view(), ws, oi));
   }
   kvevict::score_view score_view() { return {scores.data(), lay->shape.hkv, lay->tokens, lay->tokens}; }
-  double executed_flops() const {
-    return scoring_flops_one_sweep(lay->shape, lay->window, lay->tokens) * (with_lse ? 1.0 : 2.0);
+  /// Sweeps over the keys the process's CPU path takes for these logits: one with an engine
+  /// LSE; without, one on the AVX2/AVX-512 float32 FMA paths (16 cached rows at a time,
+  /// detail/isa/observe_head.inl: contiguous channels, G <= 16, as here), two elsewhere (the
+  /// portable path; bf16 pair products on avx512bf16 and amx).
+  int sweeps() const {
+    if (with_lse) return 1;
+    if (kvevict::active_cpu_isa() == kvevict::cpu_isa::scalar) return 2;
+    return std::string(products()) == "FMA" && lay->shape.hq / lay->shape.hkv <= 16 ? 1 : 2;
   }
+  /// The logit FLOPs the path executes (useful_flops() times its sweeps).
+  double executed_flops() const { return useful_flops() * sweeps(); }
   double useful_flops() const { return scoring_flops_one_sweep(lay->shape, lay->window, lay->tokens); }
-  /// Whether kvevict computes these logits on AMX (bf16 x bf16, as the roofline notes).
-  bool uses_amx() const { return kvevict::detail::amx_applies<T, T>(lay->keys_const(), lay->shape.d); }
+  /// What computes these logits on the process's CPU path: float32 FMA chains, or for
+  /// bf16 x bf16 (d a multiple of 32) VDPBF16PS pair products (avx512bf16) or AMX tiles (amx).
+  const char* products() const { return logit_products<T>(lay->shape.d); }
   std::size_t scratch_bytes() const { return ws.size(); }
 };
 

@@ -234,7 +234,9 @@ inline std::vector<float> score_rows(std::int64_t rows, std::int64_t n, std::uin
   return s;
 }
 
-/// "-march=native"-style line describing how this binary was built.
+/// How this binary was built and which CPU path it runs: the compiler, the translation
+/// units' instruction-set baseline (kvevict's ABI namespace, detail/abi.hpp) and the path the
+/// process chose (cpu_isa.hpp; KVEVICT_ISA lowers it).
 inline std::string build_line() {
   std::string s;
 #if defined(__clang__)
@@ -246,17 +248,14 @@ inline std::string build_line() {
   s += ", optimised";
 #endif
 #if defined(__AVX512F__)
-  s += ", AVX-512F";
+  s += ", baseline with AVX-512";
+#elif defined(__AVX2__)
+  s += ", baseline with AVX2";
+#else
+  s += ", generic x86-64 baseline";
 #endif
-#if defined(__AVX512BF16__)
-  s += " +BF16";
-#endif
-#if defined(__AVX512FP16__)
-  s += " +FP16";
-#endif
-#if defined(__AMX_BF16__)
-  s += " +AMX-BF16";
-#endif
+  s += " (kvevict::" KVEVICT_ABI_NAMESPACE_NAME "), CPU path ";
+  s += kvevict::to_string(kvevict::active_cpu_isa());
   return s;
 }
 

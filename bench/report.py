@@ -5,6 +5,10 @@
 Inputs: kvevict_bench's Google Benchmark JSON (--micro), kvevict_bench_vs_torch's JSON
 (--torch), and the machine description scripts/bench recorded (--machine, "key: value").
 Every ratio is formed within this one run (the machine is shared; see docs/benchmarks.md).
+
+With --paths DIR (DIR/<path>/micro.json and DIR/<path>/vs_torch.json, one run per CPU path
+under KVEVICT_ISA=<path>) it also writes paths.md and paths.json: the reference shape on
+every path, each against the rooflines its own run measured.
 """
 import argparse
 import json
@@ -14,11 +18,11 @@ import sys
 REF_L, REF_DTYPE, SEL_L = 32768, "bf16", 131072
 TARGETS = [
     # key, what, target text, threshold (ratio must be >= it)
-    ("score", "observation scoring, two sweeps (executed GEMM GFLOP/s / FMA peak)", ">= 60% of FMA peak", 0.60),
+    ("score", "observation scoring without engine LSE (executed GEMM GFLOP/s / FMA peak)", ">= 60% of FMA peak", 0.60),
     ("score_lse", "observation scoring with engine LSE, one sweep (same count)", "(reported)", None),
-    ("score_f32", "(not the reference dtype) observation scoring, f32 cache, two sweeps: FMA path", ">= 60% of FMA peak",
+    ("score_f32", "(not the reference dtype) observation scoring, f32 cache, no engine LSE: FMA path", ">= 60% of FMA peak",
      0.60),
-    ("score_fp16", "(not the reference dtype) observation scoring, fp16 cache, two sweeps: FMA path",
+    ("score_fp16", "(not the reference dtype) observation scoring, fp16 cache, no engine LSE: FMA path",
      ">= 60% of FMA peak", 0.60),
     ("select", "selection at L = 128K (std::nth_element time / kvevict time)", ">= 10x", 10.0),
     ("compact", "compaction of K and V (GB/s copied / memcpy GB/s)", ">= 50% of memcpy", 0.50),
@@ -52,20 +56,27 @@ def pct(x):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--micro", required=True)
-    ap.add_argument("--torch", required=True)
+    ap.add_argument("--micro", default=None)
+    ap.add_argument("--torch", default=None)
     ap.add_argument("--machine", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--command", default="scripts/bench")
+    ap.add_argument("--paths", default=None)
     args = ap.parse_args()
-
-    ctx, micro = load_micro(args.micro)
-    torch_res = json.load(open(args.torch)) if os.path.exists(args.torch) else {"cases": []}
     machine = {}
     for line in open(args.machine):
         if ":" in line:
             k, v = line.split(":", 1)
             machine[k.strip()] = v.strip()
+    if args.micro is None:  # the per-path tables only
+        if not args.paths:
+            ap.error("--micro and --torch, or --paths")
+        os.makedirs(args.out, exist_ok=True)
+        write_paths(args.paths, args.out, args.command, machine)
+        return 0
+
+    ctx, micro = load_micro(args.micro)
+    torch_res = json.load(open(args.torch)) if args.torch and os.path.exists(args.torch) else {"cases": []}
     fma = float(ctx.get("kvevict_fma_peak_gflops", "nan"))
     amx = float(ctx.get("kvevict_amx_bf16_peak_gflops", "0") or 0)
     read = float(ctx.get("kvevict_read_gbs", "nan"))
@@ -83,21 +94,26 @@ def main():
     # ---- targets at the reference shape ------------------------------------------------------
     achieved = {}
     s = suffix(REF_DTYPE, REF_L)
-    if get("score_prompt/two_sweeps" + s):
-        g = get("score_prompt/two_sweeps" + s)["GFLOP"]
+    if get("score_prompt/window" + s):
+        g = get("score_prompt/window" + s)["GFLOP"]
         achieved["score"] = (f"{g:.1f} GFLOP/s of {fma:.1f}", g / fma)
     def on_amx(b):
         return b.get("amx", 0) == 1 and amx > 0
 
-    if get("score_prompt/two_sweeps" + s) and on_amx(get("score_prompt/two_sweeps" + s)):
-        g = get("score_prompt/two_sweeps" + s)["GFLOP"]
+    def gemm_name(b):
+        if on_amx(b):
+            return "AMX"
+        return "VDPBF16PS" if b.get("vdpbf16ps", 0) == 1 else "FMA"
+
+    if get("score_prompt/window" + s) and on_amx(get("score_prompt/window" + s)):
+        g = get("score_prompt/window" + s)["GFLOP"]
         achieved["score"] = (f"{g:.1f} GFLOP/s of {fma:.1f} (GEMM on AMX: {pct(g / amx)} of its {amx:.0f} GFLOP/s bf16 "
                              "peak)", g / fma)
     if get("score_prompt/engine_lse" + s):
         g = get("score_prompt/engine_lse" + s)["GFLOP"]
         achieved["score_lse"] = (f"{g:.1f} GFLOP/s of {fma:.1f}", g / fma)
     for d in ("f32", "fp16"):
-        b = get("score_prompt/two_sweeps" + suffix(d, REF_L))
+        b = get("score_prompt/window" + suffix(d, REF_L))
         if b:
             achieved["score_" + d] = (f"{b['GFLOP']:.1f} GFLOP/s of {fma:.1f}", b["GFLOP"] / fma)
     sel_l = SEL_L if get(f"select/kvevict/L:{SEL_L}") else (lengths[-1] if lengths else None)
@@ -123,8 +139,13 @@ def main():
         if k in machine:
             md.append(f"- **{k}**: {machine[k]}")
     amx_txt = f", AMX bf16 peak {amx:.0f} GFLOP/s" if amx > 0 else ""
-    md.append(f"- **rooflines (measured in this run)**: fp32 FMA peak {fma:.1f} GFLOP/s{amx_txt}, "
-              f"DRAM read {read:.2f} GB/s, memcpy {memcpy:.2f} GB/s (bytes copied)\n")
+    dot = float(ctx.get("kvevict_vdpbf16ps_peak_gflops", "0") or 0)
+    dot_txt = f", VDPBF16PS peak {dot:.0f} GFLOP/s" if dot > 0 else ""
+    path = ctx.get("kvevict_cpu_isa", "?")
+    md.append(f"- **CPU path**: {path} (best this machine supports: {ctx.get('kvevict_cpu_isa_supported', '?')}; "
+              "[docs/cpu-dispatch.md](../cpu-dispatch.md)); every path: [paths.md](paths.md)")
+    md.append(f"- **rooflines (measured in this run)**: fp32 FMA peak of the {path} path {fma:.1f} GFLOP/s"
+              f"{dot_txt}{amx_txt}, DRAM read {read:.2f} GB/s, memcpy {memcpy:.2f} GB/s (bytes copied)\n")
 
     md.append(f"## Targets (reference shape: Llama-3.1-8B layer, L = {REF_L}, W = 32, B = 2048, {REF_DTYPE}, one thread)\n")
     md.append("| target | achieved | ratio | goal | met |")
@@ -140,19 +161,23 @@ def main():
     md.append("")
 
     md.append("## Observation scoring, decode observation, compaction (every dtype and L)\n")
-    md.append("Scoring GFLOP/s count the logit GEMM's executed FLOPs (2 per multiply-add; two sweeps "
-              "without an engine LSE, one with it); the exp of the softmax is not counted. "
+    md.append("Scoring GFLOP/s count the logit GEMM's executed FLOPs (2 per multiply-add, times the sweeps over "
+              "the keys the CPU path takes: without an engine LSE two on the portable path and for bf16 pair "
+              "products, one on the AVX2/AVX-512 float32 paths, which keep 16 rows' logits; with it one); "
+              "\"useful\" GFLOP/s count one sweep whatever the path does. The exp of the softmax is not counted. "
               "Decode GB/s = K bytes read once per step; compaction GB/s = K and V bytes copied.\n")
-    md.append("bf16 × bf16 logits run on AMX (\"GEMM on\"), so their fraction of the fp32 FMA peak can exceed "
-              "100%; the AMX column gives the fraction of the AMX bf16 peak.\n")
-    md.append("| dtype | L | GEMM on | score 2 sweeps (ms) | GFLOP/s | of FMA peak | of AMX peak | score + LSE (ms) "
-              "| GFLOP/s | of FMA peak | decode step (ms) | GB/s | of read | compaction (ms) | GB/s | of memcpy |")
-    md.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    md.append("\"GEMM on\": float32 FMA micro-kernels, or for bf16 × bf16 VDPBF16PS pair products (avx512bf16) or "
+              "AMX tiles (amx), whose fraction of the fp32 FMA peak can exceed 100%; the AMX column gives the "
+              "fraction of the AMX bf16 peak.\n")
+    md.append("| dtype | L | GEMM on | score (ms) | sweeps | GFLOP/s | of FMA peak | useful GFLOP/s | of AMX peak | "
+              "score + LSE (ms) | GFLOP/s | of FMA peak | decode step (ms) | GB/s | of read | compaction (ms) | GB/s | "
+              "of memcpy |")
+    md.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     table_rows = []
     for d in dtypes:
         for L in lengths:
             sx = suffix(d, L)
-            a, b = get("score_prompt/two_sweeps" + sx), get("score_prompt/engine_lse" + sx)
+            a, b = get("score_prompt/window" + sx), get("score_prompt/engine_lse" + sx)
             c, e = get("score_decode/step" + sx), get("compact/kv" + sx)
             if not (a and b and c and e):
                 continue
@@ -160,11 +185,11 @@ def main():
                        lse_ms=b["ms"], lse_gflops=b["GFLOP"], lse_frac=b["GFLOP"] / fma,
                        decode_ms=c["ms"], decode_gbs=c["GB"], decode_frac=c["GB"] / read,
                        compact_ms=e["ms"], compact_gbs=e["GB"], compact_frac=e["GB"] / memcpy)
-            row["gemm"] = "AMX" if on_amx(a) else "Eigen (FMA)"
+            row["gemm"] = gemm_name(a)
             table_rows.append(row)
             amx_frac = pct(a["GFLOP"] / amx) if on_amx(a) else ""
-            md.append(f"| {d} | {L} | {row['gemm']} | {a['ms']:.1f} | {a['GFLOP']:.1f} | {pct(row['score_frac'])} | "
-                      f"{amx_frac} | {b['ms']:.1f} | "
+            md.append(f"| {d} | {L} | {row['gemm']} | {a['ms']:.1f} | {a.get('sweeps', 2):.0f} | {a['GFLOP']:.1f} | "
+                      f"{pct(row['score_frac'])} | {a.get('useful_GFLOP', 0):.1f} | {amx_frac} | {b['ms']:.1f} | "
                       f"{b['GFLOP']:.1f} | {pct(row['lse_frac'])} | {c['ms']:.2f} | {c['GB']:.2f} | "
                       f"{pct(row['decode_frac'])} | {e['ms']:.2f} | {e['GB']:.2f} | {pct(row['compact_frac'])} |")
     md.append("")
@@ -243,7 +268,119 @@ def main():
         json.dump(merged, f, indent=1)
     plot(args.out, table_rows, pipe_rows, sel_rows, torch_res["cases"], lengths)
     print("\n".join(md))
+    if args.paths:
+        write_paths(args.paths, args.out, args.command, machine)
     return 0
+
+
+PATH_ORDER = ("scalar", "avx2", "avx512", "avx512bf16", "amx")
+
+
+def write_paths(root, out, command, machine):
+    """paths.md / paths.json: the reference shape on every CPU path, one run each."""
+    runs = []
+    for p in PATH_ORDER:
+        micro_path = os.path.join(root, p, "micro.json")
+        if not os.path.exists(micro_path):
+            continue
+        ctx, micro = load_micro(micro_path)
+        torch_path = os.path.join(root, p, "vs_torch.json")
+        cases = json.load(open(torch_path))["cases"] if os.path.exists(torch_path) else []
+        runs.append((p, ctx, micro, cases))
+    md = ["# kvevict on every CPU path\n",
+          f"Generated by `{command}` (methodology: [docs/benchmarks.md](../benchmarks.md); the paths: "
+          "[docs/cpu-dispatch.md](../cpu-dispatch.md)). One process per path, `KVEVICT_ISA=<path>`, the same binary "
+          "(built without `-march`); each run measures its own rooflines and its own PyTorch baseline, so every ratio "
+          "in a row is formed within that path's run. Reference shape: Llama-3.1-8B layer (Hq = 32, Hkv = 8, d = 128), "
+          f"L = {REF_L}, W = 32, B = 2048, one thread, CPU time, median of 3 repetitions.\n"]
+    for k in ("cpu", "cores", "compiler", "flags", "torch", "date", "load"):
+        if k in machine:
+            md.append(f"- **{k}**: {machine[k]}")
+    md.append("")
+    md.append("Scoring (no engine LSE) GFLOP/s count the logit GEMM's executed FLOPs: 2 per multiply-add times the "
+              "sweeps over the keys the path takes (two on the portable path and for bf16 pair products; one on the "
+              "AVX2/AVX-512 float32 paths, which keep 16 rows' logits), against the float32 FMA peak of the path's "
+              "own vector width (scalar: the portable loop as the x86-64 baseline compiles it). bf16 × bf16 products "
+              "on avx512bf16 / amx are also given against their own peak. The time (ms) compares paths whatever "
+              "they execute.\n")
+    md.append("| path | FMA peak (GFLOP/s) | scoring bf16 (ms) | GEMM on | sweeps | GFLOP/s | of FMA peak | of product "
+              "peak | scoring f32 (ms) | sweeps | GFLOP/s | of FMA peak | decode bf16 GB/s | of read | compaction bf16 "
+              "GB/s | of memcpy | "
+              "selection 128K vs nth_element | SnapKV layer (ms) | PyTorch (ms) | speed-up | PyTorch as without AVX-512 "
+              "(ms) | speed-up | same keep sets |")
+    md.append("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+              "---|")
+    rows = []
+    for p, ctx, micro, cases in runs:
+        fma = float(ctx.get("kvevict_fma_peak_gflops", "nan"))
+        read = float(ctx.get("kvevict_read_gbs", "nan"))
+        memcpy = float(ctx.get("kvevict_memcpy_gbs", "nan"))
+        amx = float(ctx.get("kvevict_amx_bf16_peak_gflops", "0") or 0)
+        dot = float(ctx.get("kvevict_vdpbf16ps_peak_gflops", "0") or 0)
+        g = lambda n: micro.get(n)
+        sb, sf = g(f"score_prompt/window/bf16/L:{REF_L}"), g(f"score_prompt/window/f32/L:{REF_L}")
+        dec, comp = g(f"score_decode/step/bf16/L:{REF_L}"), g(f"compact/kv/bf16/L:{REF_L}")
+        sel, nth = g(f"select/kvevict/L:{SEL_L}"), g(f"select/std_nth_element/L:{SEL_L}")
+        torch_case = next((c for c in cases if c["dtype"] == REF_DTYPE and c["tokens"] == REF_L and "torch_ms" in c), None)
+        row = dict(path=ctx.get("kvevict_cpu_isa", p), fma_peak=fma, read_gbs=read, memcpy_gbs=memcpy)
+        cells = [row["path"], f"{fma:.1f}"]
+        if sb:
+            on = "AMX" if sb.get("amx", 0) == 1 else ("VDPBF16PS" if sb.get("vdpbf16ps", 0) == 1 else "FMA")
+            prod_peak = amx if on == "AMX" else (dot if on == "VDPBF16PS" else 0)
+            row.update(score_bf16_ms=sb["ms"], score_bf16_sweeps=sb.get("sweeps", 2), score_bf16_gflops=sb["GFLOP"],
+                       score_bf16_frac=sb["GFLOP"] / fma, score_bf16_on=on)
+            cells += [f"{sb['ms']:.1f}", on, f"{sb.get('sweeps', 2):.0f}", f"{sb['GFLOP']:.1f}", pct(sb["GFLOP"] / fma),
+                      pct(sb["GFLOP"] / prod_peak) if prod_peak else ""]
+        else:
+            cells += ["", "", "", "", "", ""]
+        if sf:
+            row.update(score_f32_ms=sf["ms"], score_f32_sweeps=sf.get("sweeps", 2), score_f32_gflops=sf["GFLOP"],
+                       score_f32_frac=sf["GFLOP"] / fma)
+            cells += [f"{sf['ms']:.1f}", f"{sf.get('sweeps', 2):.0f}", f"{sf['GFLOP']:.1f}", pct(sf["GFLOP"] / fma)]
+        else:
+            cells += ["", "", "", ""]
+        if dec:
+            row.update(decode_gbs=dec["GB"], decode_frac=dec["GB"] / read)
+            cells += [f"{dec['GB']:.2f}", pct(dec["GB"] / read)]
+        else:
+            cells += ["", ""]
+        if comp:
+            row.update(compact_gbs=comp["GB"], compact_frac=comp["GB"] / memcpy)
+            cells += [f"{comp['GB']:.2f}", pct(comp["GB"] / memcpy)]
+        else:
+            cells += ["", ""]
+        if sel and nth:
+            row.update(select_us=sel["ms"] * 1e3, nth_us=nth["ms"] * 1e3, select_speedup=nth["ms"] / sel["ms"])
+            cells.append(f"{nth['ms'] / sel['ms']:.1f}x ({sel['ms'] * 1e3:.0f} vs {nth['ms'] * 1e3:.0f} us)")
+        else:
+            cells.append("")
+        if torch_case:
+            k, t = torch_case["kvevict_ms"], torch_case["torch_ms"]
+            row.update(snapkv_ms=k, torch_ms=t, speedup=t / k, same_keep=torch_case.get("agree") == 1)
+            agree = "yes" if torch_case.get("agree") == 1 else "**no**"
+            if torch_case.get("near_tie_swaps", 0):
+                agree += f" ({torch_case['near_tie_swaps']} near-tie swaps)"
+            t2 = float(torch_case.get("torch_without_avx512_ms", 0) or 0)
+            if t2 > 0:
+                row.update(torch_without_avx512_ms=t2, speedup_without_avx512=t2 / k)
+            cells += [f"{k:.1f}", f"{t:.1f}", f"{t / k:.1f}x", f"{t2:.0f}" if t2 > 0 else "",
+                      f"{t2 / k:.1f}x" if t2 > 0 else "", agree]
+        else:
+            cells += ["", "", "", "", "", ""]
+        rows.append(row)
+        md.append("| " + " | ".join(cells) + " |")
+    md.append("")
+    md.append("\"PyTorch\": the kvpress pipeline as PyTorch runs it on this machine (bf16 matmul on oneDNN's "
+              "AVX512_BF16 kernels where the CPU has them). \"PyTorch as without AVX-512\" (paths below avx512 only): "
+              "the same pipeline as PyTorch 1.13 runs it on a CPU without AVX-512, where it does not send bf16 "
+              "matmuls to oneDNN (`torch.backends.mkldnn.enabled = False`; `OPENBLAS_CORETYPE=Haswell`), so that both "
+              "sides use the same instructions. \"same keep sets\": kvevict's kept tokens equal the float32 pipeline's "
+              "except swaps at near-ties.\n")
+    with open(os.path.join(out, "paths.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    with open(os.path.join(out, "paths.json"), "w") as f:
+        json.dump(dict(machine=machine, command=command, paths=rows), f, indent=1)
+    print("\n".join(md))
 
 
 def plot(out, rows, pipes, sels, torch_cases, lengths):

@@ -5,7 +5,7 @@
 // thread) at a smaller L, and prints each result as a fraction of its roofline.
 // scripts/bench runs the full set (kvevict_bench, the PyTorch comparison, the report).
 //
-// Usage: kvevict_bench_summary [--quick] [--tokens L]
+// Usage: kvevict_bench_summary [--quick] [--tokens L] | --supported-paths
 //   --quick    L = 8192 and shorter measurements (a few seconds; scripts/demo runs this)
 //   --tokens   the prompt length of the reference-shape rows (default 32768)
 #include <cstdio>
@@ -25,10 +25,15 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
       tokens = 8192;
+    } else if (std::strcmp(argv[i], "--supported-paths") == 0) {  // for scripts/bench
+      for (int p = 0; p <= static_cast<int>(kvevict::supported_cpu_isa()); ++p)
+        std::printf("%s%s", p > 0 ? " " : "", kvevict::to_string(static_cast<kvevict::cpu_isa>(p)));
+      std::printf("\n");
+      return 0;
     } else if (std::strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) {
       tokens = std::atoll(argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--tokens L]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--tokens L] | --supported-paths\n", argv[0]);
       return 2;
     }
   }
@@ -43,11 +48,16 @@ int main(int argc, char** argv) {
 
   std::printf("kvevict benchmark summary (%s; one thread, CPU time)\n", kb::build_line().c_str());
   const kb::rooflines roof = kb::measure_rooflines(bw_bytes, quick ? 0.1 : 0.3);
-  std::printf("  this machine: fp32 FMA peak %.1f GFLOP/s, read %.1f GB/s, memcpy %.1f GB/s (bytes copied)\n",
-              roof.fma_gflops, roof.read_gbs, roof.memcpy_gbs);
+  std::printf(
+      "  this machine: fp32 FMA peak of the %s path %.1f GFLOP/s, read %.1f GB/s, memcpy %.1f GB/s (bytes "
+      "copied)\n",
+      kvevict::to_string(kvevict::active_cpu_isa()), roof.fma_gflops(), roof.read_gbs, roof.memcpy_gbs);
   if (roof.amx_gflops > 0.0)
     std::printf("  AMX bf16 peak %.1f GFLOP/s: bf16 x bf16 scoring runs its logit GEMM on AMX tiles\n",
                 roof.amx_gflops);
+  else if (roof.bf16_dot_gflops > 0.0 && kvevict::active_cpu_isa() == kvevict::cpu_isa::avx512bf16)
+    std::printf("  VDPBF16PS peak %.1f GFLOP/s: bf16 x bf16 scoring runs its logit GEMM on bf16 pair products\n",
+                roof.bf16_dot_gflops);
   std::printf("  reference shape: %s layer, Hq=%lld Hkv=%lld d=%lld, L=%lld, W=%lld, B=%lld, %s\n\n", s.name,
               static_cast<long long>(s.hq), static_cast<long long>(s.hkv), static_cast<long long>(s.d),
               static_cast<long long>(tokens), static_cast<long long>(kb::reference_window),
@@ -64,12 +74,15 @@ int main(int argc, char** argv) {
   {
     kb::prompt_scoring<T> two(lay, false);
     const double t = kb::median_seconds([&] { two.run(); }, 3, min_time);
-    const char* note = two.uses_amx() ? "(target >= 60% of FMA peak; on AMX)" : "(target >= 60% of FMA peak)";
-    row("prompt scoring, two sweeps (GEMM FLOPs)", t, "GFLOP/s", two.executed_flops() / t * 1e-9, roof.fma_gflops,
-        note);
+    const std::string products = two.products();
+    const std::string note =
+        products == "FMA" ? "(target >= 60% of FMA peak)" : "(target >= 60% of FMA peak; on " + products + ")";
+    const std::string what = "prompt scoring, " + std::to_string(two.sweeps()) + " sweep(s) (GEMM FLOPs)";
+    row(what.c_str(), t, "GFLOP/s", two.executed_flops() / t * 1e-9, roof.fma_gflops(), note.c_str());
     kb::prompt_scoring<T> one(lay, true);
     const double t1 = kb::median_seconds([&] { one.run(); }, 3, min_time);
-    row("prompt scoring, engine LSE, one sweep", t1, "GFLOP/s", one.executed_flops() / t1 * 1e-9, roof.fma_gflops, "");
+    row("prompt scoring, engine LSE, one sweep", t1, "GFLOP/s", one.executed_flops() / t1 * 1e-9, roof.fma_gflops(),
+        "");
   }
   {
     kb::decode_observation<T> dec(s, tokens, bw_bytes);

@@ -8,7 +8,10 @@
 //   3. runs torch_pipeline.py on the same files: it times the PyTorch pipeline the same way
 //      (median process CPU time), and checks that kvevict kept the same tokens as the
 //      pipeline evaluated in float32 (identical sets except swaps at near-ties),
-//   4. prints the ratio, and writes everything to a JSON file.
+//   4. on the CPU paths below AVX-512 (KVEVICT_ISA=avx2 or scalar) times PyTorch again as it
+//      runs on a CPU without AVX-512 (bf16 matmuls off oneDNN: torch_pipeline.py
+//      --without-avx512),
+//   5. prints the ratios, and writes everything to a JSON file.
 //
 // Usage: kvevict_bench_vs_torch [--quick] [--out results.json] [--work DIR]
 //                               [--tokens 4096,32768] [--dtypes bf16,fp16,f32]
@@ -125,14 +128,24 @@ case_result run_case(const options& opt, std::int64_t tokens) {
   r.tokens = tokens;
   r.kvevict_ms = t * 1e3;
 
-  const std::string cmd = "OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE=SkylakeX " +
-                          opt.python + " " + opt.script + " --case " + dir + (opt.quick ? " --quick" : "");
+  const std::string env = "OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE=SkylakeX ";
+  const std::string cmd = env + opt.python + " " + opt.script + " --case " + dir + (opt.quick ? " --quick" : "");
   const int rc = std::system(cmd.c_str());
   if (rc != 0) {
     std::fprintf(stderr, "torch pipeline failed (%d): %s\n", rc, cmd.c_str());
     r.torch["error"] = "torch_pipeline.py exited with " + std::to_string(rc);
   } else {
     r.torch = read_result(dir + "/result.txt");
+  }
+  // On the paths below AVX-512 also time PyTorch as it runs on such a CPU (an AVX2 machine
+  // has no AVX-512 kernels for PyTorch either): both sides then use the same instructions.
+  if (rc == 0 && static_cast<int>(kvevict::active_cpu_isa()) < static_cast<int>(kvevict::cpu_isa::avx512)) {
+    const std::string cmd2 = env + "OPENBLAS_CORETYPE=Haswell " + opt.python + " " + opt.script + " --case " + dir +
+                             " --without-avx512" + (opt.quick ? " --quick" : "");
+    if (std::system(cmd2.c_str()) == 0) {
+      const auto extra = read_result(dir + "/result_without_avx512.txt");
+      r.torch.insert(extra.begin(), extra.end());
+    }
   }
   for (const char* f : {"q.bin", "k.bin", "v.bin", "keep.bin", "scores.bin"}) std::remove((dir + "/" + f).c_str());
   return r;
@@ -204,6 +217,10 @@ int main(int argc, char** argv) {
         agree += " (" + r.torch["near_tie_swaps"] + " near-tie swaps)";
       std::printf("| %s | %lld | %.1f | %.1f | %.1fx | %s |\n", r.dtype.c_str(), static_cast<long long>(l),
                   r.kvevict_ms, torch_ms, torch_ms > 0 ? torch_ms / r.kvevict_ms : 0.0, agree.c_str());
+      if (r.torch.count("torch_without_avx512_ms")) {
+        const double t2 = std::atof(r.torch["torch_without_avx512_ms"].c_str());
+        std::printf("|   PyTorch as on a CPU without AVX-512 | | | %.1f | %.1fx | |\n", t2, t2 / r.kvevict_ms);
+      }
       std::fflush(stdout);
       results.push_back(r);
     }

@@ -6,12 +6,6 @@ add_library(kvevict_internal_flags INTERFACE)
 if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
   target_compile_options(kvevict_internal_flags INTERFACE -Wall -Wextra -Wpedantic -Wshadow -Wconversion
                                                           -Wno-sign-conversion -Werror)
-  if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
-    # GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic headers whenever
-    # Eigen's packet code is inlined (GCC bug 105593: the value is _mm512_undefined_ps);
-    # diagnostic pragmas cannot reach inlined middle-end warnings. Clang builds keep it.
-    target_compile_options(kvevict_internal_flags INTERFACE -Wno-maybe-uninitialized)
-  endif()
   if(KVEVICT_NATIVE)
     target_compile_options(kvevict_internal_flags INTERFACE -march=native)
   endif()

@@ -12,11 +12,15 @@
 #define KVEVICT_VERSION_PATCH 0
 #define KVEVICT_VERSION (KVEVICT_VERSION_MAJOR * 10000 + KVEVICT_VERSION_MINOR * 100 + KVEVICT_VERSION_PATCH)
 
-// The inline namespace carries the ABI version: two kvevict versions linked into one
-// program (say, an engine and a plugin) get distinct symbols instead of ODR violations.
+#include "kvevict/detail/abi.hpp"
+
+// The inline namespace carries the ABI: the version (two kvevict versions linked into one
+// program, say an engine and a plugin, get distinct symbols) and the translation unit's
+// instruction-set baseline (detail/abi.hpp: TUs built with different -march never share a
+// kvevict symbol, so a generic caller can never run a -march=native copy).
 #define KVEVICT_NAMESPACE_BEGIN \
   namespace kvevict {           \
-  inline namespace v0 {
+  inline namespace KVEVICT_ABI_NAMESPACE {
 #define KVEVICT_NAMESPACE_END \
   }                           \
   }

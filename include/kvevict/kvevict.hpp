@@ -11,6 +11,7 @@
 // helpers).
 
 #include "kvevict/config.hpp"
+#include "kvevict/cpu_isa.hpp"
 #include "kvevict/dtype.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/executor.hpp"

@@ -18,26 +18,18 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 
 #include "kvevict/config.hpp"
+#include "kvevict/cpu_isa.hpp"
+#include "kvevict/detail/isa/avx2.hpp"
+#include "kvevict/detail/isa/avx512.hpp"
+#include "kvevict/detail/isa/common.hpp"
+#include "kvevict/detail/isa/scalar.hpp"
+#include "kvevict/detail/isa/target.hpp"
 #include "kvevict/workspace.hpp"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 KVEVICT_NAMESPACE_BEGIN
 namespace detail {
-
-/// Unsigned key with the selection order: NaN -> 0, -0 -> key(+0).
-KVEVICT_ALWAYS_INLINE std::uint32_t score_key(float x) noexcept {
-  if (x != x) return 0u;
-  x += 0.0f;  // -0 + 0 = +0
-  std::uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
 
 struct topk_scratch {
   std::uint32_t* index = nullptr;  ///< [n] survivor offsets
@@ -54,38 +46,29 @@ inline void carve_topk_scratch(arena& a, std::int64_t n, topk_scratch* s) noexce
   s->work = a.take<std::uint32_t>(std::max<std::int64_t>(n, topk_sample_size));
 }
 
-/// Keeps offsets j (ascending) with key(x[j]) >= threshold; returns how many.
+/// Keeps offsets j (ascending) with score_key(x[j]) >= threshold; returns how many. The
+/// sweep runs on the process's CPU path; every path keeps the same offsets.
 inline std::int64_t filter_at_least(const float* x, std::int64_t n, std::uint32_t threshold, std::uint32_t* index,
                                     std::uint32_t* key) noexcept {
-  std::int64_t m = 0, j = 0;
-#if defined(__AVX512F__)
-  const __m512i vthreshold = _mm512_set1_epi32(static_cast<int>(threshold));
-  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-  const __m512i step = _mm512_set1_epi32(16);
-  const __m512 zero = _mm512_setzero_ps();
-  __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (; j + 16 <= n; j += 16) {
-    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(x + j), zero);
-    const __m512i bits = _mm512_castps_si512(v);
-    __m512i k = _mm512_xor_si512(bits, _mm512_or_si512(_mm512_srai_epi32(bits, 31), sign));
-    k = _mm512_mask_mov_epi32(k, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_setzero_si512());
-    const __mmask16 keep = _mm512_cmp_epu32_mask(k, vthreshold, _MM_CMPINT_NLT);
-    _mm512_mask_compressstoreu_epi32(index + m, keep, iota);
-    _mm512_mask_compressstoreu_epi32(key + m, keep, k);
-    m += __builtin_popcount(static_cast<unsigned>(keep));
-    iota = _mm512_add_epi32(iota, step);
+#if KVEVICT_X86_DISPATCH
+  switch (active_cpu_isa()) {
+    case cpu_isa::scalar:
+      break;
+    case cpu_isa::avx2:
+      return isa_avx2::filter_at_least(x, n, threshold, index, key);
+    default:
+      return isa_avx512::filter_at_least(x, n, threshold, index, key);
   }
 #endif
-  for (; j < n; ++j) {
-    const std::uint32_t k = score_key(x[j]);
-    if (k >= threshold) {
-      index[m] = static_cast<std::uint32_t>(j);
-      key[m] = k;
-      ++m;
-    }
-  }
-  return m;
+  return isa_scalar::filter_at_least(x, n, threshold, index, key);
 }
+
+/// The order of nth_element's partition. kvevict's own type rather than std::greater, so
+/// that the std::nth_element instantiation is named after kvevict's inline namespace and is
+/// never shared with a translation unit of another -march (detail/abi.hpp).
+struct descending_keys {
+  bool operator()(std::uint32_t a, std::uint32_t b) const noexcept { return a > b; }
+};
 
 /// Writes the ascending offsets of the top k of x[0, n) to out (0 < k < n < 2^32).
 inline void top_k_ascending(const float* x, std::int64_t n, std::int64_t k, std::int64_t* out, const topk_scratch& s) {
@@ -97,14 +80,14 @@ inline void top_k_ascending(const float* x, std::int64_t n, std::int64_t k, std:
     const double expected = static_cast<double>(k) * static_cast<double>(samples) / static_cast<double>(n);
     const auto rank = static_cast<std::int64_t>(expected * 1.1 + 4.0 * std::sqrt(expected) + 8.0);
     if (rank < samples) {
-      std::nth_element(s.work, s.work + rank, s.work + samples, std::greater<std::uint32_t>());
+      std::nth_element(s.work, s.work + rank, s.work + samples, descending_keys());
       m = filter_at_least(x, n, s.work[rank], s.index, s.key);
     }
   }
   if (m < k) m = filter_at_least(x, n, 0u, s.index, s.key);  // exact over the whole row
 
   std::memcpy(s.work, s.key, static_cast<std::size_t>(m) * sizeof(std::uint32_t));
-  std::nth_element(s.work, s.work + (k - 1), s.work + m, std::greater<std::uint32_t>());
+  std::nth_element(s.work, s.work + (k - 1), s.work + m, descending_keys());
   const std::uint32_t kth = s.work[k - 1];
   std::int64_t above = 0;
   for (std::int64_t i = 0; i < m; ++i) above += s.key[i] > kth ? 1 : 0;

@@ -12,6 +12,7 @@
 #include <cstdio>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/abi_std.hpp"
 #include "kvevict/detail/checked.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
@@ -73,7 +74,7 @@ bool same_block_pool(const cache_view<KT>& keys, const cache_view<VT>& values) n
 
 /// Sorts ids[0, n) and returns a value that occurs twice, or -1.
 inline std::int32_t find_duplicate_id(std::int32_t* ids, std::int64_t n) noexcept {
-  std::sort(ids, ids + n);
+  std::sort(ids, ids + n, abi_less());
   for (std::int64_t i = 1; i < n; ++i)
     if (ids[i] == ids[i - 1]) return ids[i];
   return -1;

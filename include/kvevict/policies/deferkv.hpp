@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/abi_std.hpp"
 #include "kvevict/detail/checked.hpp"
 #include "kvevict/detail/finalize.hpp"
 #include "kvevict/detail/observe.hpp"
@@ -93,7 +94,7 @@ enum deferkv_phase : std::int32_t { deferkv_empty = 0, deferkv_prefilled = 1, de
 
 /// v = n bytes of zeros, or false (v unchanged) when the memory cannot be allocated: no
 /// exception leaves a status-returning call, with or without exceptions enabled.
-inline bool assign_zeros(std::vector<std::uint64_t>& v, std::size_t n) noexcept {
+inline bool assign_zeros(std::vector<std::uint64_t, abi_allocator<std::uint64_t>>& v, std::size_t n) noexcept {
 #if KVEVICT_HAS_EXCEPTIONS
   try {
     v.assign(n, 0);  // strong guarantee: v is unchanged if this throws
@@ -694,7 +695,7 @@ class deferkv_state {
 
   deferkv<T> policy_;
   std::int64_t layer_ = 0;
-  std::vector<std::uint64_t> words_;
+  std::vector<std::uint64_t, detail::abi_allocator<std::uint64_t>> words_;  // detail/abi_std.hpp says why
 };
 
 KVEVICT_NAMESPACE_END

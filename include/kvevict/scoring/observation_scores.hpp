@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/abi_std.hpp"
 #include "kvevict/detail/finalize.hpp"
 #include "kvevict/detail/observe.hpp"
 #include "kvevict/detail/validate.hpp"
@@ -99,10 +100,11 @@ inline void carve_observation_layout(arena& a, const observation_problem& p, boo
 /// counts[j] = #{t : key_position(j) <= query_position(t)} for j < C.
 inline void count_observers(const observation_problem& p, std::int64_t* sorted_pos, float* counts) {
   for (std::int64_t t = 0; t < p.window; ++t) sorted_pos[t] = p.query_positions[t];
-  std::sort(sorted_pos, sorted_pos + p.window);
+  std::sort(sorted_pos, sorted_pos + p.window, abi_less());
   for (std::int64_t j = 0; j < p.candidates; ++j) {
     const std::int64_t kp = p.key_positions != nullptr ? p.key_positions[j] : j;
-    counts[j] = static_cast<float>(sorted_pos + p.window - std::lower_bound(sorted_pos, sorted_pos + p.window, kp));
+    counts[j] =
+        static_cast<float>(sorted_pos + p.window - std::lower_bound(sorted_pos, sorted_pos + p.window, kp, abi_less()));
   }
 }
 

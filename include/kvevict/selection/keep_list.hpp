@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/abi_std.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
 
@@ -71,8 +72,8 @@ class keep_list {
 
  private:
   std::int64_t num_heads_ = 0;
-  std::vector<std::int64_t> offsets_;
-  std::vector<std::int64_t> indices_;
+  std::vector<std::int64_t, detail::abi_allocator<std::int64_t>> offsets_;  // detail/abi_std.hpp says why
+  std::vector<std::int64_t, detail::abi_allocator<std::int64_t>> indices_;
 };
 
 KVEVICT_NAMESPACE_END
