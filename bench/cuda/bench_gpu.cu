@@ -1,10 +1,14 @@
 // GPU benchmarks of kvevict::cuda at the reference shape of design.md §10
 // (Llama-3.1-8B layer: Hq = 32, Hkv = 8, d = 128, L = 32K, W = 32, B = 2048, bf16).
-// Prints a markdown report: each kernel's median time over repetitions (cudaEvents),
+// Prints a markdown report: each API call's median time over repetitions (cudaEvents),
 // achieved bandwidth against the K-read lower bound (K read once at the measured
-// device-to-device copy bandwidth), and selection over a whole model's rows in one launch.
-// Timings are measurements, never assertions. Usage: kvevict_cuda_bench [--quick] [--tokens L]
+// device-to-device copy bandwidth), selection over a whole model's rows in one launch, and
+// every kernel of every call timed alone (the call captured into a CUDA graph, each captured
+// node replayed in a graph of its own), for scripts/gpu-model.py's per-kernel comparison.
+// Timings are measurements, never assertions.
+// Usage: kvevict_cuda_bench [--quick] [--tokens L] [--window W]
 #include <cuda_runtime.h>
+#include <cxxabi.h>
 
 #include <algorithm>
 #include <cmath>
@@ -13,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kvevict/cuda.cuh"
@@ -103,6 +108,129 @@ void result(const char* key, double value) {
   std::printf("@@ %s %.3f\n", key, value);
 }
 
+/// The kernel's function name without namespaces, template arguments or parameters
+/// ("obs_tile_kernel"), as scripts/gpu-model.py names the kernels it models.
+std::string kernel_name(const void* func) {
+  std::string name = "kernel";
+#if CUDART_VERSION >= 12030
+  const char* mangled = nullptr;
+  if (cudaFuncGetName(&mangled, func) == cudaSuccess && mangled != nullptr) {
+    int st = 0;
+    char* plain = abi::__cxa_demangle(mangled, nullptr, nullptr, &st);
+    name = (st == 0 && plain != nullptr) ? plain : mangled;
+    std::free(plain);
+    name = name.substr(0, name.find_first_of("<("));
+    const std::size_t colon = name.rfind("::");
+    if (colon != std::string::npos) name = name.substr(colon + 2);
+    const std::size_t space = name.rfind(' ');
+    if (space != std::string::npos) name = name.substr(space + 1);
+  }
+#else
+  (void)func;
+#endif
+  return name;
+}
+
+/// Rows of the per-kernel table, printed at the end of the report.
+std::string& kernel_rows() {
+  static std::string rows;
+  return rows;
+}
+
+/// The nodes of a graph captured from one stream, in stream order (a chain).
+std::vector<cudaGraphNode_t> chain_order(cudaGraph_t graph) {
+  std::vector<cudaGraphNode_t> order;
+  std::size_t n = 0;
+  BENCH_CHECK(cudaGraphGetRootNodes(graph, nullptr, &n));
+  if (n != 1) return order;
+  cudaGraphNode_t node = nullptr;
+  BENCH_CHECK(cudaGraphGetRootNodes(graph, &node, &n));
+  while (node != nullptr) {
+    order.push_back(node);
+    std::size_t m = 0;
+#if CUDART_VERSION >= 13000
+    BENCH_CHECK(cudaGraphNodeGetDependentNodes(node, nullptr, nullptr, &m));
+    if (m != 1) break;
+    BENCH_CHECK(cudaGraphNodeGetDependentNodes(node, &node, nullptr, &m));
+#else
+    BENCH_CHECK(cudaGraphNodeGetDependentNodes(node, nullptr, &m));
+    if (m != 1) break;
+    BENCH_CHECK(cudaGraphNodeGetDependentNodes(node, &node, &m));
+#endif
+  }
+  return order;
+}
+
+/// Times every kernel (and memset) `enqueue` puts on `stream`, each alone: the call is
+/// captured into a graph, and each captured node is replayed as a graph of `copies` chained
+/// copies of itself; the median graph time over `reps` launches, divided by `copies`, is the
+/// node's time (it includes the gap between dependent kernels in a graph, about a
+/// microsecond, not a launch from the host). Prints "@@k key index name us" lines and a table.
+template <class Enqueue>
+void time_each_kernel(const char* key, cudaStream_t stream, Enqueue&& enqueue, int reps) {
+  constexpr int copies = 10;
+  cudaGraph_t captured = nullptr;
+  BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+  enqueue();
+  BENCH_CHECK(cudaStreamEndCapture(stream, &captured));
+  const std::vector<cudaGraphNode_t> nodes = chain_order(captured);
+  cudaEvent_t a, b;
+  BENCH_CHECK(cudaEventCreate(&a));
+  BENCH_CHECK(cudaEventCreate(&b));
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    cudaGraphNodeType type{};
+    BENCH_CHECK(cudaGraphNodeGetType(nodes[i], &type));
+    cudaGraph_t g = nullptr;
+    BENCH_CHECK(cudaGraphCreate(&g, 0));
+    std::string name;
+    cudaGraphNode_t prev = nullptr;
+    for (int c = 0; c < copies; ++c) {
+      cudaGraphNode_t added = nullptr;
+      if (type == cudaGraphNodeTypeKernel) {
+        cudaKernelNodeParams p{};
+        BENCH_CHECK(cudaGraphKernelNodeGetParams(nodes[i], &p));
+        name = kernel_name(p.func);
+        BENCH_CHECK(cudaGraphAddKernelNode(&added, g, prev != nullptr ? &prev : nullptr, prev != nullptr ? 1 : 0, &p));
+      } else if (type == cudaGraphNodeTypeMemset) {
+        cudaMemsetParams p{};
+        BENCH_CHECK(cudaGraphMemsetNodeGetParams(nodes[i], &p));
+        name = "memset";
+        BENCH_CHECK(cudaGraphAddMemsetNode(&added, g, prev != nullptr ? &prev : nullptr, prev != nullptr ? 1 : 0, &p));
+      } else {
+        name = "other";
+        BENCH_CHECK(cudaGraphAddEmptyNode(&added, g, prev != nullptr ? &prev : nullptr, prev != nullptr ? 1 : 0));
+      }
+      prev = added;
+    }
+    cudaGraphExec_t exec = nullptr;
+    BENCH_CHECK(cudaGraphInstantiate(&exec, g, 0));
+    BENCH_CHECK(cudaGraphLaunch(exec, stream));
+    BENCH_CHECK(cudaStreamSynchronize(stream));
+    std::vector<double> t;
+    for (int r = 0; r < reps; ++r) {
+      BENCH_CHECK(cudaEventRecord(a, stream));
+      BENCH_CHECK(cudaGraphLaunch(exec, stream));
+      BENCH_CHECK(cudaEventRecord(b, stream));
+      BENCH_CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      BENCH_CHECK(cudaEventElapsedTime(&ms, a, b));
+      t.push_back(static_cast<double>(ms) * 1000.0 / copies);
+    }
+    std::sort(t.begin(), t.end());
+    const double us = t[t.size() / 2];
+    std::printf("@@k %s %zu %s %.3f\n", key, i, name.c_str(), us);
+    char line[256];
+    std::snprintf(line, sizeof line, "| `%s` | %zu | %s | %.1f |\n", key, i, name.c_str(), us);
+    kernel_rows() += line;
+    BENCH_CHECK(cudaGraphExecDestroy(exec));
+    BENCH_CHECK(cudaGraphDestroy(g));
+  }
+  BENCH_CHECK(cudaEventDestroy(a));
+  BENCH_CHECK(cudaEventDestroy(b));
+  BENCH_CHECK(cudaGraphDestroy(captured));
+  if (nodes.empty()) std::printf("@@k %s 0 capture_failed 0\n", key);
+}
+
 struct machine {
   double peak_gbs = 0;  // from the memory clock and bus width attributes
   double copy_gbs = 0;  // measured: device-to-device copy, bytes read + written per second
@@ -129,13 +257,19 @@ machine measure_machine(int reps) {
 
 int main(int argc, char** argv) {
   bool quick = false;
-  std::int64_t L = 32768;
+  std::int64_t L = 32768, W = 32;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) L = std::atoll(argv[++i]);
+    if (std::strcmp(argv[i], "--window") == 0 && i + 1 < argc) W = std::atoll(argv[++i]);
   }
   const int reps = quick ? 5 : 20;
-  const std::int64_t hq = 32, hkv = 8, d = 128, W = 32, B = 2048, layers = 32;
+  const std::int64_t hq = 32, hkv = 8, d = 128, B = 2048, layers = 32;
+  if (L <= W || W < 1 || B <= W || B > L) {
+    std::fprintf(stderr, "expected 1 <= W < B = %lld <= L, got L = %lld, W = %lld\n", static_cast<long long>(B),
+                 static_cast<long long>(L), static_cast<long long>(W));
+    return 1;
+  }
   using kvevict::bf16;
 
   cudaDeviceProp prop{};
@@ -143,6 +277,16 @@ int main(int argc, char** argv) {
   BENCH_CHECK(cudaGetDevice(&dev));
   BENCH_CHECK(cudaGetDeviceProperties(&prop, dev));
   const machine mach = measure_machine(reps);
+  int sm_clock_khz = 0;
+  BENCH_CHECK(cudaDeviceGetAttribute(&sm_clock_khz, cudaDevAttrClockRate, dev));
+  result("tokens", static_cast<double>(L));
+  result("window", static_cast<double>(W));
+  result("hq", static_cast<double>(hq));
+  result("hkv", static_cast<double>(hkv));
+  result("d", static_cast<double>(d));
+  result("budget", static_cast<double>(B));
+  result("sm_count", prop.multiProcessorCount);
+  result("sm_clock_mhz", sm_clock_khz / 1000.0);
   std::printf("### kvevict::cuda on %s (sm_%d%d, %d SMs)\n\n", prop.name, prop.major, prop.minor,
               prop.multiProcessorCount);
   std::printf(
@@ -173,6 +317,13 @@ int main(int argc, char** argv) {
   kvevict::scoring_params params;  // kvpress_snapkv conventions
   params.protected_tail = W;
   kvevict::cuda::launch_options opt;
+  // Per-kernel timing captures each call on its own stream (the legacy stream cannot be
+  // captured); pointers were checked by the timed calls before.
+  cudaStream_t capture_stream = nullptr;
+  BENCH_CHECK(cudaStreamCreateWithFlags(&capture_stream, cudaStreamNonBlocking));
+  kvevict::cuda::launch_options capture_opt;
+  capture_opt.stream = capture_stream;
+  capture_opt.check_pointers = false;
 
   std::printf("| operation | time (us) | achieved | reference |\n|---|---:|---:|---|\n");
 
@@ -181,11 +332,12 @@ int main(int argc, char** argv) {
     const kvevict::layer_shape shape{hq, hkv, d, L, W};
     const std::size_t wsb = kvevict::cuda::observation_scores_workspace_size(shape, params);
     void* ws = device_bytes(wsb);
-    const double us = median_us(
-        [&] {
-          require_ok(kvevict::cuda::observation_scores(qview, kview, params, sview, {ws, wsb}, {}, opt));
-        },
-        reps);
+    const auto run2 = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::observation_scores(qview, kview, params, sview, {ws, wsb}, {}, o));
+    };
+    const double us = median_us([&] { run2(opt); }, reps);
+    time_each_kernel(
+        "obs_2pass", capture_stream, [&] { run2(capture_opt); }, reps);
     const double flops = 2.0 * 2.0 * static_cast<double>(hq * W) * static_cast<double>(L) * static_cast<double>(d);
     std::printf(
         "| observation_scores, 2 passes (G*W=%lld rows/KV head) | %.1f | %.0f GB/s of K (2 reads), %.1f TFLOP/s "
@@ -199,16 +351,42 @@ int main(int argc, char** argv) {
     const std::size_t wsb1 = kvevict::cuda::observation_scores_workspace_size(shape, params, true);
     kvevict::cuda::observation_inputs in;
     in.lse = lse;
-    const double us1 = median_us(
-        [&] {
-          require_ok(kvevict::cuda::observation_scores(qview, kview, params, sview, {ws, wsb1}, in, opt));
-        },
-        reps);
+    const auto run1 = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::observation_scores(qview, kview, params, sview, {ws, wsb1}, in, o));
+    };
+    const double us1 = median_us([&] { run1(opt); }, reps);
+    time_each_kernel(
+        "obs_1pass", capture_stream, [&] { run1(capture_opt); }, reps);
     std::printf(
         "| observation_scores, engine LSE (1 pass) | %.1f | %.0f GB/s of K, %.1f TFLOP/s | K-read bound %.1f us "
         "(x%.1f) |\n",
         us1, k_bytes / (us1 * 1e-6) / 1e9, flops / 2.0 / (us1 * 1e-6) / 1e12, k_bound_us, us1 / k_bound_us);
     result("obs_1pass_us", us1);
+    // DeferKV's prefill observation (the window's attention folded into a running state) and
+    // the eviction-time finalisation of that state.
+    float* state = nullptr;
+    BENCH_CHECK(cudaMalloc(&state, static_cast<std::size_t>(hkv * (L - W)) * sizeof(float)));
+    const kvevict::score_view st{state, hkv, L - W, L - W};
+    kvevict::scoring_params sum_params = params;
+    sum_params.window = kvevict::window_aggregation::sum;
+    const auto run_state = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::observation_state(qview, kview, sum_params, 0.0f, st, {ws, wsb}, {}, o));
+    };
+    const double us_state = median_us([&] { run_state(opt); }, reps);
+    time_each_kernel(
+        "obs_state", capture_stream, [&] { run_state(capture_opt); }, reps);
+    std::printf("| observation_state (DeferKV prefill), 2 passes | %.1f | | |\n", us_state);
+    result("obs_state_us", us_state);
+    const auto run_fin = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::finalize_state_scores({state, hkv, L - W, L - W}, hq / hkv,
+                                                      1.0f / static_cast<float>(W), params, sview, o));
+    };
+    const double us_fin = median_us([&] { run_fin(opt); }, reps);
+    time_each_kernel(
+        "finalize_state", capture_stream, [&] { run_fin(capture_opt); }, reps);
+    std::printf("| finalize_state_scores | %.1f | | |\n", us_fin);
+    result("finalize_state_us", us_fin);
+    BENCH_CHECK(cudaFree(state));
     BENCH_CHECK(cudaFree(lse));
     BENCH_CHECK(cudaFree(ws));
   }
@@ -227,11 +405,12 @@ int main(int argc, char** argv) {
     const std::size_t wsb = kvevict::cuda::decode_observation_workspace_size(shape, dp);
     void* ws = device_bytes(wsb);
     const kvevict::score_view st{state, hkv, L, L};
-    const double us = median_us(
-        [&] {
-          require_ok(kvevict::cuda::decode_observation(dq, kview, dp, st, {ws, wsb}, {}, opt));
-        },
-        reps);
+    const auto run2 = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::decode_observation(dq, kview, dp, st, {ws, wsb}, {}, o));
+    };
+    const double us = median_us([&] { run2(opt); }, reps);
+    time_each_kernel(
+        "decode_2pass", capture_stream, [&] { run2(capture_opt); }, reps);
     const double moved = k_bytes + 2.0 * static_cast<double>(hq * L) * 4.0 + 2.0 * static_cast<double>(hkv * L) * 4.0;
     std::printf(
         "| decode_observation (DeferKV step), 2 passes | %.1f | %.0f GB/s of K, %.0f GB/s all traffic | "
@@ -243,8 +422,12 @@ int main(int argc, char** argv) {
     float* lse = device_copy(lse_h);
     kvevict::cuda::decode_inputs din;
     din.lse = lse;
-    const double us1 =
-        median_us([&] { require_ok(kvevict::cuda::decode_observation(dq, kview, dp, st, {}, din, opt)); }, reps);
+    const auto run1 = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::decode_observation(dq, kview, dp, st, {}, din, o));
+    };
+    const double us1 = median_us([&] { run1(opt); }, reps);
+    time_each_kernel(
+        "decode_1pass", capture_stream, [&] { run1(capture_opt); }, reps);
     std::printf("| decode_observation, engine LSE (1 pass) | %.1f | %.0f GB/s of K | K-read bound %.1f us (x%.2f) |\n",
                 us1, k_bytes / (us1 * 1e-6) / 1e9, k_bound_us, us1 / k_bound_us);
     result("decode_1pass_us", us1);
@@ -266,12 +449,13 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaMalloc(&indices, static_cast<std::size_t>(cap) * sizeof(std::int64_t)));
     const std::size_t wsb = kvevict::cuda::select_workspace_size(rows);
     void* ws = device_bytes(wsb);
-    const double us = median_us(
-        [&] {
-          require_ok(kvevict::cuda::select({s, rows, L, L}, kvevict::budget::tokens(B), sp,
-                                           {rows, offsets, indices, cap}, {ws, wsb}, opt));
-        },
-        reps);
+    const auto run = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::select({s, rows, L, L}, kvevict::budget::tokens(B), sp, {rows, offsets, indices, cap},
+                                       {ws, wsb}, o));
+    };
+    const double us = median_us([&] { run(opt); }, reps);
+    time_each_kernel(
+        rows == hkv ? "select_layer" : "select_model", capture_stream, [&] { run(capture_opt); }, reps);
     std::printf("| select top-%lld, %lld rows x %lld (one launch) | %.1f | %.2f ns/element | %s |\n",
                 static_cast<long long>(B), static_cast<long long>(rows), static_cast<long long>(L), us,
                 us * 1e3 / static_cast<double>(rows * L), rows == hkv ? "one layer" : "32 layers x 8 KV heads");
@@ -302,11 +486,12 @@ int main(int argc, char** argv) {
     const std::size_t wsb = kvevict::cuda::compact_workspace_size(kview, vview, cap);
     void* ws = device_bytes(wsb);
     const kvevict::const_keep_list_view keep{hkv, doff, didx, cap};
-    const double us = median_us(
-        [&] {
-          require_ok(kvevict::cuda::compact(kview, vview, keep, {ws, wsb}, {}, opt));
-        },
-        reps);
+    const auto run = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::compact(kview, vview, keep, {ws, wsb}, {}, o));
+    };
+    const double us = median_us([&] { run(opt); }, reps);
+    time_each_kernel(
+        "compact", capture_stream, [&] { run(capture_opt); }, reps);
     const double moved = 2.0 * 2.0 * static_cast<double>(cap) * static_cast<double>(d) * sizeof(bf16);  // K+V, r+w
     std::printf(
         "| compact K and V, %lld of %lld tokens per head (staged: 2x the copy) | %.1f | %.0f GB/s of kept rows "
@@ -319,6 +504,12 @@ int main(int argc, char** argv) {
   }
   std::printf("\nK-read lower bound: %.1f MiB of K read once at the measured copy bandwidth.\n",
               k_bytes / (1024.0 * 1024.0));
+  std::printf(
+      "\nEvery kernel of every call timed alone (median per kernel of a graph of 10 chained copies; "
+      "scripts/gpu-model.py compares them with the model):\n\n| call | # | kernel | time (us) "
+      "|\n|---|---:|---|---:|\n%s",
+      kernel_rows().c_str());
+  BENCH_CHECK(cudaStreamDestroy(capture_stream));
   result("copy_gbs", mach.copy_gbs);
   result("peak_gbs", mach.peak_gbs);
   result("k_bound_us", k_bound_us);

@@ -1,20 +1,24 @@
 #!/usr/bin/env python3
 """PyTorch baselines for the GPU benchmarks, on the same GPU and shapes as
-kvevict_cuda_bench: torch.topk over one layer's and a whole model's score rows, and the
-kvpress-style SnapKV pipeline users run today (repeat_kv, matmul, softmax in float32, window
-mean, avg_pool1d, GQA mean, topk, gather of K and V).
+kvevict_cuda_bench: torch.topk over one layer's and a whole model's score rows, a lean
+kvpress-style SnapKV scoring (repeat_kv, matmul, softmax in float32, window mean, avg_pool1d,
+GQA mean) with topk and gather, and kvpress' pipeline exactly as bench/torch_pipeline.py
+defines it for the CPU comparison (its kvpress_snapkv: the mask built with ones_like and triu,
+softmax cast back to bf16, the max().item() host sync), which scripts/gpu-model.py models.
 
 Prints a markdown table plus "@@ key value" lines for scripts/gpu-check. Exits 77 (skipped)
 when torch cannot be imported or has no CUDA device.
 """
 import argparse
 import math
+import os
 import sys
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     try:
@@ -28,7 +32,7 @@ def main() -> int:
         return 77
 
     reps = 5 if args.quick else 20
-    hq, hkv, d, L, W, B, layers = 32, 8, 128, args.tokens, 32, 2048, 32
+    hq, hkv, d, L, W, B, layers = 32, 8, 128, args.tokens, args.window, 2048, 32
     G = hq // hkv
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -84,6 +88,14 @@ def main() -> int:
     res["torch_pipeline_us"] = median_us(pipeline)
     print("| full kvpress-style pipeline (scoring + topk + gather K, V) | %.1f |" % res["torch_pipeline_us"])
     res["torch_gather_us"] = median_us(gather_only)
+    try:  # kvpress' own sequence of ops, shared with the CPU comparison (needs numpy)
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        from torch_pipeline import kvpress_snapkv
+        res["torch_kvpress_us"] = median_us(lambda: kvpress_snapkv(q, k, v, W, B))
+        print("| kvpress SnapKV pipeline exactly (bench/torch_pipeline.py kvpress_snapkv: mask via ones_like/triu, "
+              "softmax cast to bf16, max().item() sync, topk, gather) | %.1f |" % res["torch_kvpress_us"])
+    except (ImportError, SystemExit) as e:  # torch_pipeline exits 77 without numpy
+        print("| kvpress SnapKV pipeline exactly: skipped (bench/torch_pipeline.py not importable: %s) | n/a |" % e)
     print("| gather K and V (%d of %d per head, out of place) | %.1f |" % (B, L, res["torch_gather_us"]))
     for rows, key in ((hkv, "layer"), (layers * hkv, "model")):
         s = torch.rand(rows, L, device=dev, generator=gen)

@@ -1,0 +1,760 @@
+#!/usr/bin/python3
+"""Roofline model of kvevict's CUDA kernels (docs/cuda.md, "Performance model").
+
+For every kernel the CUDA header launches, as it is written today, the model counts what the
+kernel moves and computes at a given shape (HBM and L2 bytes, FP32 FLOPs, shared-memory
+wavefronts and shuffles, exponentials, the longest dependent chain of memory accesses) and
+turns each count into a time with a table of peak rates; the largest is the kernel's bound and
+names its binding resource. A kernel never takes less than one launch (`launch_us`). An API
+call's time is the sum of its kernels' (they run in stream order). The same is done for the
+PyTorch kvpress pipeline, op by op.
+
+These are models, not measurements: the counts come from reading the kernels and their PTX
+(nvcc 13.0, sm_90), the peak rates from data sheets and stated assumptions. scripts/gpu-check
+measures every kernel and prints measured time, modelled time and the fraction of the bound
+achieved (the `compare` command).
+
+  gpu-model.py table [--tokens L] [--window W] [--gpu h200]   markdown tables, one shape
+  gpu-model.py docs                                            the tables of docs/cuda.md
+  gpu-model.py compare BENCH.txt [TORCH.txt]                   measured vs modelled (gpu-check)
+  gpu-model.py self-test                                       checks of the model itself (ctest)
+
+Python standard library only; run with /usr/bin/python3 or any python3.
+"""
+import argparse
+import math
+import re
+import sys
+from dataclasses import dataclass, field, replace
+
+# ---- peak rates -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    sms: int
+    clock_ghz: float          # SM clock under load (boost)
+    hbm_gbs: float            # HBM bandwidth, GB/s (1e9)
+    l2_gbs: float             # L2 read bandwidth, GB/s (assumed: no vendor figure)
+    l2_mib: float
+    tensor_bf16_tflops: float  # dense
+    fp32_lanes: int = 128      # FP32 FMA lanes per SM (2 FLOP each per clock)
+    mio_per_clk: float = 1.0   # shared-memory wavefronts (128 B) or shuffles per clock per SM
+    mufu_per_clk: float = 16.0  # ex2 results per clock per SM (CUDA guide, cc 8.0/9.0)
+    launch_us: float = 4.0     # floor of one kernel launch in a stream (assumed, 3-5 us)
+    l2_latency_cycles: float = 350.0  # one dependent L2-hit access incl. issue (assumed)
+    hbm_latency_cycles: float = 700.0
+    regs_per_sm: int = 65536
+    smem_per_sm: int = 233472  # 228 KiB
+    threads_per_sm: int = 2048
+    blocks_per_sm: int = 32
+
+    @property
+    def fp32_tflops(self):
+        return self.sms * self.fp32_lanes * 2 * self.clock_ghz * 1e9 / 1e12
+
+
+GPUS = {
+    # H200 SXM: HBM3e 4.8 TB/s, 132 SMs at 1.98 GHz (FP32 66.9 TFLOP/s), BF16 dense 989 TFLOP/s.
+    "h200": Gpu("H200 SXM (data sheet)", 132, 1.98, 4800.0, 5500.0, 50.0, 989.0),
+    "h100": Gpu("H100 SXM (data sheet)", 132, 1.98, 3350.0, 5500.0, 50.0, 989.0),
+}
+
+# Registers per thread from `ptxas -v` (nvcc 13.0, sm_90, bf16 instantiations of bench_gpu.cu);
+# they set how many blocks an SM holds.
+REGS = {"obs_tile_kernel": 48, "row_lse_kernel": 23, "finalize_kernel": 56, "obs_state_kernel": 32,
+        "decode_logits_kernel": 48, "decode_update_kernel": 32, "select_prepare_kernel": 30,
+        "select_rows_kernel": 47, "compact_validate_kernel": 30, "compact_move_kernel": 64}
+
+
+@dataclass(frozen=True)
+class Shape:
+    hq: int = 32
+    hkv: int = 8
+    d: int = 128
+    tokens: int = 32768
+    window: int = 32
+    budget: int = 2048
+    elem: int = 2          # bytes per K/V element (bf16)
+    layers: int = 32       # rows of the whole-model selection: layers x hkv
+    pool: int = 5
+
+    @property
+    def group(self):
+        return self.hq // self.hkv
+
+    @property
+    def cand(self):  # C = L - P with the protected tail P = W
+        return max(0, self.tokens - self.window)
+
+
+# ---- kernel records -------------------------------------------------------------------------
+
+@dataclass
+class Kernel:
+    name: str                  # the CUDA function's base name (matched against measurements)
+    label: str
+    blocks: int
+    threads: int
+    smem: int = 0
+    hbm_bytes: float = 0.0
+    l2_bytes: float = 0.0
+    fp32_flops: float = 0.0    # FFMA work (2 FLOP per FMA)
+    fma_per_block: float = 0.0  # FFMA warp instructions per block (per-SM issue bound)
+    mio_per_block: float = 0.0  # shared-memory wavefronts + shuffles per block
+    mufu_per_block: float = 0.0  # exponentials (thread ops) per block
+    chain_cycles: float = 0.0  # longest dependent chain of one block, in cycles
+    tensor_flops: float = 0.0
+    chain_is_total: bool = False  # chain_cycles already covers every block's work (grid-stride kernels)
+    note: str = ""
+    times: dict = field(default_factory=dict)
+
+    def resident(self, g: Gpu):
+        regs = REGS.get(self.name, 32)
+        regs_block = math.ceil(regs * self.threads / 256) * 256
+        by_regs = g.regs_per_sm // regs_block
+        by_threads = g.threads_per_sm // self.threads
+        by_smem = g.smem_per_sm // (self.smem + 1024) if self.smem else g.blocks_per_sm
+        return max(1, min(by_regs, by_threads, by_smem, g.blocks_per_sm))
+
+    def evaluate(self, g: Gpu):
+        """Time of each resource, in microseconds; the bound is their maximum."""
+        clock = g.clock_ghz * 1e9
+        per_sm_blocks = math.ceil(self.blocks / g.sms)  # the busiest SM's share (wave quantisation)
+        waves = 1 if self.chain_is_total else math.ceil(self.blocks / (g.sms * self.resident(g)))
+        t = {
+            "HBM": self.hbm_bytes / (g.hbm_gbs * 1e9) * 1e6,
+            "L2": self.l2_bytes / (g.l2_gbs * 1e9) * 1e6,
+            "FP32": per_sm_blocks * self.fma_per_block / 4 / clock * 1e6,  # 4 warp-FFMA per clock per SM
+            "SMEM": per_sm_blocks * self.mio_per_block / g.mio_per_clk / clock * 1e6,
+            "MUFU": per_sm_blocks * self.mufu_per_block / g.mufu_per_clk / clock * 1e6,
+            "latency": waves * self.chain_cycles / clock * 1e6,
+            "tensor": self.tensor_flops / (g.tensor_bf16_tflops * 1e12) * 1e6,
+            "launch": g.launch_us,
+        }
+        self.times = t
+        return t
+
+    def bound(self, g: Gpu):
+        t = self.evaluate(g)
+        res = max(t, key=lambda k: t[k])
+        return t[res], res
+
+    def device_bound(self, g: Gpu):
+        """The bound without the launch floor: what the kernel's own work needs on the GPU."""
+        t = dict(self.evaluate(g))
+        del t["launch"]
+        res = max(t, key=lambda k: t[k])
+        return t[res], res
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+# ---- shared-memory bank model ---------------------------------------------------------------
+
+def wavefronts(addresses):
+    """Shared-memory wavefronts of one warp access: the most distinct 4-byte words any of the
+    32 banks must deliver (broadcast of equal words is free)."""
+    banks = {}
+    for a in addresses:
+        for w in range(a[0] // 4, (a[0] + a[1]) // 4):
+            banks.setdefault(w % 32, set()).add(w)
+    return max(len(s) for s in banks.values()) if banks else 0
+
+
+def decode_sweep_wavefronts(group, d, elem):
+    """Wavefronts of the decode kernel's query reads per key pair (one warp, two keys) and one
+    sweep over the head dimension: lane l of each half-warp reads query channels
+    c0 = l * Vec .. + Vec of every head g < group from shared memory (qs[g * d + c0 + v]). nvcc
+    widens these loads by the alignment it can prove: (g0 + g) * d * 4 bytes with g0 a multiple
+    of 8 gives 16 B for g = 0 mod 4, 8 B for g = 2 mod 4, 4 B for odd g (PTX: LDS.128, LDS.64,
+    LDS.32)."""
+    vec = 16 // elem
+    total = 0
+    for g in range(group):
+        gg = g % 8
+        width = 16 if gg % 4 == 0 else (8 if gg % 2 == 0 else 4)
+        width = min(width, vec * 4)
+        for c0 in range(0, d, 16 * vec):
+            for part in range(0, vec * 4, width):
+                addrs = [(g * d * 4 + (c0 + lane * vec) * 4 + part, width)
+                         for lane in range(16) if c0 + lane * vec < d]
+                total += wavefronts(addrs)
+    return total
+
+
+# ---- the kernels of each API call -----------------------------------------------------------
+
+OBS_TK, OBS_RT, OBS_DC, DEC_TK, FIN_TK, SEL_THREADS, SEL_TILE = 64, 64, 32, 256, 256, 512, 4096
+
+
+def obs_smem(s: Shape, accumulate):
+    b = (s.window + 2 * OBS_TK) * 8 + OBS_TK * (s.d + 1) * 4
+    q, p = OBS_RT * (OBS_DC + 1), OBS_RT * (OBS_TK + 1)
+    b += (max(q, p) if accumulate else q) * 4
+    if accumulate:
+        b += (s.group * OBS_TK + s.window) * 4
+    return b
+
+
+def fits_l2(g: Gpu, nbytes):
+    """Intermediates written by the previous kernel and read back: L2 hits when they fit in
+    half of L2 (the rest of L2 holds the kernel's streaming data)."""
+    return nbytes <= g.l2_mib * 2**20 / 2
+
+
+def obs_tile(s: Shape, g: Gpu, accumulate):
+    keys = s.cand if accumulate else s.tokens  # visible domain: the softmax covers every key
+    rows = s.group * s.window
+    tiles = ceil_div(keys, OBS_TK)
+    rchunks = ceil_div(rows, OBS_RT)
+    dchunks = ceil_div(s.d, OBS_DC)
+    blocks = tiles * s.hkv
+    k_bytes = s.hkv * keys * s.d * s.elem
+    q_bytes = blocks * rows * s.d * s.elem  # every block stages all G*W queries (L2 hits)
+    # Main loop: per channel, each thread loads 4 query and 4 key values (LDS.32, conflict-free
+    # thanks to the +1 pads) for 16 FFMA: 8 LDS per 16 FFMA.
+    lds = rchunks * s.d * 8 * 8            # warp-LDS per block (8 warps)
+    fma = rchunks * s.d * 16 * 8           # warp-FFMA per block
+    staging = 2 * s.d + rchunks * dchunks * 8 * 8   # STS of the K tile and query chunks
+    mufu = rchunks * OBS_RT * OBS_TK
+    if accumulate:
+        rows_per_g = min(s.window, OBS_RT)
+        pairs = ceil_div(OBS_RT, s.window) * OBS_TK if s.window < OBS_RT else OBS_TK
+        epilogue = rchunks * (8 * 16 * 2 + ceil_div(pairs, 32) * (2 * rows_per_g + 2))
+        out_bytes = s.hq * keys * 4
+        hbm = k_bytes + out_bytes
+        l2 = q_bytes + k_bytes + s.hkv * rows * 4
+        label = "accumulate (probabilities, window sum)"
+    else:
+        epilogue = rchunks * 8 * 32  # 2 x 4 butterfly steps for 4 rows per thread
+        partial_bytes = s.hkv * rows * tiles * 8
+        hbm = k_bytes + partial_bytes
+        l2 = q_bytes + k_bytes
+        label = "stats (tile max, sum exp)"
+    return Kernel("obs_tile_kernel", label, blocks, 256, obs_smem(s, accumulate), hbm_bytes=hbm, l2_bytes=l2,
+                  fp32_flops=2.0 * s.hkv * rchunks * OBS_RT * tiles * OBS_TK * s.d, fma_per_block=fma,
+                  mio_per_block=lds + staging + epilogue, mufu_per_block=mufu,
+                  note="4x4 register tile: 8 LDS.32 per 16 FFMA")
+
+
+def row_lse(s: Shape, g: Gpu, rows, tiles):
+    nbytes = rows * tiles * 8 + rows * 4
+    # One warp per row: each lane folds ceil(tiles/32) partials (two exp and a division each,
+    # about 40 dependent cycles), then 5 butterfly steps.
+    chain = g.l2_latency_cycles + ceil_div(tiles, 32) * 40 + 5 * 60
+    return Kernel("row_lse_kernel", "row LSE (fold partials)", ceil_div(rows, 8), 256, l2_bytes=nbytes,
+                  chain_cycles=chain, mufu_per_block=8 * tiles * 2)
+
+
+def finalize(s: Shape, g: Gpu, rows_per_head):
+    radius = s.pool // 2
+    tiles = ceil_div(s.tokens, FIN_TK)
+    acc = s.hkv * rows_per_head * (s.cand + tiles * 2 * radius) * 4
+    out = s.hkv * s.tokens * 4
+    return Kernel("finalize_kernel", "finalize (normalise, GQA, pool)", tiles * s.hkv, 256,
+                  3 * (FIN_TK + 2 * radius) * 4, hbm_bytes=out + (0 if fits_l2(g, acc) else acc),
+                  l2_bytes=acc + out, chain_cycles=g.l2_latency_cycles * (2 + rows_per_head))
+
+
+def obs_state(s: Shape, g: Gpu):
+    n = s.hkv * s.cand
+    acc = s.hq * s.cand * 4
+    return Kernel("obs_state_kernel", "fold into the running state", min(ceil_div(n, 256), 4096), 256,
+                  hbm_bytes=2 * n * 4 + (0 if fits_l2(g, acc) else acc), l2_bytes=acc + 2 * n * 4,
+                  chain_cycles=g.hbm_latency_cycles * 2)
+
+
+def decode_logits(s: Shape, g: Gpu, one_pass):
+    keys = s.tokens  # the decode step's state covers every key (P = 0, as the benchmark runs it)
+    tiles = ceil_div(keys, DEC_TK)
+    blocks = tiles * s.hkv
+    vec = 16 // s.elem
+    sweeps = ceil_div(s.group, 8)
+    per_pair = decode_sweep_wavefronts(s.group, s.d, s.elem) + sweeps * 8 * 4  # + 32 SHFL per sweep
+    per_pair += s.group  # lanes 0 and 16 store the G logits
+    mio = DEC_TK // 2 * per_pair + ceil_div(s.group * s.d, 256) * 8
+    fma = DEC_TK // 2 * s.group * ceil_div(s.d, 16 * vec) * vec
+    k_bytes = s.hkv * keys * s.d * s.elem * sweeps  # G > 8 re-reads the row (L1, counted as L2)
+    if one_pass:
+        mio += s.group * ceil_div(DEC_TK, 32) * 8
+        hbm = s.hkv * keys * s.d * s.elem + 2 * s.hkv * keys * 4
+        label = "logits + softmax + state (engine LSE)"
+        mufu = DEC_TK * s.group
+    else:
+        mio += s.group * (2 * DEC_TK // 32 + 10)
+        hbm = s.hkv * keys * s.d * s.elem + s.hq * keys * 4 + s.hq * tiles * 8
+        label = "logits + tile partials"
+        mufu = DEC_TK * s.group
+    return Kernel("decode_logits_kernel", label, blocks, 256, s.group * (s.d + DEC_TK) * 4, hbm_bytes=hbm,
+                  l2_bytes=k_bytes, fp32_flops=2.0 * s.hq * keys * s.d, fma_per_block=fma, mio_per_block=mio,
+                  mufu_per_block=mufu, note=f"{per_pair} wavefronts+shuffles per key pair (4-way conflicts)")
+
+
+def decode_update(s: Shape, g: Gpu):
+    logits = s.hq * s.tokens * 4
+    state = 2 * s.hkv * s.tokens * 4
+    return Kernel("decode_update_kernel", "probabilities + state", ceil_div(s.tokens, DEC_TK) * s.hkv, 256,
+                  s.group * 4, hbm_bytes=state + (0 if fits_l2(g, logits) else logits), l2_bytes=logits + state,
+                  mufu_per_block=DEC_TK * s.group, chain_cycles=g.hbm_latency_cycles * 2)
+
+
+def select_kernels(s: Shape, g: Gpu, rows):
+    cand = s.cand
+    k = s.budget - s.window
+    nbytes = rows * s.tokens * 4
+    sweeps = 4 + 1  # four radix passes (no early exit on distinct scores) and the emission sweep
+    # Chain of one block: per pass, ceil(cand/512) steps that each wait for one L2 load (the
+    # PTX keeps the loads between __match_any_sync and the shared atomics; ptxas may overlap
+    # the 4 unrolled ones, which would divide this by up to 4), plus barriers and the bucket
+    # search; the emission sweep: per 4096-key tile one load latency and a block scan.
+    steps = ceil_div(cand, SEL_THREADS)
+    chain = 4 * (steps * (g.l2_latency_cycles + 40) + 400) + ceil_div(cand, SEL_TILE) * (g.l2_latency_cycles + 300)
+    prep = Kernel("select_prepare_kernel", "prefix sum of kept counts, row descriptors", 1, 1024,
+                  chain_cycles=ceil_div(rows, 1024) * 800 + g.hbm_latency_cycles)
+    sel = Kernel("select_rows_kernel", f"radix select, {rows} rows", rows, SEL_THREADS,
+                 hbm_bytes=(0 if fits_l2(g, nbytes) else nbytes) + rows * s.budget * 8,
+                 l2_bytes=sweeps * nbytes, chain_cycles=chain if k < cand else 0,
+                 note="one block per row, latency-bound")
+    return [prep, sel]
+
+
+def compact_kernels(s: Shape, g: Gpu):
+    cap = s.hkv * s.budget
+    row = 2 * s.d * s.elem  # K and V
+    moved = cap * row
+    blocks = min(ceil_div(cap * max(s.d, 32) + s.hkv + s.tokens, 256), 8192)
+    bsearch = max(1, math.ceil(math.log2(s.hkv + 1)))
+    resident_warps = g.sms * Kernel("compact_move_kernel", "", 1, 256).resident(g) * 8
+    rounds = ceil_div(cap, resident_warps)
+    memset = Kernel("memset", "clear the status word (cudaMemsetAsync)", 1, 1, chain_cycles=g.hbm_latency_cycles)
+    validate = Kernel("compact_validate_kernel", "validate keep-list and block ids", blocks, 256,
+                      l2_bytes=cap * 8 * 3 + (s.hkv + 1) * 8,
+                      chain_cycles=(bsearch + 2) * g.l2_latency_cycles, chain_is_total=True)
+    gather = Kernel("compact_move_kernel", "gather kept rows -> workspace", blocks, 256,
+                    hbm_bytes=moved + (0 if fits_l2(g, moved) else moved), l2_bytes=2 * moved + cap * 8,
+                    chain_cycles=rounds * (bsearch * 40 + g.l2_latency_cycles + g.hbm_latency_cycles),
+                    chain_is_total=True, note="a warp per entry; most of the 8192 blocks find no entry")
+    scatter = Kernel("compact_move_kernel", "scatter workspace -> rows", blocks, 256,
+                     hbm_bytes=moved + (0 if fits_l2(g, moved) else moved), l2_bytes=2 * moved + cap * 16,
+                     chain_cycles=rounds * (bsearch * 40 + 2 * g.l2_latency_cycles), chain_is_total=True)
+    return [memset, validate, gather, scatter]
+
+
+def calls(s: Shape, g: Gpu):
+    """The API calls scripts/gpu-check times, each with its kernels in stream order. Keys match
+    the benchmark's (bench/cuda/bench_gpu.cu)."""
+    rows = s.group * s.window
+    stat_tiles = ceil_div(s.tokens, OBS_TK)
+    dec_tiles = ceil_div(s.tokens, DEC_TK)
+    return {
+        "obs_2pass": ("observation_scores, two passes",
+                      [obs_tile(s, g, False), row_lse(s, g, s.hkv * rows, stat_tiles), obs_tile(s, g, True),
+                       finalize(s, g, s.group)]),
+        "obs_1pass": ("observation_scores, engine LSE", [obs_tile(s, g, True), finalize(s, g, s.group)]),
+        "obs_state": ("observation_state (DeferKV prefill), two passes",
+                      [obs_tile(s, g, False), row_lse(s, g, s.hkv * rows, stat_tiles), obs_tile(s, g, True),
+                       obs_state(s, g)]),
+        "decode_2pass": ("decode_observation, two passes",
+                         [decode_logits(s, g, False), row_lse(s, g, s.hq, dec_tiles), decode_update(s, g)]),
+        "decode_1pass": ("decode_observation, engine LSE", [decode_logits(s, g, True)]),
+        "finalize_state": ("finalize_state_scores", [finalize(s, g, 1)]),
+        "select_layer": (f"select, one layer ({s.hkv} rows)", select_kernels(s, g, s.hkv)),
+        "select_model": (f"select, {s.layers} layers x {s.hkv} rows, one launch",
+                         select_kernels(s, g, s.layers * s.hkv)),
+        "compact": ("compact K and V in place", compact_kernels(s, g)),
+    }
+
+
+def call_time(kernels, g: Gpu):
+    return sum(k.bound(g)[0] for k in kernels)
+
+
+def target_bounds(s: Shape, g: Gpu):
+    """What issue 16's redesign is bounded by at this shape: scoring on tensor cores (K read
+    once per pass, MMA and exponentials overlapped), decode at HBM bandwidth."""
+    k = s.hkv * s.tokens * s.d * s.elem
+    mma = 2.0 * s.hq * s.window * s.tokens * s.d
+    exps = s.hq * s.window * s.tokens
+    per_pass = max(k / (g.hbm_gbs * 1e9), mma / (g.tensor_bf16_tflops * 1e12),
+                   exps / (g.sms * g.mufu_per_clk * g.clock_ghz * 1e9)) * 1e6
+    decode = (k + 2 * s.hkv * s.cand * 4) / (g.hbm_gbs * 1e9) * 1e6
+    return {"scoring_pass_us": per_pass, "scoring_2pass_us": 2 * per_pass + 2 * g.launch_us,
+            "scoring_1pass_us": per_pass + g.launch_us, "decode_us": max(decode, g.launch_us),
+            "decode_70pct_us": max(decode / 0.7, g.launch_us),
+            "mma_us": mma / (g.tensor_bf16_tflops * 1e12) * 1e6,
+            "exp_us": exps / (g.sms * g.mufu_per_clk * g.clock_ghz * 1e9) * 1e6}
+
+
+# ---- the PyTorch kvpress pipeline -----------------------------------------------------------
+
+def kvpress_ops(s: Shape):
+    """(op, HBM bytes, kernels) of kvpress' SnapKVPress.score + ScorerPress.compress as
+    bench/torch_pipeline.py's kvpress_snapkv runs them (bf16 model dtype)."""
+    e, G = s.elem, s.group
+    k = s.hkv * s.tokens * s.d * e
+    rep = s.hq * s.tokens * s.d * e
+    attn = s.hq * s.window * s.tokens * e          # [1, Hq, W, L] in the model dtype
+    attn32 = attn * 4 // e
+    small = s.hq * s.tokens * e
+    return [
+        ("repeat_kv (expand + reshape copy)", k + rep, 1),
+        ("matmul Q K^T (bf16 tensor cores; reads the repeated K)", rep + attn + s.hq * s.window * s.d * e, 1),
+        ("/ sqrt(d)", 2 * attn, 1),
+        ("ones_like * -inf, triu (mask)", attn + 2 * attn + 2 * attn, 3),
+        ("attn += mask", 3 * attn, 1),
+        ("softmax(float32)", attn + attn32, 1),
+        (".to(bf16)", attn32 + attn, 1),
+        ("mean over the window", attn + small, 1),
+        ("avg_pool1d, GQA mean, pad (max().item(): a host sync)", 4 * small, 5),
+        ("topk", s.hkv * s.tokens * e + s.hkv * s.budget * 8, 2),
+        ("gather K and V", 4 * s.hkv * s.budget * s.d * e, 2),
+    ], G
+
+
+def kvpress_time(s: Shape, g: Gpu):
+    ops, _ = kvpress_ops(s)
+    rows = []
+    for name, nbytes, launches in ops:
+        t = max(nbytes / (g.hbm_gbs * 1e9) * 1e6, launches * g.launch_us)
+        rows.append((name, nbytes, launches, t))
+    sync = 2 * g.launch_us  # the .item() drains the queue: the next launches start cold
+    return rows, sum(r[3] for r in rows) + sync, sync
+
+
+# ---- output ---------------------------------------------------------------------------------
+
+def fmt_bytes(b):
+    if b == 0:
+        return "0"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= scale:
+            return f"{b / scale:.1f} {unit}"
+    return f"{b:.0f} B"
+
+
+def fmt_us(t):
+    return f"{t:.1f}" if t < 100 else f"{t:.0f}"
+
+
+def shape_line(s: Shape):
+    return (f"Hq={s.hq} Hkv={s.hkv} d={s.d} L={s.tokens} W={s.window} B={s.budget}, "
+            f"{'bf16' if s.elem == 2 else 'fp32'} K/V")
+
+
+def table(s: Shape, g: Gpu, out):
+    out.append(f"Shape: {shape_line(s)}. GPU: {g.name}, {g.sms} SMs at {g.clock_ghz} GHz, HBM "
+               f"{g.hbm_gbs / 1000:.1f} TB/s, FP32 {g.fp32_tflops:.1f} TFLOP/s, launch floor {g.launch_us} us.")
+    out.append("")
+    out.append("| call / kernel | grid x threads | HBM | L2 | FP32 FLOP | smem wavefronts | time HBM / FP32 / SMEM / "
+               "latency (us) | bound | modelled (us) |")
+    out.append("|---|---:|---:|---:|---:|---:|---|---|---:|")
+    for key, (title, ks) in calls(s, g).items():
+        total = call_time(ks, g)
+        out.append(f"| **{title}** (`{key}`), {len(ks)} launches | | | | | | | | **{fmt_us(total)}** |")
+        for k in ks:
+            t, res = k.bound(g)
+            tt = k.times
+            mio_total = k.mio_per_block * k.blocks
+            out.append(f"| &nbsp; {k.name}: {k.label} | {k.blocks} x {k.threads} | {fmt_bytes(k.hbm_bytes)} | "
+                       f"{fmt_bytes(k.l2_bytes)} | {k.fp32_flops / 1e9:.2f} G | {mio_total / 1e6:.2f} M | "
+                       f"{fmt_us(tt['HBM'])} / {fmt_us(tt['FP32'])} / {fmt_us(tt['SMEM'])} / {fmt_us(tt['latency'])} "
+                       f"| {res} | {fmt_us(t)} |")
+    out.append("")
+
+
+def call_summary(shapes, g: Gpu, out):
+    out.append("| call (launches) | " + " | ".join(f"L={s.tokens}, W={s.window}" for s in shapes) + " |")
+    out.append("|---|" + "---:|" * len(shapes))
+    per_shape = [calls(s, g) for s in shapes]
+    for key, (title, ks) in per_shape[0].items():
+        cells = []
+        for c in per_shape:
+            kk = c[key][1]
+            slowest = max(kk, key=lambda k: k.bound(g)[0])
+            cells.append(f"{fmt_us(call_time(kk, g))} us ({slowest.bound(g)[1]})")
+        out.append(f"| {title} (`{key}`, {len(ks)}) | " + " | ".join(cells) + " |")
+    out.append("")
+
+
+def layer_summary(shapes, g: Gpu, out):
+    out.append("| shape | kvevict today: scoring + select + compact (launches) | same, engine LSE | "
+               "of which select + compact | scoring at the issue-16 target bound (2 passes) | "
+               "PyTorch kvpress pipeline (model) |")
+    out.append("|---|---:|---:|---:|---:|---:|")
+    for s in shapes:
+        c = calls(s, g)
+        sel, comp = c["select_layer"][1], c["compact"][1]
+        two = c["obs_2pass"][1] + sel + comp
+        one = c["obs_1pass"][1] + sel + comp
+        tb = target_bounds(s, g)
+        _, torch_t, _ = kvpress_time(s, g)
+        out.append(f"| L={s.tokens}, W={s.window} | {fmt_us(call_time(two, g))} us ({len(two)}) | "
+                   f"{fmt_us(call_time(one, g))} us ({len(one)}) | {fmt_us(call_time(sel + comp, g))} us | "
+                   f"{fmt_us(tb['scoring_2pass_us'])} us | {fmt_us(torch_t)} us |")
+    out.append("")
+
+
+def torch_table(s: Shape, g: Gpu, out):
+    rows, total, sync = kvpress_time(s, g)
+    out.append(f"PyTorch kvpress pipeline, {shape_line(s)} (HBM bytes at {g.hbm_gbs / 1000:.1f} TB/s, "
+               f"each kernel at least {g.launch_us} us):")
+    out.append("")
+    out.append("| op | HBM bytes | kernels | modelled (us) |")
+    out.append("|---|---:|---:|---:|")
+    for name, nbytes, launches, t in rows:
+        out.append(f"| {name} | {fmt_bytes(nbytes)} | {launches} | {fmt_us(t)} |")
+    out.append(f"| host sync of `.item()` (queue drained, next launches cold) | | | {fmt_us(sync)} |")
+    out.append(f"| **total** | {fmt_bytes(sum(r[1] for r in rows))} | {sum(r[2] for r in rows)} | "
+               f"**{fmt_us(total)}** |")
+    out.append("")
+
+
+DOC_SHAPES = [Shape(tokens=4096, window=32), Shape(tokens=32768, window=32), Shape(tokens=32768, window=64)]
+
+
+def cmd_docs(g: Gpu):
+    out = []
+    table(DOC_SHAPES[1], g, out)
+    out.append("Every call at the three shapes (modelled time, and the binding resource of its slowest kernel):")
+    out.append("")
+    call_summary(DOC_SHAPES, g, out)
+    out.append("Per layer (one sequence, prefill compression):")
+    out.append("")
+    layer_summary(DOC_SHAPES, g, out)
+    torch_table(DOC_SHAPES[1], g, out)
+    tb = target_bounds(DOC_SHAPES[1], g)
+    out.append(f"Target bounds at L=32768, W=32: one scoring pass {tb['scoring_pass_us']:.1f} us (K read once; "
+               f"MMA {tb['mma_us']:.1f} us, exponentials {tb['exp_us']:.1f} us overlapped); decode step "
+               f"{tb['decode_us']:.1f} us at the HBM bound, {tb['decode_70pct_us']:.1f} us at 70%.")
+    print("\n".join(out))
+
+
+# ---- compare (scripts/gpu-check) ------------------------------------------------------------
+
+def parse_bench(path):
+    """'@@ key value' and '@@k call index name us' lines of one benchmark run."""
+    vals, kern = {}, {}
+    with open(path) as f:
+        for line in f:
+            p = line.split()
+            if len(p) == 3 and p[0] == "@@":
+                try:
+                    vals[p[1]] = float(p[2])
+                except ValueError:
+                    pass
+            elif len(p) == 5 and p[0] == "@@k":
+                kern.setdefault(p[1], []).append((int(p[2]), p[3], float(p[4])))
+    for v in kern.values():
+        v.sort()
+    return vals, kern
+
+
+def device_gpu(vals, base: Gpu):
+    """The peak table with the measured device's SM count, SM clock and HBM peak."""
+    g = base
+    if vals.get("sm_count"):
+        g = replace(g, sms=int(vals["sm_count"]))
+    if vals.get("sm_clock_mhz"):
+        g = replace(g, clock_ghz=vals["sm_clock_mhz"] / 1000)
+    if vals.get("peak_gbs"):
+        g = replace(g, hbm_gbs=vals["peak_gbs"])
+    if "sm_count" in vals or "peak_gbs" in vals:
+        g = replace(g, name=f"this device ({g.sms} SMs, {g.clock_ghz:.2f} GHz, HBM {g.hbm_gbs:.0f} GB/s)")
+    return g
+
+
+def compare(bench_paths, torch_paths, base: Gpu):
+    out, problems = [], []
+    for i, path in enumerate(bench_paths):
+        vals, kern = parse_bench(path)
+        if "tokens" not in vals:
+            out.append(f"{path}: no '@@ tokens' line (benchmark did not run?)")
+            problems.append(path)
+            continue
+        s = Shape(tokens=int(vals["tokens"]), window=int(vals.get("window", 32)), hq=int(vals.get("hq", 32)),
+                  hkv=int(vals.get("hkv", 8)), d=int(vals.get("d", 128)), budget=int(vals.get("budget", 2048)))
+        g = device_gpu(vals, base)
+        out.append(f"#### {shape_line(s)}")
+        out.append("")
+        out.append(f"Model peaks: {g.name}; launch floor {g.launch_us} us. Calls (timed from the host, "
+                   "launches included): achieved = modelled / measured. Kernels (timed alone in a graph, no "
+                   "host launch): achieved = the kernel's device bound (its work on the binding resource, "
+                   "no launch floor) / measured; 1.00 = at the bound.")
+        out.append("")
+        out.append("| call / kernel | measured (us) | modelled (us) | device bound (us) | binding resource | "
+                   "achieved |")
+        out.append("|---|---:|---:|---:|---|---:|")
+        for key, (title, ks) in calls(s, g).items():
+            total = call_time(ks, g)
+            meas = vals.get(key + "_us")
+            out.append(f"| **{title}** | {fmt_us(meas) if meas else 'n/a'} | {fmt_us(total)} | | | "
+                       f"{f'{total / meas:.2f}' if meas else 'n/a'} |")
+            got = kern.get(key, [])
+            if any(x[1] == "capture_failed" for x in got):
+                problems.append(f"{key}: the benchmark could not capture the call into a graph")
+                got = []
+            if got and len(got) != len(ks):
+                problems.append(f"{key}: the model has {len(ks)} kernels, the call launched {len(got)}")
+            for j, k in enumerate(ks):
+                t, res = k.bound(g)
+                m = next((x for x in got if x[0] == j), None)
+                if m and m[1] not in ("kernel", "other") and k.name not in m[1]:  # "kernel": name unknown
+                    problems.append(f"{key}[{j}]: the model expects {k.name}, the call launched {m[1]}")
+                mt = m[2] if m else None
+                dt, dres = k.device_bound(g)
+                ok = mt is not None and mt > 0
+                out.append(f"| &nbsp; {k.name} ({k.label}) | {fmt_us(mt) if ok else 'n/a'} | {fmt_us(t)} | "
+                           f"{fmt_us(dt)} | {dres} | {f'{dt / mt:.2f}' if ok else 'n/a'} |")
+        if i < len(torch_paths):
+            tv, _ = parse_bench(torch_paths[i])
+            rows, ttotal, _ = kvpress_time(s, g)
+            meas = tv.get("torch_kvpress_us")
+            out.append(f"| **PyTorch kvpress pipeline** (bench/torch_pipeline.py's kvpress_snapkv) | "
+                       f"{fmt_us(meas) if meas else 'n/a'} | {fmt_us(ttotal)} | | HBM | "
+                       f"{f'{ttotal / meas:.2f}' if meas else 'n/a'} |")
+            for key, title in (("torch_topk_layer_us", f"torch.topk, {s.hkv} rows (vs select_layer)"),
+                               ("torch_topk_model_us", f"torch.topk, {s.layers * s.hkv} rows (vs select_model)")):
+                if key in tv:
+                    out.append(f"| {title}, not modelled | {fmt_us(tv[key])} | | | | |")
+        out.append("")
+    if problems:
+        out.append("Model out of date with the kernels (update scripts/gpu-model.py):")
+        out.extend(f"- {p}" for p in problems)
+    print("\n".join(out))
+    return 1 if problems else 0
+
+
+# ---- self-test ------------------------------------------------------------------------------
+
+DOC_BEGIN = "<!-- gpu-model.py docs: begin -->"
+DOC_END = "<!-- gpu-model.py docs: end -->"
+
+
+def self_test():
+    import contextlib
+    import io
+    import os
+    import tempfile
+    g = GPUS["h200"]
+    s = Shape()
+    fails = []
+
+    def check(cond, what):
+        if not cond:
+            fails.append(what)
+
+    def close(a, b, rel=1e-6):
+        return abs(a - b) <= rel * max(abs(a), abs(b))
+
+    check(close(g.fp32_tflops, 66.9, 1e-2), f"H200 FP32 peak {g.fp32_tflops}")
+    c = calls(s, g)
+    stats, lse, acc, fin = c["obs_2pass"][1]
+    # K of a Llama-3.1-8B layer at 32K: 8 * 32768 * 128 * 2 B = 64 MiB, read once per pass.
+    check(stats.hbm_bytes - 64 * 2**20 == 8 * 32 * 4 * 512 * 8, f"stats HBM bytes {stats.hbm_bytes}")
+    # Logits FLOPs per pass: 2 * Hq * W * L * d = 8.59 GFLOP (no row or key padding at this shape).
+    check(stats.fp32_flops == 2.0 * 32 * 32 * 32768 * 128, f"stats FLOPs {stats.fp32_flops}")
+    # 8 LDS per 16 FFMA at 1 LDS and 4 FFMA per clock per SM: the shared-memory bound is twice
+    # the FP32 bound.
+    t = stats.evaluate(g)
+    check(t["SMEM"] > 1.9 * t["FP32"] and t["SMEM"] < 2.2 * t["FP32"], f"stats SMEM/FP32 {t['SMEM'] / t['FP32']}")
+    check(stats.bound(g)[1] == "SMEM" and acc.bound(g)[1] == "SMEM", "scoring passes bound by shared memory")
+    check(200 < stats.bound(g)[0] < 320, f"stats at 32K: {stats.bound(g)[0]} us")
+    check(lse.bound(g)[1] == "launch" and fin.bound(g)[1] == "launch", "row LSE and finalize at the launch floor")
+    # Occupancy: stats 5 blocks per SM (registers), accumulate 4 (shared memory).
+    check(stats.resident(g) == 5 and acc.resident(g) == 4, f"resident {stats.resident(g)} {acc.resident(g)}")
+    # Bank model: 16 lanes 32 B apart reading 4 B each: 4 lanes per bank, 4 wavefronts.
+    check(wavefronts([(lane * 32, 4) for lane in range(16)]) == 4, "4-way conflict")
+    check(wavefronts([(lane * 4, 4) for lane in range(32)]) == 1, "conflict-free")
+    check(wavefronts([(0, 4)] * 32) == 1, "broadcast")
+    check(wavefronts([(lane * 16, 16) for lane in range(32)]) == 4, "LDS.128 of 512 B")
+    # Decode, G = 4, bf16: g=0 two LDS.128, g=1 eight LDS.32, g=2 four LDS.64, g=3 eight LDS.32,
+    # each 4-way: 8 + 32 + 16 + 32 = 88 wavefronts per key pair.
+    check(decode_sweep_wavefronts(4, 128, 2) == 88, f"decode wavefronts {decode_sweep_wavefronts(4, 128, 2)}")
+    dec = c["decode_1pass"][1][0]
+    frac = (64 * 2**20 / (g.hbm_gbs * 1e9) * 1e6) / dec.bound(g)[0]
+    check(dec.bound(g)[1] == "SMEM" and 0.15 < frac < 0.3, f"decode at {frac:.2f} of HBM, bound {dec.bound(g)[1]}")
+    # Launch counts the issue quotes: 9 kernels + 1 memset per (sequence, layer) with two passes.
+    n = len(c["obs_2pass"][1]) + len(c["select_layer"][1]) + len(c["compact"][1])
+    check(n == 10, f"launches per layer {n}")
+    check(c["select_layer"][1][1].bound(g)[1] == "latency", "select is latency-bound")
+    # Longer prompts never take less time.
+    small = calls(Shape(tokens=4096), g)
+    for key in c:
+        check(call_time(small[key][1], g) <= call_time(c[key][1], g), f"{key} not monotone in L")
+    # The kvpress model: repeat_kv writes Hq * L * d * 2 = 256 MiB at 32K.
+    ops, _ = kvpress_ops(s)
+    check(ops[0][1] == 64 * 2**20 + 256 * 2**20, f"repeat_kv bytes {ops[0][1]}")
+    # compare: a synthetic benchmark at exactly the modelled times is at 1.00; a kernel list
+    # that differs from the model is reported.
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.txt")
+        with open(path, "w") as f:
+            f.write("@@ tokens 32768\n@@ window 32\n@@ sm_count 132\n@@ sm_clock_mhz 1980\n@@ peak_gbs 4800\n")
+            for key, (_, ks) in c.items():
+                f.write(f"@@ {key}_us {call_time(ks, g):.6f}\n")
+                for j, k in enumerate(ks):
+                    f.write(f"@@k {key} {j} {k.name} {k.device_bound(g)[0]:.6f}\n")
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = compare([path], [], g)
+        text = buf.getvalue()
+        rows = sum(1 + len(ks) for _, ks in c.values())
+        check(rc == 0 and text.count("| 1.00 |") == rows and "n/a" not in text, "compare at the model")
+        with open(path, "a") as f:
+            f.write("@@k decode_1pass 1 decode_update_kernel 3.0\n")
+        with contextlib.redirect_stdout(io.StringIO()):
+            check(compare([path], [], g) == 1, "compare flags a kernel list that differs from the model")
+    # docs/cuda.md carries the tables `docs` prints; they must be the model's current output.
+    doc = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "cuda.md")
+    if os.path.exists(doc):
+        text = open(doc).read()
+        begin, end = text.find(DOC_BEGIN), text.find(DOC_END)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            cmd_docs(g)
+        check(begin >= 0 and end > begin and text[begin + len(DOC_BEGIN):end].strip() == buf.getvalue().strip(),
+              "docs/cuda.md's model tables differ from `gpu-model.py docs` (paste its output between the markers)")
+    for f in fails:
+        print("FAIL:", f)
+    print(f"gpu-model self-test: {'FAILED' if fails else 'passed'} ({len(fails)} failures)")
+    return 1 if fails else 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["table", "docs", "compare", "self-test"])
+    ap.add_argument("files", nargs="*", help="compare: BENCH.txt [TORCH.txt], or --bench/--torch lists")
+    ap.add_argument("--bench", action="append", default=[])
+    ap.add_argument("--torch", action="append", default=[])
+    ap.add_argument("--gpu", choices=sorted(GPUS), default="h200")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--launch-us", type=float)
+    args = ap.parse_args()
+    g = GPUS[args.gpu]
+    if args.launch_us is not None:
+        g = replace(g, launch_us=args.launch_us)
+    if args.command == "self-test":
+        return self_test()
+    if args.command == "docs":
+        cmd_docs(g)
+        return 0
+    if args.command == "table":
+        out = []
+        s = Shape(tokens=args.tokens, window=args.window)
+        table(s, g, out)
+        torch_table(s, g, out)
+        print("\n".join(out))
+        return 0
+    bench = args.bench + args.files[:1]
+    torch = args.torch + args.files[1:2]
+    if not bench:
+        ap.error("compare needs a benchmark output")
+    return compare(bench, torch, g)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
