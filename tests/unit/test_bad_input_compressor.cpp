@@ -974,48 +974,58 @@ TEST_CASE("regression: policies that read no queries accept null query data thro
   }
 }
 
-// Found by fuzz_compressor: out-of-place compaction between per-head block tables checks up to
-// one block per token of every head's table, in four views; the plan's scratch held one block
-// per token (ASan: a heap overflow of the workspace with one-token blocks).
-TEST_CASE("regression: per-head tables out of place fit the planned workspace", "[errors]") {
+// Found by fuzz_compressor: compaction with per-head block tables checks up to one block per
+// token of every head's table (K and V, and their destinations out of place), but the plan
+// sized that scratch for one table: a valid call was refused with workspace_too_small.
+TEST_CASE("regression: per-head tables fit the planned workspace, in place and out of place", "[errors]") {
   constexpr i64 hq = 8, hkv = 4, d = 4, l = 13, w = 3, stride = l + 1, blocks = 4 * hkv * stride;
-  std::vector<float> pool = world::data(blocks * d, 13);  // one-token blocks, K and V in one pool
-  // Sources and destinations of K and V: four disjoint sets of one-token blocks per head.
+  // Sources and destinations of K and V: four disjoint sets of one-token blocks per head, in
+  // one pool whose blocks are all private (refcount 1: the shared-block check walks them all).
   std::vector<std::vector<std::int32_t>> tables(4, std::vector<std::int32_t>(hkv * stride));
   for (std::size_t t = 0; t < 4; ++t)
     for (i64 i = 0; i < hkv * stride; ++i)
       tables[t][static_cast<std::size_t>(i)] = static_cast<std::int32_t>(4 * i) + static_cast<std::int32_t>(t);
-  const auto view = [&](std::size_t t) {
-    return kvevict::paged_per_head(pool.data(), blocks, 1, hkv, d, tables[t].data(), stride, l);
-  };
-  kvevict::compressor_options o;
-  o.model = {1, hq, hkv, d, 0, kvevict::dtype::f32};
-  kvevict::window_config wc = kvevict::presets::kvpress_snapkv();
-  wc.window = w;
-  o.policy = kvevict::policy::snapkv(wc);
-  o.per_head = kvevict::budget::tokens(5);
-  o.compact = kvevict::compaction::out_of_place;
-  o.limits.max_tokens = l;
-  kvevict::compressor c;
-  REQUIRE(kvevict::compressor::plan(o, &c).ok());
-  std::vector<float> q = world::data(hq * w * d, 14);
-  std::vector<i64> qpos{l - 3, l - 2, l - 1};
-  kvevict::sequence_io<float> io;
-  io.event = kvevict::sequence_event::prefill_end;
-  io.keys = view(0);
-  io.values = view(1);
-  io.dst_keys = view(2);
-  io.dst_values = view(3);
-  io.queries = kvevict::contiguous_queries<const float>(q.data(), hq, w, d, qpos.data());
-  std::vector<std::int32_t> changed(c.changed_blocks_capacity());
-  io.changed_blocks = changed.data();
-  // The exact planned size in a vector, so ASan sees one byte past it.
-  std::vector<unsigned char> ws(c.workspace_size());
-  kvevict::sequence_report r;
-  const kvevict::status st = c.run(0, &io, 1, &r, {ws.data(), ws.size()});
-  INFO(st.message());
-  REQUIRE(st.ok());
-  CHECK(r.length == 5);
+  const std::vector<std::int32_t> refcounts(static_cast<std::size_t>(blocks), 1);
+  for (const kvevict::compaction mode : {kvevict::compaction::in_place, kvevict::compaction::out_of_place})
+    for (const kvevict::length_mode lengths : {kvevict::length_mode::uniform, kvevict::length_mode::per_head}) {
+      std::vector<float> pool = world::data(blocks * d, 13);
+      const auto view = [&](std::size_t t) {
+        return kvevict::paged_per_head(pool.data(), blocks, 1, hkv, d, tables[t].data(), stride, l);
+      };
+      kvevict::compressor_options o;
+      o.model = {1, hq, hkv, d, 0, kvevict::dtype::f32};
+      kvevict::window_config wc = kvevict::presets::kvpress_snapkv();
+      wc.window = w;
+      o.policy = kvevict::policy::snapkv(wc);
+      o.per_head = kvevict::budget::tokens(5);
+      o.lengths = lengths;
+      if (lengths == kvevict::length_mode::per_head) o.heads = kvevict::head_allocation::adakv;  // ragged heads
+      o.compact = mode;
+      o.limits.max_tokens = l;
+      kvevict::compressor c;
+      REQUIRE(kvevict::compressor::plan(o, &c).ok());
+      std::vector<float> q = world::data(hq * w * d, 14);
+      std::vector<i64> qpos{l - 3, l - 2, l - 1};
+      kvevict::sequence_io<float> io;
+      io.event = kvevict::sequence_event::prefill_end;
+      io.keys = view(0);
+      io.values = view(1);
+      if (mode == kvevict::compaction::out_of_place) {
+        io.dst_keys = view(2);
+        io.dst_values = view(3);
+      }
+      io.block_refcounts = refcounts.data();
+      io.queries = kvevict::contiguous_queries<const float>(q.data(), hq, w, d, qpos.data());
+      std::vector<std::int32_t> changed(static_cast<std::size_t>(c.changed_blocks_capacity()));
+      io.changed_blocks = changed.data();
+      // The exact planned size, in a vector: ASan sees a byte past it.
+      std::vector<unsigned char> ws(c.workspace_size());
+      kvevict::sequence_report r;
+      const kvevict::status st = c.run(0, &io, 1, &r, {ws.data(), ws.size()});
+      INFO(static_cast<int>(mode) << " " << static_cast<int>(lengths) << " " << st.message());
+      REQUIRE(st.ok());
+      CHECK(r.action == kvevict::sequence_action::evicted);
+    }
 }
 
 // Found by fuzz_compressor: a DeferKV state whose header the engine overwrote between steps

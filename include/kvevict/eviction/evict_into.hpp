@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/abi_std.hpp"
 #include "kvevict/detail/checked.hpp"
 #include "kvevict/detail/memory_ranges.hpp"
 #include "kvevict/detail/validate.hpp"
@@ -80,8 +81,8 @@ status check_disjoint(const cache_view<A>& a, const cache_view<B>& b, std::int32
   if (one_pool(a, b)) {
     const std::int64_t na = append_block_ids(a, scratch);
     const std::int64_t nb = append_block_ids(b, scratch + na);
-    std::sort(scratch, scratch + na);
-    std::sort(scratch + na, scratch + na + nb);
+    std::sort(scratch, scratch + na, abi_less());  // detail/abi_std.hpp says why
+    std::sort(scratch + na, scratch + na + nb, abi_less());
     const std::int32_t common = find_common_id(scratch, na, scratch + na, nb);
     if (common >= 0)
       return status::error(errc::invalid_argument, fn, field_name(arg, "block_table"),
