@@ -373,7 +373,7 @@ def call_time(kernels, g: Gpu):
 
 
 def target_bounds(s: Shape, g: Gpu):
-    """What issue 16's redesign is bounded by at this shape: scoring on tensor cores (K read
+    """What the GPU redesign is bounded by at this shape: scoring on tensor cores (K read
     once per pass, MMA and exponentials overlapped), decode at HBM bandwidth."""
     k = s.hkv * s.tokens * s.d * s.elem
     mma = 2.0 * s.hq * s.window * s.tokens * s.d

@@ -1,4 +1,4 @@
-// An engine's translation unit as issue 15 describes it: includes the umbrella header and
+// An engine's translation unit as docs/cpu-dispatch.md describes it: includes the umbrella header and
 // instantiates every policy, budget allocator, selection and eviction entry point for every
 // storage type. scripts/test compiles it with g++ and clang++ at -O2 and -O3, -march=native,
 // -Wall -Wextra -Wpedantic -Werror and nothing else (no -isystem, no -Wno-*): kvevict's

@@ -487,6 +487,8 @@ TEST_CASE("bad input: compressor::run", "[errors]") {
             [](world&, io_vec& io) { io[0].state = static_cast<unsigned char*>(io[0].state) + 4; }),
           d("DeferKV: one state for two sequences", errc::invalid_argument, "seqs[2].state",
             [](world&, io_vec& io) { io[2].state = io[0].state; }),
+          d("DeferKV: a state overlapping another sequence's", errc::invalid_argument, "seqs[2].state",
+            [](world&, io_vec& io) { io[2].state = static_cast<unsigned char*>(io[0].state) + 64; }),
           d("DeferKV: a decode step before prefill", errc::invalid_state, "seqs[1].event",
             [](world& wd, io_vec& io) {
               io[1].event = kvevict::sequence_event::decode;

@@ -36,6 +36,7 @@
 #include "kvevict/compressor/sequence.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/detail/checked.hpp"
+#include "kvevict/detail/memory_ranges.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/detail/validate_eviction.hpp"
 #include "kvevict/dtype.hpp"
@@ -233,16 +234,19 @@ class compressor {
       return status::error(errc::workspace_too_small, fn, "ws", "expected at least %zu bytes (workspace_size), got %zu",
                            a.used(), ws.size);
 
-    // Everything that can fail is checked for the whole batch before anything changes.
-    for (std::int64_t s = 0; s < num_seqs; ++s) KVEVICT_RETURN_IF_ERROR(check_sequence(layer, seqs[s], s, lay));
+    // Everything that can fail is checked for the whole batch before anything changes. States
+    // first: one sequence's step must never write into another's (overlapping byte ranges,
+    // not only equal pointers).
     if (state_bytes_ > 0)
       for (std::int64_t s = 1; s < num_seqs; ++s)
         for (std::int64_t t = 0; t < s; ++t)
-          if (seqs[s].state == seqs[t].state && seqs[s].event != sequence_event::idle &&
-              seqs[t].event != sequence_event::idle)
+          if (seqs[s].state != nullptr && seqs[t].state != nullptr && seqs[s].event != sequence_event::idle &&
+              seqs[t].event != sequence_event::idle &&
+              detail::byte_ranges_overlap(seqs[s].state, state_bytes_, seqs[t].state, state_bytes_))
             return status::error(errc::invalid_argument, fn, detail::io_name(s, "state"),
-                                 "expected one state per sequence, got the state of seqs[%lld] again",
+                                 "expected one state per sequence, got memory that overlaps the state of seqs[%lld]",
                                  static_cast<long long>(t));
+    for (std::int64_t s = 0; s < num_seqs; ++s) KVEVICT_RETURN_IF_ERROR(check_sequence(layer, seqs[s], s, lay));
 
     run_trace trace;
     trace.layer = layer;

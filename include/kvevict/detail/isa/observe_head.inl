@@ -57,7 +57,9 @@ void observe_rows_cached(const cache_view<const KT>& keys, std::int64_t h, const
       pack_key_panels(keys, h, j0, n, p.dim, s.k);
       const std::int64_t ld = padded_keys(n);
       logits_panels(nq.q, nr, p.dim, s.k, n, s.logits, ld);
-      for (std::int64_t i = 0; i < nr; ++i) std::copy(s.logits + i * ld, s.logits + i * ld + n, tile + i * end);
+      // memcpy, not std::copy: no std template instantiated per kernel set (detail/abi_std.hpp).
+      for (std::int64_t i = 0; i < nr; ++i)
+        std::memcpy(tile + i * end, s.logits + i * ld, static_cast<std::size_t>(n) * sizeof(float));
     }
     for (std::int64_t i = 0; i < nr; ++i) {
       const std::int64_t r = r0 + i;
