@@ -1,0 +1,243 @@
+// Tensor parallelism (design.md §15) with the group's ranks as threads of this process: the
+// sharded compressor and select_layer give every rank, for its heads, the single-process keep
+// sets bit for bit (uneven head splits, AdaKV with ties across heads, NaN and -0 scores, the
+// shared scopes under every combining rule, DeferKV); the number of collective rounds is what
+// the design says; and ranks that disagree or fail all return an error instead of waiting.
+// tests/parallel/mpi_main.cpp runs the same scenarios as real processes under mpirun.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kvevict/kvevict.hpp"
+#include "parallel/scenario.hpp"
+#include "parallel/thread_group.hpp"
+
+// The adapters stay optional: the core headers never pull in MPI or NCCL (this file builds
+// without either installed).
+#if defined(KVEVICT_MPI_HPP) || defined(KVEVICT_NCCL_HPP)
+#error "kvevict/kvevict.hpp included kvevict/mpi.hpp or kvevict/nccl.hpp"
+#endif
+
+namespace {
+
+using i64 = std::int64_t;
+
+/// Runs f(collective, rank) on every rank of a thread group and gathers the failures each
+/// rank reports (Catch2 assertions stay on the main thread).
+template <class F>
+std::vector<std::string> on_group(const std::vector<int>& split, F&& f) {
+  tp_test::thread_group group(static_cast<int>(split.size()));
+  std::vector<std::vector<std::string>> failures(split.size());
+  group.run([&](int rank) {
+    const kvevict::collective c = group.member(rank);
+    failures[static_cast<std::size_t>(rank)] = f(c);
+  });
+  std::vector<std::string> all;
+  for (const auto& v : failures) all.insert(all.end(), v.begin(), v.end());
+  return all;
+}
+
+/// Scores with what makes selection hard: ties within and across heads, NaN, -0 and +0, inf.
+std::vector<float> hard_scores(i64 heads, i64 tokens, int kind, std::uint64_t seed) {
+  std::vector<float> s(static_cast<std::size_t>(heads * tokens));
+  const std::vector<double> x = test::normal(s.size(), seed);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (i64 h = 0; h < heads; ++h)
+    for (i64 j = 0; j < tokens; ++j) {
+      const std::size_t i = static_cast<std::size_t>(h * tokens + j);
+      float v = static_cast<float>(x[i]);
+      if (kind == 1) v = static_cast<float>((j * 7 + h) % 5) * 0.25f;  // five values, every head
+      if (kind == 2) {                                                 // specials among distinct values
+        if (j % 9 == 2) v = nan;
+        if (j % 13 == 4) v = (h % 2 == 0) ? -0.0f : 0.0f;
+        if (j % 17 == 6) v = inf;
+        if (j % 19 == 8) v = -inf;
+      }
+      if (kind == 3) v = 1.0f;  // one value: every key ties
+      s[i] = v;
+    }
+  return s;
+}
+
+struct select_case {
+  kvevict::layer_budget budget;
+  kvevict::selection_params sel;
+  std::string name;
+};
+
+std::vector<select_case> select_cases() {
+  std::vector<select_case> out;
+  for (i64 b : {0, 1, 4, 9, 50}) {
+    for (bool normalize : {false, true}) {
+      select_case c;
+      c.budget.per_head = kvevict::budget::tokens(b);
+      c.budget.heads = kvevict::head_allocation::adakv;
+      c.budget.adakv = {0.2, normalize};
+      c.sel = {3, kvevict::protected_mode::inside_budget};
+      c.name = "adakv B=" + std::to_string(b) + (normalize ? " normalised" : "");
+      out.push_back(c);
+    }
+  }
+  for (auto rule : {kvevict::scope_combine::normalized_max, kvevict::scope_combine::normalized_mean,
+                    kvevict::scope_combine::max, kvevict::scope_combine::mean}) {
+    select_case c;
+    c.budget.per_head = kvevict::budget::tokens(10);
+    c.budget.scope = kvevict::selection_scope::per_layer;
+    c.budget.combine = rule;
+    c.sel = {2, kvevict::protected_mode::on_top_of_budget};
+    c.name = std::string("per layer ") + kvevict::to_string(rule);
+    out.push_back(c);
+  }
+  select_case uniform;
+  uniform.budget.per_head = kvevict::budget::ratio(0.5);
+  uniform.name = "per head, uniform";
+  out.push_back(uniform);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("sharded select_layer equals one process for every rank's heads", "[parallel]") {
+  const i64 tokens = 40;
+  for (const std::vector<int>& split : std::vector<std::vector<int>>{{8}, {5, 3}, {3, 3, 2}, {3, 2, 2, 1}, {1, 1, 6}})
+    for (int kind = 0; kind < 4; ++kind)
+      for (const select_case& c : select_cases()) {
+        const i64 total = tp_test::total_heads(split);
+        const std::vector<float> scores = hard_scores(total, tokens, kind, 7 + static_cast<std::uint64_t>(kind));
+        kvevict::keep_list want(total, kvevict::select_layer_capacity(total, tokens, c.sel, c.budget));
+        std::vector<unsigned char> ws(kvevict::select_layer_workspace_size(total, tokens, c.budget));
+        REQUIRE(
+            kvevict::select_layer({scores.data(), total, tokens, tokens}, c.sel, c.budget, want, {ws.data(), ws.size()})
+                .ok());
+        std::vector<i64> rounds(split.size());
+        const auto failures = on_group(split, [&](const kvevict::collective& g) {
+          std::vector<std::string> f;
+          tp_test::counting_group counter{&g};
+          const kvevict::collective counted = counter.wrap();
+          const i64 first = tp_test::first_head_of(split, g.rank), mine = split[static_cast<std::size_t>(g.rank)];
+          kvevict::layer_budget b = c.budget;
+          b.shard = {&counted, first, total, true};
+          kvevict::keep_list got(mine, kvevict::select_layer_capacity(mine, tokens, c.sel, b));
+          std::vector<unsigned char> w(kvevict::select_layer_workspace_size(mine, tokens, b));
+          const kvevict::status st = kvevict::select_layer({scores.data() + first * tokens, mine, tokens, tokens},
+                                                           c.sel, b, got, {w.data(), w.size()});
+          rounds[static_cast<std::size_t>(g.rank)] = counter.rounds;
+          if (!st.ok()) return std::vector<std::string>{c.name + ": " + st.message()};
+          for (i64 h = 0; h < mine; ++h)
+            if (got.head(h) != want.head(first + h))
+              f.push_back(c.name + " kind " + std::to_string(kind) + ": head " + std::to_string(first + h) +
+                          " differs (rank " + std::to_string(g.rank) + ")");
+          return f;
+        });
+        INFO(c.name << ", scores of kind " << kind << ", " << split.size() << " ranks");
+        for (const auto& f : failures) FAIL_CHECK(f);
+        // Rounds: none for per-head budgets; the agreement, then 1 gather (per layer) or at most
+        // 4 radix rounds and 1 tie round (AdaKV; none when B is 0 or keeps everything).
+        for (i64 r : rounds) {
+          CHECK(r == rounds[0]);
+          if (c.budget.scope == kvevict::selection_scope::per_layer) CHECK(r == 2);
+          if (c.budget.heads == kvevict::head_allocation::uniform &&
+              c.budget.scope == kvevict::selection_scope::per_head)
+            CHECK(r == 0);
+          if (c.budget.heads == kvevict::head_allocation::adakv) CHECK(r <= 6);
+        }
+      }
+}
+
+TEST_CASE("AdaKV across ranks: ties at the threshold need the tie round, distinct scores stop early", "[parallel]") {
+  const i64 tokens = 64, total = 6;
+  const std::vector<int> split{2, 4};
+  for (int kind : {0, 3}) {
+    const std::vector<float> scores = hard_scores(total, tokens, kind, 3);
+    std::vector<i64> rounds(split.size());
+    const auto failures = on_group(split, [&](const kvevict::collective& g) {
+      tp_test::counting_group counter{&g};
+      const kvevict::collective counted = counter.wrap();
+      const i64 first = tp_test::first_head_of(split, g.rank), mine = split[static_cast<std::size_t>(g.rank)];
+      kvevict::layer_budget b;
+      b.per_head = kvevict::budget::tokens(10);
+      b.heads = kvevict::head_allocation::adakv;
+      b.shard = {&counted, first, total, false};
+      kvevict::keep_list got(mine, kvevict::select_layer_capacity(mine, tokens, {}, b));
+      std::vector<unsigned char> w(kvevict::select_layer_workspace_size(mine, tokens, b));
+      const kvevict::status st = kvevict::select_layer({scores.data() + first * tokens, mine, tokens, tokens}, {}, b,
+                                                       got, {w.data(), w.size()});
+      rounds[static_cast<std::size_t>(g.rank)] = counter.rounds;
+      return st.ok() ? std::vector<std::string>{} : std::vector<std::string>{st.message()};
+    });
+    for (const auto& f : failures) FAIL_CHECK(f);
+    // Every key equal: 4 radix rounds cannot split the ties, so the tie round runs. Normal
+    // scores: the top byte's bin is rarely taken whole, but the tie round never runs.
+    if (kind == 3) CHECK(rounds[0] == 5);
+    if (kind == 0) CHECK(rounds[0] <= 4);
+  }
+}
+
+TEST_CASE("sharded compressor equals one process bit for bit (ranks as threads)", "[parallel]") {
+  const std::vector<std::vector<int>> splits{{5, 3}, {3, 3, 2}, {3, 2, 2, 1}};
+  std::uint64_t seed = 100;
+  for (const auto& split : splits)
+    for (tp_test::scenario sc : tp_test::scenarios()) {
+      for (kvevict::dtype t : {kvevict::dtype::f32, kvevict::dtype::bf16}) {
+        sc.storage = t;
+        ++seed;
+        i64 evictions = 0;
+        std::vector<i64> rounds(split.size());
+        const auto failures = on_group(split, [&](const kvevict::collective& g) {
+          tp_test::result r = tp_test::run_scenario(g, split, sc, seed);
+          rounds[static_cast<std::size_t>(g.rank)] = r.rounds;
+          if (g.rank == 0) evictions = r.evictions;
+          return r.failures;
+        });
+        INFO(sc.name << " " << kvevict::to_string(t) << " over " << split.size() << " ranks");
+        for (const auto& f : failures) FAIL_CHECK(f);
+        CHECK(evictions == tp_test::kSequences * tp_test::kLayers);
+        for (i64 r : rounds) CHECK(r == rounds[0]);  // every rank made the same calls
+      }
+    }
+}
+
+TEST_CASE("ranks that disagree or fail all get an error, and nothing changes (ranks as threads)", "[parallel]") {
+  for (const auto& split : std::vector<std::vector<int>>{{2, 1}, {3, 3, 2}, {1, 2, 2, 3}}) {
+    const auto failures =
+        on_group(split, [&](const kvevict::collective& g) { return tp_test::error_scenarios(g, split); });
+    INFO(split.size() << " ranks");
+    for (const auto& f : failures) FAIL_CHECK(f);
+  }
+}
+
+TEST_CASE("a plan learns where its heads start and how many words run() passes at most", "[parallel]") {
+  const std::vector<int> split{3, 1, 4};
+  std::vector<i64> first(3), total(3), most(3);
+  std::vector<std::string> errors(3);
+  tp_test::thread_group group(3);
+  group.run([&](int rank) {
+    const kvevict::collective c = group.member(rank);
+    tp_test::scenario sc;
+    kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+    w.window = 8;
+    sc.policy = kvevict::policy::snapkv(w);
+    sc.scope = kvevict::selection_scope::per_layer;
+    sc.combine = kvevict::scope_combine::mean;
+    kvevict::compressor comp;
+    const auto r = static_cast<std::size_t>(rank);
+    const kvevict::status st = kvevict::compressor::plan(tp_test::options_for(sc, split[r], &c), &comp);
+    if (!st.ok()) {
+      errors[r] = st.message();
+      return;
+    }
+    first[r] = comp.first_kv_head();
+    total[r] = comp.total_kv_heads();
+    most[r] = comp.collective_words();
+  });
+  for (const std::string& e : errors) CHECK(e.empty());
+  CHECK(first == std::vector<i64>{0, 3, 4});
+  CHECK(total == std::vector<i64>{8, 8, 8});
+  // The mean rule exchanges every head's row: 8 x max_tokens words and the failure word (the
+  // scenarios check that run() stays within it).
+  for (i64 m : most) CHECK(m == 8 * (tp_test::kPrompts[0] + tp_test::kSteps) + 1);
+}
