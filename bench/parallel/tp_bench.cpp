@@ -1,17 +1,19 @@
 // SPDX-License-Identifier: Apache-2.0
-// What tensor-parallel selection costs per layer (design.md §15, docs/parallel.md), at the
-// reference shape of design.md §10 (Llama-3.1-8B layer: Hq = 32, Hkv = 8, d = 128, L = 32K,
-// W = 32, B = 2048, bf16), its KV heads split evenly over the MPI ranks:
+// What tensor-parallel selection costs per layer (design.md §15, docs/benchmarks.md "Tensor
+// parallelism"), at the reference shape of design.md §10 (Llama-3.1-8B layer: Hq = 32, Hkv = 8,
+// d = 128, L = 32K, W = 32, B = 2048, bf16), its KV heads split evenly over the MPI ranks:
 //
-//   mpirun --allow-run-as-root --oversubscribe -np 2 build/bench/parallel/kvevict_bench_tp [--tokens L]
+//   mpirun --allow-run-as-root --oversubscribe -np 2 build/bench/parallel/kvevict_bench_tp [--tokens L] [--reps n]
 //
 // For each selection that needs the other ranks (AdaKV's layer-wide top Hkv*B; one keep set per
-// layer under a max and a mean rule), per layer and per rank: the all-reduce calls ("rounds")
-// and bytes kvevict hands the engine's collective, the wall time spent inside them, the whole
-// sharded selection, and this rank's SnapKV scoring of its heads (what the layer costs anyway).
-// Medians over repetitions, ranks lined up by a barrier before each; rank 0 prints. The
-// transport here is Open MPI over shared memory on one machine; docs/parallel.md models 8 GPUs
-// on NVLink from the same counts.
+// layer under a max and a mean rule), per layer call of compressor::run on one rank: the
+// all-reduce calls ("rounds", the run's agreement round included) and the bytes kvevict hands
+// the engine's collective; the transport time of exactly those calls (replayed through MPI
+// after a barrier, so no rank's compute is in it); the whole sharded selection (wall time, which
+// also holds waits for slower ranks); the same rank's selection with no group (its heads alone);
+// and this rank's SnapKV scoring of its heads, the cost the layer pays anyway. Medians over
+// repetitions; rank 0 prints. The transport here is Open MPI over shared memory on one machine;
+// docs/benchmarks.md models 8 GPUs from the same counts.
 
 #include <mpi.h>
 
@@ -20,8 +22,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../common.hpp"
@@ -32,24 +34,20 @@ namespace {
 using i64 = std::int64_t;
 using clock_type = std::chrono::steady_clock;
 
-/// The engine's collective with a stopwatch and counters around it.
-struct timed_group {
+/// The engine's collective with counters around it; it records each call's size and op so that
+/// the transport alone can be replayed.
+struct recording_group {
   const kvevict::collective* inner = nullptr;
-  i64 rounds = 0, words = 0;
-  double seconds = 0.0;
+  std::vector<std::pair<i64, kvevict::reduce_op>> calls;
   static kvevict::status all_reduce(void* ctx, std::uint32_t* data, i64 count, kvevict::reduce_op op) {
-    auto* g = static_cast<timed_group*>(ctx);
-    const auto t0 = clock_type::now();
-    const kvevict::status st = g->inner->all_reduce(g->inner->context, data, count, op);
-    g->seconds += std::chrono::duration<double>(clock_type::now() - t0).count();
-    ++g->rounds;
-    g->words += count;
-    return st;
+    auto* g = static_cast<recording_group*>(ctx);
+    g->calls.emplace_back(count, op);
+    return g->inner->all_reduce(g->inner->context, data, count, op);
   }
   kvevict::collective wrap() {
     kvevict::collective c = *inner;
     c.context = this;
-    c.all_reduce = &timed_group::all_reduce;
+    c.all_reduce = &recording_group::all_reduce;
     return c;
   }
 };
@@ -59,10 +57,18 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+double seconds_since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
 struct row {
   const char* name;
   kvevict::layer_budget budget;
 };
+
+/// compressor::run's agreement round per call (parallel/agreement.hpp: 1 + 4 words per field,
+/// 4 fields), which select_layer under the compressor skips.
+constexpr i64 run_agreement_words = 1 + 4 * 4;
 
 }  // namespace
 
@@ -101,7 +107,7 @@ int main(int argc, char** argv) {
     MPI_Barrier(MPI_COMM_WORLD);
     const auto t0 = clock_type::now();
     kb::die("score", policy.score(layer.inputs(), sv, score_ws));
-    score_s.push_back(std::chrono::duration<double>(clock_type::now() - t0).count());
+    score_s.push_back(seconds_since(t0));
   }
 
   std::vector<row> rows;
@@ -125,41 +131,60 @@ int main(int argc, char** argv) {
         whole.name, static_cast<long long>(whole.hq), static_cast<long long>(whole.hkv),
         static_cast<long long>(whole.d), static_cast<long long>(tokens), static_cast<long long>(kb::reference_window),
         static_cast<long long>(kb::reference_budget));
-    std::printf("%d ranks (Open MPI, shared memory), %lld KV heads each; %s; medians of %d, wall time\n",
-                world.world_size, static_cast<long long>(mine), kb::build_line().c_str(), reps);
-    std::printf("this rank's SnapKV scoring of its heads: %.3f ms\n\n", 1e3 * median(score_s));
-    std::printf("%-36s %7s %12s %14s %14s %12s\n", "selection", "rounds", "bytes/rank", "collectives", "selection",
-                "coll/score");
+    std::printf("%d ranks (Open MPI, shared memory), %lld KV heads each; %s; medians of %d, rank 0\n", world.world_size,
+                static_cast<long long>(mine), kb::build_line().c_str(), reps);
+    std::printf("this rank's SnapKV scoring of its %lld heads: %.3f ms\n\n", static_cast<long long>(mine),
+                1e3 * median(score_s));
+    std::printf("%-36s %6s %10s %12s %12s %12s %11s\n", "selection (per layer, per rank)", "rounds", "bytes",
+                "transport", "sharded sel", "local sel", "transp/score");
   }
   const kvevict::selection_params sel = policy.selection();
+  std::vector<std::uint32_t> replay;
   for (const row& r : rows) {
-    timed_group timed{&world};
-    const kvevict::collective counted = timed.wrap();
+    recording_group recorder{&world, {}};
+    const kvevict::collective recorded = recorder.wrap();
     kvevict::layer_budget b = r.budget;
-    b.shard = {&counted, first, whole.hkv, false};  // as compressor::run calls it (batch agreed once)
+    b.shard = {&recorded, first, whole.hkv, false};  // as compressor::run calls it (batch agreed once)
     kvevict::keep_list keep(mine, kvevict::select_layer_capacity(mine, tokens, sel, b));
     kvevict::workspace ws(kvevict::select_layer_workspace_size(mine, tokens, b));
-    std::vector<double> coll_s, total_s;
-    i64 rounds = 0, words = 0;
+    kvevict::layer_budget alone = r.budget;  // this rank's heads as if they were the whole layer
+    kvevict::keep_list keep_alone(mine, kvevict::select_layer_capacity(mine, tokens, sel, alone));
+    kvevict::workspace ws_alone(kvevict::select_layer_workspace_size(mine, tokens, alone));
+    std::vector<double> sharded_s, alone_s, transport_s;
+    std::vector<std::pair<i64, kvevict::reduce_op>> calls;
     for (int rep = 0; rep < reps; ++rep) {
-      timed.rounds = timed.words = 0;
-      timed.seconds = 0.0;
+      recorder.calls.clear();
+      recorder.calls.emplace_back(run_agreement_words, kvevict::reduce_op::max);  // run()'s, made before
       MPI_Barrier(MPI_COMM_WORLD);
-      const auto t0 = clock_type::now();
+      auto t0 = clock_type::now();
       kb::die("select_layer", kvevict::select_layer({scores.data(), mine, tokens, tokens}, sel, b, keep, ws));
-      total_s.push_back(std::chrono::duration<double>(clock_type::now() - t0).count());
-      coll_s.push_back(timed.seconds);
-      rounds = timed.rounds;
-      words = timed.words;
+      sharded_s.push_back(seconds_since(t0));
+      calls = recorder.calls;
+      t0 = clock_type::now();
+      kb::die("select_layer",
+              kvevict::select_layer({scores.data(), mine, tokens, tokens}, sel, alone, keep_alone, ws_alone));
+      alone_s.push_back(seconds_since(t0));
+      // The same calls through the transport alone, every rank entering together.
+      MPI_Barrier(MPI_COMM_WORLD);
+      t0 = clock_type::now();
+      for (const auto& call : calls) {
+        replay.assign(static_cast<std::size_t>(call.first), 0u);
+        kb::die("all_reduce", world.all_reduce(world.context, replay.data(), call.first, call.second));
+      }
+      transport_s.push_back(seconds_since(t0));
     }
+    i64 words = 0;
+    for (const auto& call : calls) words += call.first;
     if (world.rank == 0)
-      std::printf("%-36s %7lld %12lld %11.3f ms %11.3f ms %11.2f%%\n", r.name, static_cast<long long>(rounds),
-                  static_cast<long long>(4 * words), 1e3 * median(coll_s), 1e3 * median(total_s),
-                  100.0 * median(coll_s) / median(score_s));
+      std::printf("%-36s %6lld %10lld %9.3f ms %9.3f ms %9.3f ms %10.2f%%\n", r.name,
+                  static_cast<long long>(calls.size()), static_cast<long long>(4 * words), 1e3 * median(transport_s),
+                  1e3 * median(sharded_s), 1e3 * median(alone_s), 100.0 * median(transport_s) / median(score_s));
   }
   if (world.rank == 0)
-    std::printf("\ncompressor::run adds one agreement round per layer call: %d words (%d bytes)\n", 1 + 4 * 4,
-                4 * (1 + 4 * 4));
+    std::printf(
+        "\nrounds and bytes include compressor::run's agreement round (%lld words); per-head budgets make "
+        "no collective in run()\n",
+        static_cast<long long>(run_agreement_words));
   MPI_Finalize();
   return 0;
 }

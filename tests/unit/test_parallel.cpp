@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -146,6 +147,46 @@ TEST_CASE("sharded select_layer equals one process for every rank's heads", "[pa
           if (c.budget.heads == kvevict::head_allocation::adakv) CHECK(r <= 6);
         }
       }
+}
+
+TEST_CASE("the combined row of a sharded layer has the single-process bits under every rule", "[parallel]") {
+  // Long rows of heads with different scales: a sum in another order rounds differently in
+  // many tokens, so this sees an order the keep-lists of small layers would hide.
+  const i64 tokens = 4096, tail = 3;
+  for (const std::vector<int>& split : std::vector<std::vector<int>>{{8}, {5, 3}, {3, 3, 2}, {1, 2, 4, 1}}) {
+    const i64 total = tp_test::total_heads(split);
+    std::vector<float> scores = hard_scores(total, tokens, 0, 11);
+    for (i64 h = 0; h < total; ++h)
+      for (i64 j = 0; j < tokens; ++j) {
+        float& x = scores[static_cast<std::size_t>(h * tokens + j)];
+        x = std::exp(x) * static_cast<float>(h + 1) * 0.37f;  // positive, like attention mass
+        if (j % 97 == 5 && h % 3 == 1) x = std::numeric_limits<float>::quiet_NaN();
+      }
+    for (auto rule : {kvevict::scope_combine::normalized_max, kvevict::scope_combine::normalized_mean,
+                      kvevict::scope_combine::max, kvevict::scope_combine::mean}) {
+      std::vector<float> want(static_cast<std::size_t>(tokens));
+      REQUIRE(kvevict::combine_head_scores({scores.data(), total, tokens, tokens}, tail, rule, want.data()).ok());
+      const auto failures = on_group(split, [&](const kvevict::collective& g) {
+        const i64 first = tp_test::first_head_of(split, g.rank), mine = split[static_cast<std::size_t>(g.rank)];
+        kvevict::head_shard shard{&g, first, total, false};
+        std::vector<unsigned char> ws(kvevict::detail::sharded_combine_workspace_size(tokens, rule, shard));
+        std::vector<float> got(static_cast<std::size_t>(tokens), -1.0f);
+        const kvevict::status st = kvevict::detail::combine_head_scores_sharded(
+            {scores.data() + first * tokens, mine, tokens, tokens}, tail, rule, shard, got.data(),
+            {ws.data(), ws.size()}, kvevict::status(), "test");
+        if (!st.ok()) return std::vector<std::string>{st.message()};
+        i64 differ = 0;
+        for (i64 j = 0; j < tokens; ++j)
+          differ +=
+              std::memcmp(&got[static_cast<std::size_t>(j)], &want[static_cast<std::size_t>(j)], sizeof(float)) != 0;
+        if (differ == 0) return std::vector<std::string>{};
+        return std::vector<std::string>{std::string(kvevict::to_string(rule)) + ", rank " + std::to_string(g.rank) +
+                                        ": " + std::to_string(differ) + " tokens differ in their bits"};
+      });
+      INFO(split.size() << " ranks");
+      for (const auto& f : failures) FAIL_CHECK(f);
+    }
+  }
 }
 
 TEST_CASE("AdaKV across ranks: ties at the threshold need the tie round, distinct scores stop early", "[parallel]") {

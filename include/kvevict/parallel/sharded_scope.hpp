@@ -16,9 +16,8 @@
 //               values, and that composes over consecutive runs of heads.
 //   mean rules: every head's raw row travels, and every rank runs the single-process fold
 //               (detail::fold_row, then finish_mean) over the global heads in order. Raw rows,
-//               not normalised ones: the fold then is the very expression one process
-//               evaluates, so a compiler that contracts its scale-and-add into an FMA does so
-//               for both.
+//               not normalised ones, and fold_row out of line: both paths then run one copy of
+//               the same machine code, so FMA contraction (GCC's default) cannot differ.
 // Words per layer: world_size * L (max rules) or total_heads * L (mean rules), plus one that
 // counts failed ranks, in one round.
 
