@@ -37,7 +37,9 @@ namespace detail {
 constexpr std::int64_t radix_bins = 256;
 
 struct sharded_adakv_layout {
-  float* flat = nullptr;           ///< [H, C] this rank's candidates (normalised when asked)
+  float* row = nullptr;            ///< [C] one head's candidates (normalised when asked)
+  std::uint32_t* keys = nullptr;   ///< [H, C] their selection keys; each round keeps its survivors in front
+  std::int64_t* alive = nullptr;   ///< [H] keys per head still matching the prefix chosen so far
   std::int64_t* picked = nullptr;  ///< [C] one head's top b (normalisation)
   std::uint32_t* words = nullptr;  ///< [max(256, total_heads) + 1] one round's payload
   topk_scratch topk;               ///< for rows of C
@@ -45,7 +47,9 @@ struct sharded_adakv_layout {
 
 inline void carve_sharded_adakv(arena& a, std::int64_t heads, std::int64_t candidates, std::int64_t total_heads,
                                 sharded_adakv_layout* out) noexcept {
-  out->flat = a.take<float>(saturating_mul(heads, candidates));
+  out->row = a.take<float>(candidates);
+  out->keys = a.take<std::uint32_t>(saturating_mul(heads, candidates));
+  out->alive = a.take<std::int64_t>(heads);
   out->picked = a.take<std::int64_t>(candidates);
   out->words = a.take<std::uint32_t>(saturating_add(total_heads > radix_bins ? total_heads : radix_bins, 1));
   carve_topk_scratch(a, candidates, &out->topk);
@@ -83,24 +87,29 @@ inline status adakv_head_budgets_sharded(const_score_view scores, std::int64_t p
   if (local.ok() && a.overflowed())
     local =
         status::error(errc::workspace_too_small, fn, "ws", "expected at least %zu bytes, got %zu", a.used(), ws.size);
+  // Each head's keys once; the rounds then scan only the keys still in the running, and count
+  // per head those a round puts above the threshold.
   if (local.ok())
-    for (std::int64_t h = 0; h < heads; ++h)
-      adakv_head_row(scores, h, candidates, b, params, lay.flat + h * candidates, lay.picked, lay.topk);
+    for (std::int64_t h = 0; h < heads; ++h) {
+      adakv_head_row(scores, h, candidates, b, params, lay.row, lay.picked, lay.topk);
+      std::uint32_t* keys = lay.keys + h * candidates;
+      for (std::int64_t j = 0; j < candidates; ++j) keys[j] = score_key(lay.row[j]);
+      lay.alive[h] = candidates;
+      out[h] = 0;
+    }
+  const std::int64_t local_heads = local.ok() ? heads : 0;
 
   // Radix select of the k-th largest key, k = total_heads * b (< 2^32: plan and select_layer
   // check the layer's candidates), one byte per round from the top.
   std::uint32_t histogram[radix_bins + 1];
   std::uint64_t need = static_cast<std::uint64_t>(shard.total_heads) * static_cast<std::uint64_t>(b);
-  std::uint32_t prefix = 0, mask = 0;
   bool whole_bin = false;
-  std::uint64_t bin_count = 0;
-  const std::int64_t n = local.ok() ? heads * candidates : 0;
   for (int shift = 24; shift >= 0 && !whole_bin; shift -= 8) {
     for (std::int64_t i = 0; i < radix_bins; ++i) histogram[i] = 0;
     histogram[radix_bins] = local.ok() ? 0u : 1u;
-    for (std::int64_t i = 0; i < n; ++i) {
-      const std::uint32_t key = score_key(lay.flat[i]);
-      if ((key & mask) == prefix) ++histogram[(key >> shift) & 0xffu];
+    for (std::int64_t h = 0; h < local_heads; ++h) {
+      const std::uint32_t* keys = lay.keys + h * candidates;
+      for (std::int64_t i = 0; i < lay.alive[h]; ++i) ++histogram[(keys[i] >> shift) & 0xffu];
     }
     KVEVICT_RETURN_IF_ERROR(all_reduce(group, histogram, radix_bins + 1, reduce_op::sum, fn, "budget.shard.group"));
     KVEVICT_RETURN_IF_ERROR(after_round(group, fn, "budget.shard.group", local, histogram[radix_bins]));
@@ -108,32 +117,27 @@ inline status adakv_head_budgets_sharded(const_score_view scores, std::int64_t p
     std::uint32_t bin = radix_bins - 1;
     while (bin > 0 && above + histogram[bin] < need) above += histogram[bin--];
     need -= above;
-    prefix |= bin << shift;
-    mask |= 0xffu << shift;
-    bin_count = histogram[bin];
-    whole_bin = bin_count == need;  // every key with this prefix is in: no ties to break
+    whole_bin = histogram[bin] == need;  // every key left in this bin is in: no ties to break
+    for (std::int64_t h = 0; h < local_heads; ++h) {
+      std::uint32_t* keys = lay.keys + h * candidates;
+      std::int64_t kept = 0, picks = 0;
+      for (std::int64_t i = 0; i < lay.alive[h]; ++i) {
+        const std::uint32_t key = keys[i], digit = (key >> shift) & 0xffu;
+        picks += digit > bin;
+        if (digit == bin) keys[kept++] = key;
+      }
+      out[h] += picks + (whole_bin ? kept : 0);
+      lay.alive[h] = kept;
+    }
   }
 
-  // Picks per head: keys above the threshold, plus (when the last bin is split) the first
-  // `need` keys equal to it in (global head, token) order.
-  std::uint32_t* ties = lay.words;
-  const std::int64_t total = shard.total_heads;
-  for (std::int64_t h = 0; h < heads; ++h) {
-    const float* row = lay.flat + h * candidates;
-    std::int64_t picks = 0, equal = 0;
-    for (std::int64_t j = 0; j < candidates; ++j) {
-      const std::uint32_t key = score_key(row[j]);
-      picks += whole_bin ? (key >= prefix) : (key > prefix);
-      equal += key == prefix;
-    }
-    out[h] = picks;
-    if (!whole_bin) ties[h] = static_cast<std::uint32_t>(equal);
-  }
+  // The last bin split after the fourth byte: the keys left equal the k-th exactly. Every rank
+  // gives its heads the first `need` of them in (global head, token) order.
   if (!whole_bin) {
-    // Shift this rank's counts to its global heads' slots; the others' slots stay 0.
-    for (std::int64_t h = heads - 1; h >= 0; --h) ties[shard.first_head + h] = ties[h];
-    for (std::int64_t g = 0; g < shard.first_head; ++g) ties[g] = 0;
-    for (std::int64_t g = shard.first_head + heads; g <= total; ++g) ties[g] = 0;
+    std::uint32_t* ties = lay.words;
+    const std::int64_t total = shard.total_heads;
+    for (std::int64_t g = 0; g <= total; ++g) ties[g] = 0;
+    for (std::int64_t h = 0; h < heads; ++h) ties[shard.first_head + h] = static_cast<std::uint32_t>(lay.alive[h]);
     KVEVICT_RETURN_IF_ERROR(all_reduce(group, ties, total + 1, reduce_op::sum, fn, "budget.shard.group"));
     KVEVICT_RETURN_IF_ERROR(after_round(group, fn, "budget.shard.group", local, ties[total]));
     std::uint64_t before = 0;
