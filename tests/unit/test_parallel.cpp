@@ -6,6 +6,7 @@
 // tests/parallel/mpi_main.cpp runs the same scenarios as real processes under mpirun.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -281,4 +282,81 @@ TEST_CASE("a plan learns where its heads start and how many words run() passes a
   // The mean rule exchanges every head's row: 8 x max_tokens words and the failure word (the
   // scenarios check that run() stays within it).
   for (i64 m : most) CHECK(m == 8 * (tp_test::kPrompts[0] + tp_test::kSteps) + 1);
+}
+
+TEST_CASE("a policy's evict() over a sharded layer: one process's caches, or an error on every rank", "[parallel]") {
+  // The building block under the compressor: KNorm with AdaKV, each rank compacting its heads.
+  const i64 tokens = 48, dim = 8;
+  const std::vector<int> split{3, 2, 3};
+  const i64 total = tp_test::total_heads(split);
+  const std::vector<double> k = test::normal(static_cast<std::size_t>(total * tokens * dim), 31);
+  const std::vector<double> v = test::normal(static_cast<std::size_t>(total * tokens * dim), 32);
+  kvevict::layer_budget budget;
+  budget.per_head = kvevict::budget::tokens(10);
+  budget.heads = kvevict::head_allocation::adakv;
+  const kvevict::knorm<float> policy({2, kvevict::protected_mode::inside_budget});
+
+  test::test_cache<float> wk = test::make_cache<float>(test::layout::contiguous, total, tokens, dim, k);
+  test::test_cache<float> wv = test::make_cache<float>(test::layout::contiguous, total, tokens, dim, v);
+  std::vector<i64> want_lengths(static_cast<std::size_t>(total)),
+      want_positions(static_cast<std::size_t>(total * tokens));
+  {
+    kvevict::eviction_result r;
+    r.head_lengths = want_lengths.data();
+    r.positions = want_positions.data();
+    kvevict::workspace ws(policy.evict_workspace_size({total, total, dim, tokens, 1}, budget));
+    REQUIRE(policy.evict({wk.view, wv.view}, {}, budget, r, ws).ok());
+  }
+
+  for (int failing : {-1, 1}) {  // -1: every rank well; 1: rank 1 passes too small a workspace
+    const auto failures = on_group(split, [&](const kvevict::collective& g) {
+      std::vector<std::string> f;
+      const std::string tag = "rank " + std::to_string(g.rank) + (failing < 0 ? "" : " (rank 1 failing)") + ": ";
+      const i64 first = tp_test::first_head_of(split, g.rank), mine = split[static_cast<std::size_t>(g.rank)];
+      const auto part = [&](const std::vector<double>& x) {
+        return std::vector<double>(x.begin() + first * tokens * dim, x.begin() + (first + mine) * tokens * dim);
+      };
+      test::test_cache<float> pk = test::make_cache<float>(test::layout::contiguous, mine, tokens, dim, part(k));
+      test::test_cache<float> pv = test::make_cache<float>(test::layout::contiguous, mine, tokens, dim, part(v));
+      const std::vector<float> k_before = pk.buffer, v_before = pv.buffer;
+      kvevict::layer_budget b = budget;
+      b.shard = {&g, first, total, true};
+      std::vector<i64> lengths(static_cast<std::size_t>(mine), -1), positions(static_cast<std::size_t>(mine * tokens));
+      kvevict::eviction_result r;
+      r.head_lengths = lengths.data();
+      r.positions = positions.data();
+      kvevict::workspace ws(policy.evict_workspace_size({mine, mine, dim, tokens, 1}, b));
+      kvevict::workspace_span span = ws;
+      if (g.rank == failing) span.size /= 2;
+      const kvevict::status st = policy.evict({pk.view, pv.view}, {}, b, r, span);
+      if (failing >= 0) {
+        const kvevict::errc want =
+            g.rank == failing ? kvevict::errc::workspace_too_small : kvevict::errc::collective_error;
+        if (st.code() != want)
+          f.push_back(tag + "expected " + kvevict::to_string(want) + ", got " +
+                      (st.ok() ? std::string("ok") : st.message()));
+        if (pk.buffer != k_before || pv.buffer != v_before || lengths[0] != -1)
+          f.push_back(tag + "the failed call changed the cache or an output");
+        return f;
+      }
+      if (!st.ok()) return std::vector<std::string>{tag + st.message()};
+      i64 offset = 0;
+      for (i64 h = 0; h < first; ++h) offset += want_lengths[static_cast<std::size_t>(h)];
+      i64 kept = 0;
+      for (i64 h = 0; h < mine; ++h) {
+        const i64 n = lengths[static_cast<std::size_t>(h)];
+        if (n != want_lengths[static_cast<std::size_t>(first + h)] ||
+            !std::equal(positions.begin() + kept, positions.begin() + kept + n, want_positions.begin() + offset))
+          f.push_back(tag + "head " + std::to_string(first + h) + " keeps other tokens than one process");
+        kept += n;
+        offset += n;
+      }
+      if (std::memcmp(pk.buffer.data(), wk.buffer.data() + first * tokens * dim, pk.buffer.size() * sizeof(float)) !=
+              0 ||
+          std::memcmp(pv.buffer.data(), wv.buffer.data() + first * tokens * dim, pv.buffer.size() * sizeof(float)) != 0)
+        f.push_back(tag + "K or V differs from one process's after eviction");
+      return f;
+    });
+    for (const auto& f : failures) FAIL_CHECK(f);
+  }
 }
