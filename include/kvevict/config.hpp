@@ -45,6 +45,20 @@
 #define KVEVICT_RESTRICT
 #endif
 
+// One machine-code copy of a function for every caller: never inlined or cloned. The
+// tensor-parallel folds (design.md §15) rely on it to give the single-process bits: with FMA
+// contraction on (GCC's default), an inlined scale-and-add may fuse in one caller and not in
+// another.
+#if defined(__clang__)
+#define KVEVICT_NOINLINE inline __attribute__((noinline))
+#elif defined(__GNUC__)
+#define KVEVICT_NOINLINE inline __attribute__((noipa))
+#elif defined(_MSC_VER)
+#define KVEVICT_NOINLINE inline __declspec(noinline)
+#else
+#define KVEVICT_NOINLINE inline
+#endif
+
 #include <type_traits>
 
 KVEVICT_NAMESPACE_BEGIN

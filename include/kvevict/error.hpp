@@ -37,6 +37,7 @@ enum class errc : std::int32_t {
   overflow,             ///< a size does not fit the index type of the code path
   unsupported,          ///< a combination the library does not implement
   device_error,         ///< a CUDA runtime call failed
+  collective_error,     ///< a collective of the engine's group failed, or another rank's part of the call did
 };
 
 /// Human-readable name of an error code ("invalid_stride", ...).
@@ -66,6 +67,8 @@ inline const char* to_string(errc code) noexcept {
       return "unsupported";
     case errc::device_error:
       return "device_error";
+    case errc::collective_error:
+      return "collective_error";
   }
   return "unknown";
 }

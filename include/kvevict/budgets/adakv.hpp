@@ -55,6 +55,30 @@ inline std::int64_t round_half_even(double x) noexcept {
   const auto fi = static_cast<std::int64_t>(f);
   return (fi % 2 == 0) ? fi : fi + 1;
 }
+
+/// Step 1 for one head: its candidates copied to `row` [C], scaled when normalising.
+/// `picked` holds b indices. Shared with the sharded allocator (parallel/sharded_adakv.hpp),
+/// which must produce the same floats.
+inline void adakv_head_row(const const_score_view& scores, std::int64_t h, std::int64_t candidates, std::int64_t b,
+                           const adakv_params& params, float* row, std::int64_t* picked, const topk_scratch& topk) {
+  for (std::int64_t j = 0; j < candidates; ++j) row[j] = scores.at(h, j);
+  if (params.normalize && b > 0) {
+    top_k_ascending(row, candidates, b, picked, topk);
+    double top = 0.0, total = 0.0;
+    for (std::int64_t i = 0; i < b; ++i) top += static_cast<double>(row[picked[i]]);
+    for (std::int64_t j = 0; j < candidates; ++j) total += static_cast<double>(row[j]);
+    const double factor = (total > 0.0 && std::isfinite(total) && std::isfinite(top)) ? top / total : 1.0;
+    for (std::int64_t j = 0; j < candidates; ++j) row[j] = static_cast<float>(static_cast<double>(row[j]) * factor);
+  }
+}
+
+/// Step 3: a head's candidates from its `picks` of the global top Hkv*b.
+inline std::int64_t adakv_head_budget(std::int64_t picks, std::int64_t b, std::int64_t candidates,
+                                      const adakv_params& params) noexcept {
+  const double floor_budget = std::floor(params.alpha * static_cast<double>(b));
+  const std::int64_t v = round_half_even(static_cast<double>(picks) * (1.0 - params.alpha) + floor_budget);
+  return v < 0 ? 0 : (v > candidates ? candidates : v);
+}
 }  // namespace detail
 
 /// Bytes of workspace `adakv_head_budgets` needs for [num_kv_heads, num_tokens] scores.
@@ -104,29 +128,15 @@ inline status adakv_head_budgets(const_score_view scores, std::int64_t protected
     return status();
   }
   const std::int64_t b = per_head_budget;
-  for (std::int64_t h = 0; h < heads; ++h) {
-    float* row = layout.flat + h * candidates;
-    for (std::int64_t j = 0; j < candidates; ++j) row[j] = scores.at(h, j);
-    if (params.normalize && b > 0) {
-      detail::top_k_ascending(row, candidates, b, layout.picked, layout.topk);
-      double top = 0.0, total = 0.0;
-      for (std::int64_t i = 0; i < b; ++i) top += static_cast<double>(row[layout.picked[i]]);
-      for (std::int64_t j = 0; j < candidates; ++j) total += static_cast<double>(row[j]);
-      const double factor = (total > 0.0 && std::isfinite(total) && std::isfinite(top)) ? top / total : 1.0;
-      for (std::int64_t j = 0; j < candidates; ++j) row[j] = static_cast<float>(static_cast<double>(row[j]) * factor);
-    }
-  }
+  for (std::int64_t h = 0; h < heads; ++h)
+    detail::adakv_head_row(scores, h, candidates, b, params, layout.flat + h * candidates, layout.picked, layout.topk);
   const std::int64_t global = heads * b;
   for (std::int64_t h = 0; h < heads; ++h) out[h] = 0;
   if (global > 0) {
     detail::top_k_ascending(layout.flat, heads * candidates, global, layout.picked, layout.topk);
     for (std::int64_t i = 0; i < global; ++i) ++out[layout.picked[i] / candidates];
   }
-  const double floor_budget = std::floor(params.alpha * static_cast<double>(b));
-  for (std::int64_t h = 0; h < heads; ++h) {
-    std::int64_t v = detail::round_half_even(static_cast<double>(out[h]) * (1.0 - params.alpha) + floor_budget);
-    out[h] = v < 0 ? 0 : (v > candidates ? candidates : v);
-  }
+  for (std::int64_t h = 0; h < heads; ++h) out[h] = detail::adakv_head_budget(out[h], b, candidates, params);
   return status();
 }
 

@@ -17,11 +17,13 @@
 //   cases the protected tail comes on top (protected_mode::on_top_of_budget).
 // So a uniform layer keeps exactly what kvevict::select keeps with the policy's own
 // selection, and an allocator moves candidates between layers or heads, never the protected
-// tokens.
+// tokens. Under tensor parallelism (`shard`, design.md §15) the scores are this rank's heads
+// and AdaKV and the per-layer scope run across the group, with the same results.
 
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "kvevict/budgets/adakv.hpp"
@@ -29,6 +31,10 @@
 #include "kvevict/detail/checked.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/executor.hpp"
+#include "kvevict/parallel/agreement.hpp"
+#include "kvevict/parallel/head_shard.hpp"
+#include "kvevict/parallel/sharded_adakv.hpp"
+#include "kvevict/parallel/sharded_scope.hpp"
 #include "kvevict/selection/budget.hpp"
 #include "kvevict/selection/keep_list.hpp"
 #include "kvevict/selection/scope.hpp"
@@ -57,6 +63,8 @@ struct layer_budget {
   /// every layer); select_layer takes per_head and per_layer.
   selection_scope scope = selection_scope::per_head;
   scope_combine combine = scope_combine::normalized_max;
+  /// Tensor parallelism: which of the layer's KV heads the scores are (none set: all of them).
+  head_shard shard;
 };
 
 namespace detail {
@@ -84,17 +92,28 @@ inline std::int64_t layer_keep_capacity(std::int64_t heads, std::int64_t tokens,
   const std::int64_t protect = sel.protected_tail < 0 ? 0 : (sel.protected_tail < tokens ? sel.protected_tail : tokens);
   const std::int64_t candidates = tokens - protect;
   const std::int64_t mean = mean_candidates(b, tokens, sel);
-  std::int64_t kept = saturating_mul(heads, mean);
-  if (b.heads == head_allocation::adakv) kept = saturating_add(kept, (heads + 1) / 2);  // rounding: < 1/2 per head
+  // AdaKV moves candidates between heads; sharded, this rank's heads may take the candidates of
+  // the whole layer's heads (capped below at every candidate of its own).
+  const std::int64_t competing = b.heads == head_allocation::adakv && b.shard.sharded() ? b.shard.total_heads : heads;
+  std::int64_t kept = saturating_mul(competing, mean);
+  if (b.heads == head_allocation::adakv) kept = saturating_add(kept, (competing + 1) / 2);  // rounding: < 1/2 per head
   const std::int64_t all = saturating_mul(heads, candidates);
   return saturating_add(kept < all ? kept : all, saturating_mul(heads, protect));
+}
+
+/// `bytes` carved from `a` when `present` (nothing taken otherwise, not even alignment).
+inline workspace_span take_bytes(arena& a, std::size_t bytes, bool present) noexcept {
+  if (!present) return {};
+  const auto n = bytes > static_cast<std::size_t>(INT64_MAX) ? INT64_MAX : static_cast<std::int64_t>(bytes);
+  return {a.take<unsigned char>(n), bytes};
 }
 
 struct select_layer_layout {
   std::int64_t* head_budgets = nullptr;  ///< [Hkv] (AdaKV)
   float* shared_row = nullptr;           ///< [L] combined scores (per_layer scope)
   std::int64_t* shared_keep = nullptr;   ///< [2 + L] one head's CSR (per_layer scope)
-  workspace_span adakv;
+  workspace_span adakv;                  ///< AdaKV's, or its sharded form's
+  workspace_span gather;                 ///< sharded per_layer scope: the rows the group exchanges
   workspace_span select;
 };
 
@@ -102,16 +121,23 @@ inline void carve_select_layer(arena& a, std::int64_t heads, std::int64_t tokens
                                const executor& exec, select_layer_layout* out) noexcept {
   const bool ada = b.heads == head_allocation::adakv;
   const bool shared = b.scope == selection_scope::per_layer;
+  const bool sharded = b.shard.sharded();
   out->head_budgets = ada ? a.take<std::int64_t>(heads) : nullptr;
   out->shared_row = shared ? a.take<float>(tokens) : nullptr;
   out->shared_keep = shared ? a.take<std::int64_t>(saturating_add(tokens, 2)) : nullptr;
-  const std::size_t ada_bytes = ada ? adakv_workspace_size(heads, tokens) : 0;
-  out->adakv = {ada ? a.take<unsigned char>(static_cast<std::int64_t>(ada_bytes)) : nullptr, ada_bytes};
-  const std::size_t sel_bytes = select_workspace_size(tokens, exec);
-  out->select = {a.take<unsigned char>(static_cast<std::int64_t>(sel_bytes)), sel_bytes};
+  const std::size_t ada_bytes = !ada ? 0
+                                     : (sharded ? sharded_adakv_workspace_size(heads, tokens, b.shard.total_heads)
+                                                : adakv_workspace_size(heads, tokens));
+  out->adakv = take_bytes(a, ada_bytes, ada);
+  out->gather = take_bytes(a, shared && sharded ? sharded_combine_workspace_size(tokens, b.combine, b.shard) : 0,
+                           shared && sharded);
+  out->select = take_bytes(a, select_workspace_size(tokens, exec), true);
 }
 
 inline status validate_layer_budget(const layer_budget& b, const char* fn) noexcept {
+  if (b.shard.sharded() && b.scope == selection_scope::per_sequence)
+    return status::error(errc::unsupported, fn, "budget.scope",
+                         "a keep set shared by every layer is chosen from every layer's scores: use the compressor");
   if (b.per_head.type != budget::kind::tokens && b.per_head.type != budget::kind::ratio)
     return status::error(errc::invalid_argument, fn, "budget.per_head.type", "expected tokens or ratio, got %d",
                          static_cast<int>(b.per_head.type));
@@ -195,44 +221,130 @@ inline status select_shared(const_score_view row, const selection_params& sel, c
   return status();
 }
 
-/// Keep-lists of one layer under a layer budget (see the rule at the top of this header).
-///
-///   scores: [Hkv, L] float32 (the policy's scores; protected tail +inf)
-///   sel:    the policy's selection (protected tail, and how it counts for uniform heads)
-///   out:    CSR keep-list, capacity >= select_layer_capacity(Hkv, L, sel, b)
-///   ws:     at least select_layer_workspace_size(Hkv, L, b, exec) bytes
-inline status select_layer(const_score_view scores, const selection_params& sel, const layer_budget& b,
-                           keep_list_view out, workspace_span ws, const executor& exec = {}) {
+namespace detail {
+
+/// Whether this layer's selection needs the other ranks (AdaKV, one keep set per layer).
+inline bool selects_across_ranks(const layer_budget& b) noexcept {
+  return b.shard.sharded() && (b.heads == head_allocation::adakv || b.scope == selection_scope::per_layer);
+}
+
+/// select_layer's agreement round (parallel/agreement.hpp): every value the rest of the call
+/// depends on, from every rank.
+inline status agree_layer_selection(const const_score_view& scores, const selection_params& sel, const layer_budget& b,
+                                    const status& local, const char* fn) noexcept {
+  std::uint64_t alpha_bits = 0;
+  std::memcpy(&alpha_bits, &b.adakv.alpha, sizeof(alpha_bits));
+  const agreement_field fields[] = {
+      {"scores.cols", static_cast<std::uint64_t>(scores.cols)},
+      {"sel.protected_tail", static_cast<std::uint64_t>(sel.protected_tail)},
+      {"sel.mode", static_cast<std::uint64_t>(sel.mode)},
+      {"budget.per_head", static_cast<std::uint64_t>(b.per_head.resolve(scores.cols))},
+      {"budget.layer_candidates", static_cast<std::uint64_t>(b.layer_candidates)},
+      {"budget.heads", static_cast<std::uint64_t>(b.heads)},
+      {"budget.scope", static_cast<std::uint64_t>(b.scope)},
+      {"budget.combine", static_cast<std::uint64_t>(b.combine)},
+      {"budget.adakv.alpha", alpha_bits},
+      {"budget.adakv.normalize", b.adakv.normalize ? 1u : 0u},
+      {"budget.shard.total_heads", static_cast<std::uint64_t>(b.shard.total_heads)},
+  };
+  return agree(*b.shard.group, fn, "budget.shard.group", local, fields,
+               static_cast<int>(sizeof(fields) / sizeof(fields[0])));
+}
+
+/// select_layer, with `incoming` the caller's status so far (evict() passes its scoring's):
+/// sharded, a failure is carried through the group's rounds so that every rank returns an
+/// error at the same point (parallel/agreement.hpp); otherwise it is returned as is.
+inline status select_layer_impl(const const_score_view& scores, const selection_params& sel, const layer_budget& b,
+                                const keep_list_view& out, workspace_span ws, const executor& exec, status local) {
   static constexpr const char* fn = "kvevict::select_layer";
-  KVEVICT_RETURN_IF_ERROR(detail::validate_layer_budget(b, fn));
-  if (scores.rows < 1)
-    return status::error(errc::invalid_shape, fn, "scores.rows", "expected >= 1 KV head, got %lld",
-                         static_cast<long long>(scores.rows));
-  if (sel.protected_tail < 0)
-    return status::error(errc::invalid_argument, fn, "sel.protected_tail", "expected >= 0, got %lld",
-                         static_cast<long long>(sel.protected_tail));
-  if (b.scope == selection_scope::per_sequence)
-    return status::error(errc::unsupported, fn, "budget.scope",
-                         "a keep set shared by every layer is chosen from every layer's scores: use the compressor");
-  detail::arena a(ws);
-  detail::select_layer_layout layout;
-  detail::carve_select_layer(a, scores.rows, scores.cols, b, exec, &layout);
-  if (a.overflowed())
-    return status::error(errc::workspace_too_small, fn, "ws",
-                         "expected at least %zu bytes (select_layer_workspace_size), got %zu", a.used(), ws.size);
+  if (b.shard.sharded()) KVEVICT_RETURN_IF_ERROR(validate_collective(*b.shard.group, fn, "budget.shard.group"));
+  const bool across = selects_across_ranks(b);
+  if (!across) KVEVICT_RETURN_IF_ERROR(local);  // nobody waits for this rank
+  if (local.ok()) local = validate_layer_budget(b, fn);
+  if (local.ok() && scores.rows < 1)
+    local = status::error(errc::invalid_shape, fn, "scores.rows", "expected >= 1 KV head, got %lld",
+                          static_cast<long long>(scores.rows));
+  if (local.ok() && sel.protected_tail < 0)
+    local = status::error(errc::invalid_argument, fn, "sel.protected_tail", "expected >= 0, got %lld",
+                          static_cast<long long>(sel.protected_tail));
+  if (local.ok() && b.scope == selection_scope::per_sequence)
+    local = status::error(errc::unsupported, fn, "budget.scope",
+                          "a keep set shared by every layer is chosen from every layer's scores: use the compressor");
+  if (local.ok()) local = validate_head_shard(b.shard, scores.rows, fn);
+  if (local.ok() && across) local = validate_matrix_view(scores, scores.rows, scores.cols, fn, "scores");
+  if (local.ok() && across && b.heads == head_allocation::adakv) {
+    // AdaKV ranks the whole layer's candidates with 32-bit counts and keys.
+    std::int64_t layer_candidates = 0;
+    if (!checked_mul(b.shard.total_heads, scores.cols, &layer_candidates) ||
+        layer_candidates > static_cast<std::int64_t>(UINT32_MAX))
+      local =
+          status::error(errc::overflow, fn, "scores", "expected fewer than 2^32 candidates in a layer, got %lld x %lld",
+                        static_cast<long long>(b.shard.total_heads), static_cast<long long>(scores.cols));
+  }
+  arena a(ws);
+  select_layer_layout layout;
+  if (local.ok() || across) carve_select_layer(a, scores.rows, scores.cols, b, exec, &layout);
+  if (local.ok() && a.overflowed())
+    local = status::error(errc::workspace_too_small, fn, "ws",
+                          "expected at least %zu bytes (select_layer_workspace_size), got %zu", a.used(), ws.size);
+  if (!across) {
+    KVEVICT_RETURN_IF_ERROR(local);
+  } else if (b.shard.agree_shapes) {
+    KVEVICT_RETURN_IF_ERROR(agree_layer_selection(scores, sel, b, local, fn));
+  }
   if (b.scope == selection_scope::per_layer) {
-    KVEVICT_RETURN_IF_ERROR(combine_head_scores(scores, sel.protected_tail, b.combine, layout.shared_row));
+    if (across) {
+      KVEVICT_RETURN_IF_ERROR(combine_head_scores_sharded(scores, sel.protected_tail, b.combine, b.shard,
+                                                          layout.shared_row, layout.gather, local, fn));
+    } else {
+      KVEVICT_RETURN_IF_ERROR(combine_head_scores(scores, sel.protected_tail, b.combine, layout.shared_row));
+    }
     return select_shared(const_score_view{layout.shared_row, 1, scores.cols, scores.cols}, sel, b, out,
                          layout.shared_keep, layout.select, exec);
   }
-  if (!detail::allocates(b)) return select(scores, b.per_head, sel, out, layout.select, exec);
+  if (!allocates(b)) return select(scores, b.per_head, sel, out, layout.select, exec);
   const selection_params on_top{sel.protected_tail, protected_mode::on_top_of_budget};
-  const std::int64_t mean = detail::mean_candidates(b, scores.cols, sel);
+  const std::int64_t mean = mean_candidates(b, scores.cols, sel);
   if (b.heads == head_allocation::uniform)
     return select(scores, budget::tokens(mean), on_top, out, layout.select, exec);
-  KVEVICT_RETURN_IF_ERROR(
-      adakv_head_budgets(scores, sel.protected_tail, mean, b.adakv, layout.head_budgets, layout.adakv));
+  if (across) {
+    KVEVICT_RETURN_IF_ERROR(adakv_head_budgets_sharded(scores, sel.protected_tail, mean, b.adakv, b.shard,
+                                                       layout.head_budgets, layout.adakv, local, fn));
+  } else {
+    KVEVICT_RETURN_IF_ERROR(
+        adakv_head_budgets(scores, sel.protected_tail, mean, b.adakv, layout.head_budgets, layout.adakv));
+  }
   return select(scores, layout.head_budgets, on_top, out, layout.select, exec);
+}
+
+/// An error found before a selection, on a rank of a sharded layer: the group's agreement
+/// round still runs (with this rank's failure), so that no other rank waits for it.
+inline status fail_before_selection(const layer_budget& b, const status& st, const char* fn) noexcept {
+  if (st.ok() || !selects_across_ranks(b) || !b.shard.agree_shapes ||
+      !validate_collective(*b.shard.group, fn, "budget.shard.group").ok())
+    return st;
+  // The same round (same word count) the other ranks make in select_layer; with this rank's
+  // failure in it, every rank returns there.
+  const status agreed = agree_layer_selection(const_score_view{}, selection_params{}, b, st, fn);
+  return agreed.ok() ? st : agreed;
+}
+
+}  // namespace detail
+
+/// Keep-lists of one layer under a layer budget (see the rule at the top of this header).
+///
+///   scores: [Hkv, L] float32 (the policy's scores; protected tail +inf); sharded
+///           (b.shard): this rank's heads
+///   sel:    the policy's selection (protected tail, and how it counts for uniform heads)
+///   out:    CSR keep-list, capacity >= select_layer_capacity(Hkv, L, sel, b)
+///   ws:     at least select_layer_workspace_size(Hkv, L, b, exec) bytes
+///
+/// Sharded with AdaKV or the per-layer scope, every rank of b.shard.group must make this call
+/// (design.md §15); each gets the keep-lists one process holding every head would give its
+/// heads, or an error (every rank, when one rank fails or passes a different shape).
+inline status select_layer(const_score_view scores, const selection_params& sel, const layer_budget& b,
+                           keep_list_view out, workspace_span ws, const executor& exec = {}) {
+  return detail::select_layer_impl(scores, sel, b, out, ws, exec, status());
 }
 
 KVEVICT_NAMESPACE_END

@@ -22,6 +22,11 @@
 // the whole batch as it was. Sequences are processed one after another; the heads of each go
 // through the plan's executor. Concurrent run() calls on different layers (different caches,
 // states' different layers, separate workspaces) are safe.
+//
+// Under tensor parallelism (compressor_options::tensor_parallel, design.md §15) each rank plans
+// and runs with its own KV heads; plan() and run() are collective, agree on the configuration
+// and on each batch first (a mismatch is an error on every rank), and AdaKV and the shared
+// scopes select across the group with the single-process results.
 
 #include <cstddef>
 #include <cstdint>
@@ -43,6 +48,11 @@
 #include "kvevict/error.hpp"
 #include "kvevict/eviction/evict.hpp"
 #include "kvevict/eviction/evict_layer.hpp"
+#include "kvevict/parallel/agreement.hpp"
+#include "kvevict/parallel/collective.hpp"
+#include "kvevict/parallel/head_shard.hpp"
+#include "kvevict/parallel/sharded_adakv.hpp"
+#include "kvevict/parallel/sharded_scope.hpp"
 #include "kvevict/policies/chunkkv.hpp"
 #include "kvevict/policies/dapq.hpp"
 #include "kvevict/policies/deferkv.hpp"
@@ -124,28 +134,44 @@ class compressor {
   /// and the limits, and computes every size; on error `out` is left as it was.
   static status plan(const compressor_options& options, compressor* out) noexcept {
     static constexpr const char* fn = "kvevict::compressor::plan";
-    if (out == nullptr) return status::error(errc::null_pointer, fn, "out", "expected a compressor to plan");
+    const collective* group = options.tensor_parallel;
+    // A rank that cannot reach the group cannot tell it it failed: these return at once.
+    if (group != nullptr) KVEVICT_RETURN_IF_ERROR(detail::validate_collective(*group, fn, "tensor_parallel"));
     compressor c;
     c.options_ = options;
-    KVEVICT_RETURN_IF_ERROR(c.check_options(fn));
-    switch (options.model.storage) {
-      case dtype::f32:
-        c.size<float>();
-        break;
-      case dtype::f16:
-        c.size<fp16>();
-        break;
-      case dtype::bf16:
-        c.size<bf16>();
-        break;
-    }
-    if (c.workspace_bytes_ == std::numeric_limits<std::size_t>::max() ||
-        c.state_bytes_ == std::numeric_limits<std::size_t>::max() ||
-        c.keep_capacity_ == std::numeric_limits<std::int64_t>::max())
-      return status::error(errc::overflow, fn, "options.limits",
+    status st = out == nullptr ? status::error(errc::null_pointer, fn, "out", "expected a compressor to plan")
+                               : c.check_options(fn);
+    if (group != nullptr) KVEVICT_RETURN_IF_ERROR(c.learn_heads(st, fn));  // all ranks fail here together
+    KVEVICT_RETURN_IF_ERROR(st);
+    c.total_heads_ = group != nullptr ? c.total_heads_ : options.model.num_kv_heads;
+    if (group != nullptr && options.heads == head_allocation::adakv &&
+        c.options_.limits.max_tokens > static_cast<std::int64_t>(UINT32_MAX) / c.total_heads_)
+      st = status::error(errc::invalid_shape, fn, "limits.max_tokens",
+                         "expected 1 .. %lld (AdaKV ranks the %lld KV heads of the group), got %lld",
+                         static_cast<long long>(UINT32_MAX / static_cast<std::uint64_t>(c.total_heads_)),
+                         static_cast<long long>(c.total_heads_), static_cast<long long>(c.options_.limits.max_tokens));
+    if (st.ok()) {
+      switch (options.model.storage) {
+        case dtype::f32:
+          c.size<float>();
+          break;
+        case dtype::f16:
+          c.size<fp16>();
+          break;
+        case dtype::bf16:
+          c.size<bf16>();
+          break;
+      }
+      if (c.workspace_bytes_ == std::numeric_limits<std::size_t>::max() ||
+          c.state_bytes_ == std::numeric_limits<std::size_t>::max() ||
+          c.keep_capacity_ == std::numeric_limits<std::int64_t>::max())
+        st = status::error(errc::overflow, fn, "options.limits",
                            "the workspace, state or keep-list for %lld tokens and %lld queries does not fit in memory",
                            static_cast<long long>(options.limits.max_tokens),
                            static_cast<long long>(c.options_.limits.max_queries));
+    }
+    if (group != nullptr) KVEVICT_RETURN_IF_ERROR(c.agree_plan(st, fn));
+    KVEVICT_RETURN_IF_ERROR(st);
     c.planned_ = true;
     *out = c;
     return status();
@@ -172,6 +198,33 @@ class compressor {
   }
   /// How many of its last queries a sequence must hand in at prefill_end (0: none needed).
   std::int64_t observation_window() const noexcept { return window_; }
+  /// Tensor parallelism: the global index of this rank's first KV head, and the KV heads of a
+  /// layer over the group (0 and model.num_kv_heads in one process).
+  std::int64_t first_kv_head() const noexcept { return first_head_; }
+  std::int64_t total_kv_heads() const noexcept { return total_heads_; }
+  /// Tensor parallelism: whether run() talks to the other ranks (AdaKV, or a keep set shared by
+  /// heads). Per-head budgets need nothing from them: run() then makes no collective at all.
+  bool selects_across_ranks() const noexcept {
+    return options_.tensor_parallel != nullptr &&
+           (options_.heads == head_allocation::adakv || options_.scope != selection_scope::per_head);
+  }
+  /// Tensor parallelism: the most words one all-reduce of this plan's run() passes (to size an
+  /// adapter's staging or device buffer; design.md §15 has the count per layer); 0 when run()
+  /// makes none.
+  std::int64_t collective_words() const noexcept {
+    if (!selects_across_ranks()) return 0;
+    std::int64_t most = 1 + 4 * detail::max_agreement_fields;
+    const auto at_least = [&most](std::int64_t n) { most = n > most ? n : most; };
+    if (options_.heads == head_allocation::adakv) {
+      at_least(detail::radix_bins + 1);
+      at_least(total_heads_ + 1);
+    }
+    if (options_.scope != selection_scope::per_head)
+      at_least(detail::saturating_add(
+          detail::saturating_mul(detail::sharded_combine_rows(options_.combine, shard()), options_.limits.max_tokens),
+          1));
+    return most;
+  }
 
   /// Sets up a sequence's state before its first call (and to reuse it for a new sequence).
   status reset_sequence(void* state, std::size_t bytes) const noexcept {
@@ -209,44 +262,23 @@ class compressor {
   ///
   /// T must be the plan's storage type. On error nothing was changed: no cache, state,
   /// report or output buffer.
+  ///
+  /// Tensor parallelism (selects_across_ranks()): collective. Every rank of the group calls it
+  /// for the same layer with the same batch (the same sequences, events and token counts; its
+  /// own heads' views), and gets for its heads what one process holding every head would; a
+  /// rank that fails or disagrees makes it fail on every rank (design.md §15). Reports and
+  /// outputs describe this rank's heads (report.length: its longest head).
   template <class T>
   status run(std::int64_t layer, const sequence_io<T>* seqs, std::int64_t num_seqs, sequence_report* reports,
              workspace_span ws) const {
     static constexpr const char* fn = "kvevict::compressor::run";
     KVEVICT_RETURN_IF_ERROR(check_planned(fn));
     static_assert(is_storage_type<T>::value && !std::is_const<T>::value, "run<T>: T is float, fp16 or bf16");
-    if (dtype_of<T>::value != options_.model.storage)
-      return status::error(errc::invalid_argument, fn, "seqs", "expected %s views (the plan's storage type), got %s",
-                           to_string(options_.model.storage), to_string(dtype_of<T>::value));
-    if (layer < 0 || layer >= options_.model.num_layers)
-      return status::error(errc::out_of_range, fn, "layer", "expected a layer in [0, %lld), got %lld",
-                           static_cast<long long>(options_.model.num_layers), static_cast<long long>(layer));
-    if (num_seqs < 0 || num_seqs > options_.limits.max_sequences)
-      return status::error(errc::invalid_shape, fn, "num_seqs", "expected 0 .. %lld (limits.max_sequences), got %lld",
-                           static_cast<long long>(options_.limits.max_sequences), static_cast<long long>(num_seqs));
-    if (num_seqs > 0 && seqs == nullptr) return status::error(errc::null_pointer, fn, "seqs", "expected non-null");
-    if (num_seqs > 0 && reports == nullptr)
-      return status::error(errc::null_pointer, fn, "reports", "expected non-null");
-    detail::arena a(ws);
     run_layout lay;
-    carve(a, &lay);
-    if (a.overflowed())
-      return status::error(errc::workspace_too_small, fn, "ws", "expected at least %zu bytes (workspace_size), got %zu",
-                           a.used(), ws.size);
-
-    // Everything that can fail is checked for the whole batch before anything changes. States
-    // first: one sequence's step must never write into another's (overlapping byte ranges,
-    // not only equal pointers).
-    if (state_bytes_ > 0)
-      for (std::int64_t s = 1; s < num_seqs; ++s)
-        for (std::int64_t t = 0; t < s; ++t)
-          if (seqs[s].state != nullptr && seqs[t].state != nullptr && seqs[s].event != sequence_event::idle &&
-              seqs[t].event != sequence_event::idle &&
-              detail::byte_ranges_overlap(seqs[s].state, state_bytes_, seqs[t].state, state_bytes_))
-            return status::error(errc::invalid_argument, fn, detail::io_name(s, "state"),
-                                 "expected one state per sequence, got memory that overlaps the state of seqs[%lld]",
-                                 static_cast<long long>(t));
-    for (std::int64_t s = 0; s < num_seqs; ++s) KVEVICT_RETURN_IF_ERROR(check_sequence(layer, seqs[s], s, lay));
+    const status checked = check_run(layer, seqs, num_seqs, reports, ws, &lay);
+    // Tensor parallelism: one agreement round for the batch, failed or not (design.md §15).
+    if (selects_across_ranks()) KVEVICT_RETURN_IF_ERROR(agree_run(layer, seqs, num_seqs, checked));
+    KVEVICT_RETURN_IF_ERROR(checked);
 
     run_trace trace;
     trace.layer = layer;
@@ -278,7 +310,87 @@ class compressor {
     std::int64_t* indices = nullptr;   ///< [keep capacity]
     std::int64_t* one_head = nullptr;  ///< [L + 2]
     workspace_span score, select, compact;
+    workspace_span gather;  ///< tensor parallelism: the rows the group exchanges
   };
+
+  /// Everything run() can check before it changes anything, for the whole batch.
+  template <class T>
+  status check_run(std::int64_t layer, const sequence_io<T>* seqs, std::int64_t num_seqs,
+                   const sequence_report* reports, workspace_span ws, run_layout* lay) const {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    if (dtype_of<T>::value != options_.model.storage)
+      return status::error(errc::invalid_argument, fn, "seqs", "expected %s views (the plan's storage type), got %s",
+                           to_string(options_.model.storage), to_string(dtype_of<T>::value));
+    if (layer < 0 || layer >= options_.model.num_layers)
+      return status::error(errc::out_of_range, fn, "layer", "expected a layer in [0, %lld), got %lld",
+                           static_cast<long long>(options_.model.num_layers), static_cast<long long>(layer));
+    if (num_seqs < 0 || num_seqs > options_.limits.max_sequences)
+      return status::error(errc::invalid_shape, fn, "num_seqs", "expected 0 .. %lld (limits.max_sequences), got %lld",
+                           static_cast<long long>(options_.limits.max_sequences), static_cast<long long>(num_seqs));
+    if (num_seqs > 0 && seqs == nullptr) return status::error(errc::null_pointer, fn, "seqs", "expected non-null");
+    if (num_seqs > 0 && reports == nullptr)
+      return status::error(errc::null_pointer, fn, "reports", "expected non-null");
+    detail::arena a(ws);
+    carve(a, lay);
+    if (a.overflowed())
+      return status::error(errc::workspace_too_small, fn, "ws", "expected at least %zu bytes (workspace_size), got %zu",
+                           a.used(), ws.size);
+
+    // Everything that can fail is checked for the whole batch before anything changes. States
+    // first: one sequence's step must never write into another's (overlapping byte ranges,
+    // not only equal pointers).
+    if (state_bytes_ > 0)
+      for (std::int64_t s = 1; s < num_seqs; ++s)
+        for (std::int64_t t = 0; t < s; ++t)
+          if (seqs[s].state != nullptr && seqs[t].state != nullptr && seqs[s].event != sequence_event::idle &&
+              seqs[t].event != sequence_event::idle &&
+              detail::byte_ranges_overlap(seqs[s].state, state_bytes_, seqs[t].state, state_bytes_))
+            return status::error(errc::invalid_argument, fn, detail::io_name(s, "state"),
+                                 "expected one state per sequence, got memory that overlaps the state of seqs[%lld]",
+                                 static_cast<long long>(t));
+    for (std::int64_t s = 0; s < num_seqs; ++s) KVEVICT_RETURN_IF_ERROR(check_sequence(layer, seqs[s], s, *lay));
+
+    return status();
+  }
+
+  /// Tensor parallelism: run()'s agreement round. Every rank passes the same layer, batch size
+  /// and, per sequence, the same event, action, token counts and protected tail, or every rank
+  /// gets the same error; a rank whose checks failed makes every rank return.
+  template <class T>
+  status agree_run(std::int64_t layer, const sequence_io<T>* seqs, std::int64_t num_seqs, const status& local) const {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    detail::digest batch;
+    std::uint64_t tokens = 0;
+    if (local.ok()) {
+      for (std::int64_t s = 0; s < num_seqs; ++s) {
+        const sequence_io<T>& io = seqs[s];
+        plan_step what;
+        (void)decide(layer, io, s, &what);  // checked: cannot fail
+        batch.add(static_cast<std::uint64_t>(io.event));
+        batch.add(what.observe ? 1u : 0u);
+        batch.add(static_cast<std::uint64_t>(what.action));
+        if (!what.observe && what.action == act::none) continue;
+        tokens += static_cast<std::uint64_t>(io.keys.num_tokens);
+        batch.add(static_cast<std::uint64_t>(io.keys.num_tokens));
+        if (options_.policy.kind == policy_kind::deferkv) {
+          const policy_state st = layer_state(io.state, layer);
+          const deferkv<T> d(options_.policy.deferkv);
+          batch.add(static_cast<std::uint64_t>(d.prompt_tokens(st)));
+          batch.add(static_cast<std::uint64_t>(d.steps_observed(st)));
+        } else if (what.action != act::none) {
+          batch.add(static_cast<std::uint64_t>(scored_tokens(io)));
+        }
+      }
+    }
+    const detail::agreement_field fields[] = {
+        {"layer", static_cast<std::uint64_t>(layer)},
+        {"num_seqs", static_cast<std::uint64_t>(num_seqs)},
+        {"seqs[].keys.num_tokens", tokens},
+        {"seqs", batch.h, true},
+    };
+    return detail::agree(*options_.tensor_parallel, fn, "tensor_parallel", local, fields,
+                         static_cast<int>(sizeof(fields) / sizeof(fields[0])));
+  }
 
   void carve(detail::arena& a, run_layout* out) const noexcept {
     out->layer_budgets =
@@ -300,6 +412,8 @@ class compressor {
     out->score = detail::take_span(a, score_bytes);
     out->select = detail::take_span(a, select_workspace_size(tokens, options_.exec));
     out->compact = detail::take_span(a, detail::compact_workspace_bound(heads, tokens));
+    if (options_.tensor_parallel != nullptr)
+      out->gather = detail::take_span(a, detail::sharded_combine_workspace_size(tokens, options_.combine, shard()));
   }
 
   status check_planned(const char* fn) const noexcept {
@@ -308,6 +422,71 @@ class compressor {
   }
 
   // ---- planning ----------------------------------------------------------------------
+
+  /// Tensor parallelism, plan round 1 (u32 sum): every rank's KV head count in its slot, and
+  /// whether it failed so far. Each rank learns where its heads start and how many there are.
+  status learn_heads(const status& local, const char* fn) noexcept {
+    const collective& g = *options_.tensor_parallel;
+    std::uint32_t words[detail::max_world_size + 1] = {};
+    const std::int64_t heads = options_.model.num_kv_heads;
+    if (local.ok()) words[g.rank] = static_cast<std::uint32_t>(heads > 0xffff ? 0xffff : heads);
+    words[g.world_size] = local.ok() ? 0u : 1u;
+    KVEVICT_RETURN_IF_ERROR(detail::all_reduce(g, words, g.world_size + 1, reduce_op::sum, fn, "tensor_parallel"));
+    KVEVICT_RETURN_IF_ERROR(detail::after_round(g, fn, "tensor_parallel", local, words[g.world_size]));
+    first_head_ = 0;
+    total_heads_ = 0;
+    for (std::int32_t r = 0; r < g.world_size; ++r) {
+      if (r == g.rank) first_head_ = total_heads_;
+      total_heads_ += words[r];
+    }
+    return status();
+  }
+
+  /// Tensor parallelism, plan round 2 (max): every rank planned the same configuration.
+  status agree_plan(const status& local, const char* fn) const noexcept {
+    const compressor_options& o = options_;
+    const model_shape& m = o.model;
+    const auto bits = [](double x) {
+      std::uint64_t u = 0;
+      std::memcpy(&u, &x, sizeof(u));
+      return u;
+    };
+    detail::digest budget, policy;
+    budget.add(static_cast<std::uint64_t>(o.per_head.type));
+    budget.add(static_cast<std::uint64_t>(o.per_head.count));
+    budget.add(bits(o.per_head.compression_ratio));
+    const selection_params tail = largest_selection();
+    policy.add(static_cast<std::uint64_t>(window_));
+    policy.add(static_cast<std::uint64_t>(tail.protected_tail));
+    policy.add(static_cast<std::uint64_t>(tail.mode));
+    policy.add(static_cast<std::uint64_t>(o.policy.deferkv.delay));
+    policy.add(o.policy.deferkv.decode_feedback ? 1u : 0u);
+    const detail::agreement_field fields[] = {
+        {"model.num_layers", static_cast<std::uint64_t>(m.num_layers)},
+        {"model.num_query_heads",
+         static_cast<std::uint64_t>(m.num_kv_heads > 0 ? m.num_query_heads / m.num_kv_heads : 0)},
+        {"model.head_dim", static_cast<std::uint64_t>(m.head_dim)},
+        {"model.value_head_dim", static_cast<std::uint64_t>(m.value_head_dim)},
+        {"model.storage", static_cast<std::uint64_t>(m.storage)},
+        {"policy.kind", static_cast<std::uint64_t>(o.policy.kind)},
+        {"policy", policy.h, true},
+        {"per_head", budget.h, true},
+        {"heads", static_cast<std::uint64_t>(o.heads)},
+        {"adakv.alpha", bits(o.adakv.alpha)},
+        {"adakv.normalize", o.adakv.normalize ? 1u : 0u},
+        {"layers", static_cast<std::uint64_t>(o.layers)},
+        {"pyramid_beta", bits(o.pyramid_beta)},
+        {"scope", static_cast<std::uint64_t>(o.scope)},
+        {"combine", static_cast<std::uint64_t>(o.combine)},
+        {"lengths", static_cast<std::uint64_t>(o.lengths)},
+        {"compact", static_cast<std::uint64_t>(o.compact)},
+        {"limits.max_sequences", static_cast<std::uint64_t>(o.limits.max_sequences)},
+        {"limits.max_tokens", static_cast<std::uint64_t>(o.limits.max_tokens)},
+        {"limits.max_queries", static_cast<std::uint64_t>(o.limits.max_queries)},
+    };
+    return detail::agree(*o.tensor_parallel, fn, "tensor_parallel", local, fields,
+                         static_cast<int>(sizeof(fields) / sizeof(fields[0])));
+  }
 
   static bool chunkable(policy_kind k) noexcept {
     return k == policy_kind::streaming_llm || k == policy_kind::knorm || k == policy_kind::h2o ||
@@ -412,6 +591,10 @@ class compressor {
       return status::error(errc::unsupported, fn, "policy.chunk_length",
                            "ChunkKV applies to StreamingLLM, KNorm, H2O and SnapKV scores, not to %s",
                            to_string(p.kind));
+    if (p.chunk_length > 0 && options_.tensor_parallel != nullptr)
+      return status::error(errc::unsupported, fn, "policy.chunk_length",
+                           "ChunkKV sums its scores over every KV head of the layer; with the heads split over ranks "
+                           "(tensor_parallel) that sum is not implemented");
     switch (p.kind) {
       case policy_kind::streaming_llm:
         if (p.streaming_llm.sinks < 0)
@@ -504,7 +687,19 @@ class compressor {
     b.adakv = options_.adakv;
     b.scope = options_.scope == selection_scope::per_layer ? selection_scope::per_layer : selection_scope::per_head;
     b.combine = options_.combine;
+    b.shard = shard();
     return b;
+  }
+
+  /// This rank's heads; run() agrees on each batch itself, so selections skip their round.
+  head_shard shard() const noexcept {
+    head_shard s;
+    if (options_.tensor_parallel == nullptr) return s;
+    s.group = options_.tensor_parallel;
+    s.first_head = first_head_;
+    s.total_heads = total_heads_;
+    s.agree_shapes = false;
+    return s;
   }
 
   /// The largest protected tail any call may see (DeferKV adds its decoded tokens).
@@ -1062,12 +1257,20 @@ class compressor {
       carve_shared(a, shared_score_bytes_, &sh);
       score_view scores;
       selection_params sel;
-      KVEVICT_RETURN_IF_ERROR(layer_scores(io, st, sh, &scores, &sel));
+      const status scored_ok = layer_scores(io, st, sh, &scores, &sel);
+      const bool sharded = options_.tensor_parallel != nullptr;
+      if (!sharded) KVEVICT_RETURN_IF_ERROR(scored_ok);
       scored = scores.cols;
       detail::scope_state* sc = scope_header(io.state);
       float* row = scope_row(io.state);
       const std::int64_t candidates = scored > sel.protected_tail ? scored - sel.protected_tail : 0;
-      KVEVICT_RETURN_IF_ERROR(combine_head_scores(scores, sel.protected_tail, options_.combine, sh.row));
+      if (sharded) {  // every head of the group, the same bits on every rank (a scoring failure ends it there)
+        KVEVICT_RETURN_IF_ERROR(detail::combine_head_scores_sharded(scores, sel.protected_tail, options_.combine,
+                                                                    shard(), sh.row, sh.gather, scored_ok,
+                                                                    "kvevict::compressor::run"));
+      } else {
+        KVEVICT_RETURN_IF_ERROR(combine_head_scores(scores, sel.protected_tail, options_.combine, sh.row));
+      }
       // Layers fold as more heads of the same combination: no second normalisation.
       const scope_combine across = detail::combines_by_max(options_.combine) ? scope_combine::max : scope_combine::mean;
       detail::fold_row(row, sh.row, scored, candidates, across, layer == 0);
@@ -1124,6 +1327,8 @@ class compressor {
   compressor_options options_;
   bool planned_ = false;
   std::int64_t window_ = 0;
+  std::int64_t first_head_ = 0;
+  std::int64_t total_heads_ = 0;
   std::size_t policy_bytes_ = 0;
   std::size_t workspace_bytes_ = 0;
   std::size_t layer_state_bytes_ = 0;

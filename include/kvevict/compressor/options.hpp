@@ -14,6 +14,7 @@
 #include "kvevict/config.hpp"
 #include "kvevict/dtype.hpp"
 #include "kvevict/executor.hpp"
+#include "kvevict/parallel/collective.hpp"
 #include "kvevict/policies/dapq.hpp"
 #include "kvevict/policies/deferkv.hpp"
 #include "kvevict/policies/h2o.hpp"
@@ -179,6 +180,12 @@ struct compressor_options {
   compressor_limits limits;
   executor exec;  ///< heads run through it; scratch is sized for its workers
   compressor_tracer tracer;
+  /// Tensor parallelism (design.md §15): the engine's group of ranks that split the model's KV
+  /// heads, or null for one process holding them all. Then `model` is this rank's part (its KV
+  /// heads, its query heads), the ranks' heads tile the layer in rank order, and plan() and
+  /// every run() are collective: every rank of the group calls them, in the same order. The
+  /// group must outlive the compressor.
+  const collective* tensor_parallel = nullptr;
 };
 
 KVEVICT_NAMESPACE_END

@@ -122,22 +122,30 @@ status evict_layer(const char* fn, const layer_cache<T>& cache, const layer_obse
                    std::int64_t score_cols, std::size_t score_bytes, const selection_params& sel, const layer_budget& b,
                    eviction_result& result, workspace_span ws, const executor& exec, ScoreFn&& score) {
   static_assert(!std::is_const<T>::value, "evict() compacts the cache: pass views of mutable elements");
-  KVEVICT_RETURN_IF_ERROR(validate_layer_cache(cache, b, fn));
+  // Sharded (b.shard), every rank reaches the selection's first collective, failed or not
+  // (design.md §15): errors before it go through fail_before_selection, scoring's through it.
+  KVEVICT_RETURN_IF_ERROR(fail_before_selection(b, validate_layer_cache(cache, b, fn), fn));
   const std::int64_t heads = cache.keys.num_heads, tokens = cache.keys.num_tokens;
   if (score_cols < 0 || score_cols > tokens)
-    return status::error(errc::invalid_shape, fn, "cache.keys.num_tokens", "expected at least %lld tokens, got %lld",
-                         static_cast<long long>(score_cols), static_cast<long long>(tokens));
+    return fail_before_selection(
+        b,
+        status::error(errc::invalid_shape, fn, "cache.keys.num_tokens", "expected at least %lld tokens, got %lld",
+                      static_cast<long long>(score_cols), static_cast<long long>(tokens)),
+        fn);
   arena a(ws);
   evict_layer_layout layout;
   carve_evict_layer(a, heads, score_cols, tokens, layer_keep_capacity(heads, score_cols, sel, b), score_bytes, b, exec,
                     &layout);
   if (a.overflowed())
-    return status::error(errc::workspace_too_small, fn, "ws",
-                         "expected at least %zu bytes (the policy's evict_workspace_size), got %zu", a.used(), ws.size);
-  KVEVICT_RETURN_IF_ERROR(score(score_view{layout.scores, heads, score_cols, score_cols}, layout.score));
+    return fail_before_selection(
+        b,
+        status::error(errc::workspace_too_small, fn, "ws",
+                      "expected at least %zu bytes (the policy's evict_workspace_size), got %zu", a.used(), ws.size),
+        fn);
+  const status scored = score(score_view{layout.scores, heads, score_cols, score_cols}, layout.score);
   const keep_list_view keep{heads, layout.offsets, layout.indices, layout.capacity};
-  KVEVICT_RETURN_IF_ERROR(
-      select_layer(const_score_view{layout.scores, heads, score_cols, score_cols}, sel, b, keep, layout.select, exec));
+  KVEVICT_RETURN_IF_ERROR(select_layer_impl(const_score_view{layout.scores, heads, score_cols, score_cols}, sel, b,
+                                            keep, layout.select, exec, scored));
   return compact_layer(cache, const_keep_list_view(keep), result, layout.compact, observed.observation.key_positions,
                        exec);
 }

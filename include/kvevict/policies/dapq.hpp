@@ -239,14 +239,19 @@ class dapq {
   status evict(const layer_cache<T>& cache, const layer_observations<T>& observed, const layer_budget& b,
                eviction_result& result, workspace_span ws, const executor& exec = {}) const {
     static constexpr const char* fn = evict_name;
-    KVEVICT_RETURN_IF_ERROR(detail::validate_query_view(observed.queries, fn, "queries"));
-    KVEVICT_RETURN_IF_ERROR(detail::validate_layer_cache(cache, b, fn));
+    // Sharded (b.shard), errors before the selection still reach the group (design.md §15).
+    KVEVICT_RETURN_IF_ERROR(
+        detail::fail_before_selection(b, detail::validate_query_view(observed.queries, fn, "queries"), fn));
+    KVEVICT_RETURN_IF_ERROR(detail::fail_before_selection(b, detail::validate_layer_cache(cache, b, fn), fn));
     const query_view<const T>& q = observed.queries;
     const std::int64_t prompt = prompt_tokens(cache.keys.num_tokens, q.num_queries);
     if (prompt < 0)
-      return status::error(errc::invalid_shape, fn, "cache.keys.num_tokens",
-                           "expected the prompt and its %lld pseudo tokens, got %lld tokens",
-                           static_cast<long long>(q.num_queries), static_cast<long long>(cache.keys.num_tokens));
+      return detail::fail_before_selection(
+          b,
+          status::error(errc::invalid_shape, fn, "cache.keys.num_tokens",
+                        "expected the prompt and its %lld pseudo tokens, got %lld tokens",
+                        static_cast<long long>(q.num_queries), static_cast<long long>(cache.keys.num_tokens)),
+          fn);
     const layer_shape shape{q.num_heads, cache.keys.num_heads, cache.keys.head_dim, prompt, q.num_queries};
     return detail::evict_layer(
         fn, cache, observed, prompt, score_window_workspace_size(shape, exec), selection(), b, result, ws, exec,

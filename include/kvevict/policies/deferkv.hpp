@@ -288,15 +288,22 @@ class deferkv {
                eviction_result& result, workspace_span ws, const executor& exec = {}) const {
     static constexpr const char* fn = evict_name;
     detail::deferkv_header* h = nullptr;
-    KVEVICT_RETURN_IF_ERROR(ready_header(observed.state, fn, &h));
+    // Sharded (b.shard), errors before the selection still reach the group (design.md §15).
+    KVEVICT_RETURN_IF_ERROR(detail::fail_before_selection(b, ready_header(observed.state, fn, &h), fn));
     if (cache.keys.num_tokens != h->prompt_tokens + h->steps)
-      return status::error(
-          errc::invalid_shape, fn, "cache.keys.num_tokens", "expected prompt + decoded tokens = %lld, got %lld",
-          static_cast<long long>(h->prompt_tokens + h->steps), static_cast<long long>(cache.keys.num_tokens));
+      return detail::fail_before_selection(b,
+                                           status::error(errc::invalid_shape, fn, "cache.keys.num_tokens",
+                                                         "expected prompt + decoded tokens = %lld, got %lld",
+                                                         static_cast<long long>(h->prompt_tokens + h->steps),
+                                                         static_cast<long long>(cache.keys.num_tokens)),
+                                           fn);
     if (cache.keys.num_heads != h->heads)
-      return status::error(errc::invalid_shape, fn, "cache.keys.num_heads",
-                           "expected the observed %lld KV heads, got %lld", static_cast<long long>(h->heads),
-                           static_cast<long long>(cache.keys.num_heads));
+      return detail::fail_before_selection(
+          b,
+          status::error(errc::invalid_shape, fn, "cache.keys.num_heads",
+                        "expected the observed %lld KV heads, got %lld", static_cast<long long>(h->heads),
+                        static_cast<long long>(cache.keys.num_heads)),
+          fn);
     const float* s = sums(observed.state);
     KVEVICT_RETURN_IF_ERROR(detail::evict_layer(
         fn, cache, observed, cache.keys.num_tokens, finalize_workspace_size(*h), selection(observed.state), b, result,

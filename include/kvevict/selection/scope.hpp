@@ -86,8 +86,10 @@ inline float normaliser_of(const float* x, std::int64_t n) noexcept {
 
 /// Folds one row into a combined row: the first row is copied (normalised), later rows
 /// combine by nan_max or by sum. Candidates are [0, candidates); the tail is copied as is.
-inline void fold_row(float* acc, const float* row, std::int64_t tokens, std::int64_t candidates, scope_combine c,
-                     bool first) noexcept {
+/// Out of line: the tensor-parallel mean (parallel/sharded_scope.hpp) calls it on the same rows
+/// in the same order and must get the same bits, FMA contraction or not.
+KVEVICT_NOINLINE void fold_row(float* acc, const float* row, std::int64_t tokens, std::int64_t candidates,
+                               scope_combine c, bool first) noexcept {
   const float scale = normalizes(c) ? normaliser_of(row, candidates) : 1.0f;
   for (std::int64_t j = 0; j < tokens; ++j) {
     const float v = j < candidates ? row[j] * scale : row[j];
