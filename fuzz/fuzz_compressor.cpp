@@ -253,7 +253,7 @@ run_result run_mode(const choice& ch, kvevict::compaction mode) {
           case 9:  // a block-table entry out of range
             if (!w.k[static_cast<std::size_t>(ch.corrupt_layer)].table.empty()) {
               auto& c = w.k[static_cast<std::size_t>(ch.corrupt_layer)];
-              c.table[ch.corrupt_value % c.table.size()] = static_cast<std::int32_t>(c.pool_blocks + 3);
+              c.set_table(ch.corrupt_value % c.table.size(), static_cast<std::int32_t>(c.pool_blocks + 3));
             }
             break;
           default:

@@ -142,9 +142,13 @@ void run(FuzzedDataProvider& in) {
   }
 
   auto keys = test::make_cache<T>(kind, hkv, l, d, p.k, block, seed);
-  auto queries = test::make_queries<T>(hq, w, d, p.q, p.qpos, token_major_q);
+  // llama.cpp layouts take int32 positions (every value fits: positions are small here).
+  auto queries = test::make_queries<T>(hq, w, d, p.q, p.qpos, token_major_q, test::int32_positions(kind));
+  const std::vector<std::int32_t> kpos32(p.kpos.begin(), p.kpos.end());
   kvevict::observation_inputs oi;
-  oi.key_positions = p.kpos.empty() ? nullptr : p.kpos.data();
+  oi.key_positions = p.kpos.empty()                ? kvevict::index_ptr{}
+                     : test::int32_positions(kind) ? kvevict::index_ptr{kpos32.data()}
+                                                   : kvevict::index_ptr{p.kpos.data()};
   oi.weights = weights.empty() ? nullptr : weights.data();
   oi.lse = use_lse ? lse.data() : nullptr;
   const kvevict::layer_shape shape{hq, hkv, d, l, w};

@@ -53,6 +53,14 @@ class mirror {
     map_.emplace_back(b.data, d);
     return d;
   }
+  /// A new device copy of v (not looked up by host address: v may be a temporary).
+  template <class T>
+  T* fresh_copy(const std::vector<T>& v) {
+    if (v.empty()) return nullptr;
+    T* d = alloc<T>(v.size());
+    if (d != nullptr) check(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+  }
   template <class T>
   T* put_vector(const std::vector<T>& v) {
     return v.empty() ? nullptr : static_cast<T*>(put(buffer_of(v)));
@@ -120,7 +128,12 @@ kvevict::cache_view<T> device_view(mirror& m, const kvevict::cache_view<T>& v, h
                                    const std::vector<std::int32_t>& table) {
   kvevict::cache_view<T> d = v;
   d.data = m.rebase(v.data, buf);
-  if (v.is_paged()) d.block_table = m.rebase(v.block_table, buffer_of(table));
+  if (v.block_table.width() == 8) {  // an int64 table (test::layout::paged_int64): its values are `table`'s
+    const std::vector<std::int64_t> wide(table.begin(), table.end());
+    d.block_table = m.fresh_copy(wide);
+  } else if (v.is_paged()) {
+    d.block_table = m.rebase(v.block_table.int32(), buffer_of(table));
+  }
   return d;
 }
 
@@ -129,9 +142,13 @@ kvevict::query_view<const T> device_queries(mirror& m, const kvevict::query_view
   kvevict::query_view<const T> d = q;
   d.data = m.rebase(q.data, buf);
   host_buffer pos;
-  pos.data = q.positions;
-  pos.bytes = static_cast<std::size_t>(q.num_queries) * sizeof(std::int64_t);
-  d.positions = static_cast<const std::int64_t*>(m.put(pos));
+  pos.data = q.positions.data();
+  pos.bytes = static_cast<std::size_t>(q.num_queries) * static_cast<std::size_t>(q.positions.width());
+  const void* copied = m.put(pos);
+  if (q.positions.width() == 4)
+    d.positions = static_cast<const std::int32_t*>(copied);
+  else
+    d.positions = static_cast<const std::int64_t*>(copied);
   return d;
 }
 

@@ -20,7 +20,8 @@ namespace test {
 /// Every layout the library describes. packed_* and flashinfer_kv are the K half of a pool that
 /// holds K and V together (vLLM packed K|V, FlashInfer's single tensor; the other half holds a
 /// sentinel here); cells and cells_transposed are llama.cpp caches shared by several sequences
-/// (the sequence's tokens in scattered cells).
+/// (the sequence's tokens in scattered cells). paged_int64 is paged_nhd with an int64 block
+/// table (as PyTorch builds index tensors); every other paged layout keeps int32 tables.
 enum class layout {
   contiguous,
   padded,
@@ -33,12 +34,13 @@ enum class layout {
   flashinfer_kv,
   cells,
   cells_transposed,
-  paged_per_head
+  paged_per_head,
+  paged_int64
 };
-inline const layout kAllLayouts[] = {layout::contiguous, layout::padded,           layout::token_major,
-                                     layout::transposed, layout::paged_nhd,        layout::paged_hnd,
-                                     layout::packed_hnd, layout::packed_nhd,       layout::flashinfer_kv,
-                                     layout::cells,      layout::cells_transposed, layout::paged_per_head};
+inline const layout kAllLayouts[] = {
+    layout::contiguous,       layout::padded,         layout::token_major, layout::transposed,    layout::paged_nhd,
+    layout::paged_hnd,        layout::packed_hnd,     layout::packed_nhd,  layout::flashinfer_kv, layout::cells,
+    layout::cells_transposed, layout::paged_per_head, layout::paged_int64};
 inline std::string name(layout l) {
   switch (l) {
     case layout::contiguous:
@@ -65,8 +67,16 @@ inline std::string name(layout l) {
       return "cells_transposed";
     case layout::paged_per_head:
       return "paged_per_head";
+    case layout::paged_int64:
+      return "paged_int64";
   }
   return "?";
+}
+
+/// Whether the layout's engine keeps positions in int32 (llama.cpp's llama_pos); queries and
+/// key positions of such tests are int32 arrays, all others int64.
+inline bool int32_positions(layout l) {
+  return l == layout::token_major || l == layout::transposed || l == layout::cells || l == layout::cells_transposed;
 }
 
 /// Whether a layout is paged (a block table; one-token blocks for llama.cpp's cells).
@@ -108,6 +118,7 @@ struct test_cache {
   std::int64_t heads = 0, tokens = 0, dim = 0, block_size = 0, kv_size = 0;
   std::vector<T> buffer;
   std::vector<std::int32_t> table;
+  std::vector<std::int64_t> table64;  ///< paged_int64: the table the view reads (a copy of `table`)
   std::int64_t pool_blocks = 0;
   kvevict::cache_view<T> view;
 
@@ -121,7 +132,8 @@ struct test_cache {
         return j * (heads * dim) + h * dim + c;
       case layout::transposed:
         return (h * dim + c) * kv_size + j;
-      case layout::paged_nhd: {
+      case layout::paged_nhd:
+      case layout::paged_int64: {
         const std::int64_t blk = table[static_cast<std::size_t>(j / block_size)];
         return ((blk * block_size + j % block_size) * heads + h) * dim + c;
       }
@@ -154,6 +166,11 @@ struct test_cache {
   }
   /// paged_per_head: entries between heads' tables (room for every block a head uses, plus 2).
   std::int64_t table_stride() const { return (tokens + block_size - 1) / block_size + 2; }
+  /// Sets table entry i (tests that corrupt a table go through here so that int64 views see it).
+  void set_table(std::size_t i, std::int32_t id) {
+    table[i] = id;
+    if (!table64.empty()) table64[i] = id;
+  }
   T& at(std::int64_t h, std::int64_t j, std::int64_t c) { return buffer[static_cast<std::size_t>(offset(h, j, c))]; }
   T at(std::int64_t h, std::int64_t j, std::int64_t c) const {
     return buffer[static_cast<std::size_t>(offset(h, j, c))];
@@ -196,6 +213,7 @@ test_cache<T> make_cache(layout kind, std::int64_t heads, std::int64_t tokens, s
       size = static_cast<std::size_t>(heads * dim * c.kv_size);
       break;
     case layout::paged_nhd:
+    case layout::paged_int64:
     case layout::paged_hnd:
     case layout::packed_hnd:
     case layout::packed_nhd:
@@ -285,6 +303,10 @@ test_cache<T> make_cache(layout kind, std::int64_t heads, std::int64_t tokens, s
       c.view =
           kvevict::paged_per_head(p, c.pool_blocks, block_size, heads, dim, c.table.data(), c.table_stride(), tokens);
       break;
+    case layout::paged_int64:
+      c.table64.assign(c.table.begin(), c.table.end());
+      c.view = kvevict::vllm_paged(p, c.pool_blocks, block_size, heads, dim, c.table64.data(), tokens);
+      break;
   }
   return c;
 }
@@ -294,12 +316,14 @@ template <class T>
 struct test_queries {
   std::vector<T> buffer;
   std::vector<std::int64_t> positions;
+  std::vector<std::int32_t> positions32;  ///< the view's positions when made with int32 positions
   kvevict::query_view<T> view;
 };
 
 template <class T>
 test_queries<T> make_queries(std::int64_t hq, std::int64_t w, std::int64_t d, const std::vector<double>& dense,
-                             std::vector<std::int64_t> positions, bool token_major = false) {
+                             std::vector<std::int64_t> positions, bool token_major = false,
+                             bool int32_positions = false) {
   test_queries<T> q;
   q.buffer.resize(static_cast<std::size_t>(hq * w * d));
   q.positions = std::move(positions);
@@ -311,6 +335,10 @@ test_queries<T> make_queries(std::int64_t hq, std::int64_t w, std::int64_t d, co
       }
   q.view = token_major ? kvevict::token_major_queries(q.buffer.data(), hq, w, d, q.positions.data())
                        : kvevict::contiguous_queries(q.buffer.data(), hq, w, d, q.positions.data());
+  if (int32_positions) {
+    for (const std::int64_t p : q.positions) q.positions32.push_back(static_cast<std::int32_t>(p));
+    q.view.positions = q.positions32.data();
+  }
   return q;
 }
 

@@ -1745,7 +1745,10 @@ TEMPLATE_TEST_CASE("bad input: malformed cache views of every layout and type", 
       {"block_table[1]", errc::out_of_range,
        [](kvevict::cache_view<T>& v, test::layout) {
          if (!v.is_paged()) return false;
-         const_cast<std::int32_t*>(v.block_table)[1] = static_cast<std::int32_t>(v.num_pool_blocks);
+         if (v.block_table.width() == 8)  // paged_int64
+           const_cast<std::int64_t*>(v.block_table.int64())[1] = v.num_pool_blocks;
+         else
+           const_cast<std::int32_t*>(v.block_table.int32())[1] = static_cast<std::int32_t>(v.num_pool_blocks);
          return true;
        }},
       {"", errc::overflow,  // a view spanning more than 2^63 elements
@@ -1768,7 +1771,7 @@ TEMPLATE_TEST_CASE("bad input: malformed cache views of every layout and type", 
         // 0: observation_scores keys, 1: evict keys, 2: evict values, 3: flatten_varlen src, 4: knorm keys
         auto kc = test::make_cache<T>(kind, hkv, l, d, dense, 8, 11);
         auto vc = test::make_cache<T>(kind, hkv, l, d, dense, 8, 12);
-        auto queries = test::make_queries<T>(hq, w, d, qdense, {17, 18, 19});
+        auto queries = test::make_queries<T>(hq, w, d, qdense, {17, 18, 19}, false, test::int32_positions(kind));
         std::vector<float> scores(static_cast<std::size_t>(hkv * l), 5.0f);
         std::vector<T> dst(static_cast<std::size_t>(hkv * l * d), test::store<T>(-1.0));
         std::vector<i64> off{0, 3, 5}, idx{2, 7, 19, 0, 1};

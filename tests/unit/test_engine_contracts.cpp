@@ -681,3 +681,45 @@ TEST_CASE("TensorRT-LLM KVCacheIndex: a block flagged for the secondary pool is 
   CHECK(std::string(st.message()).find("secondary-pool") != std::string::npos);
   CHECK(test::fnv(test::fnv_seed, pool) == before);
 }
+
+TEST_CASE("int64 block tables: ids past the pool and pools past int32 are refused, nothing moves", "[contracts]") {
+  const i64 blocks = 6, bs = 4, hkv = 2, d = 4, l = 10;
+  std::vector<float> kpool(static_cast<std::size_t>(blocks * bs * hkv * d)), vpool(kpool.size());
+  for (std::size_t i = 0; i < kpool.size(); ++i) {
+    kpool[i] = static_cast<float>(i);
+    vpool[i] = -static_cast<float>(i);
+  }
+  std::vector<std::int64_t> table{4, 0, std::int64_t{1} << 33};  // beyond int32: must not wrap to block 0
+  auto keys = kvevict::vllm_paged(kpool.data(), blocks, bs, hkv, d, table.data(), l);
+  auto values = kvevict::vllm_paged(vpool.data(), blocks, bs, hkv, d, table.data(), l);
+  test::host_keep keep;
+  keep.add_head({0, 9});
+  keep.add_head({1, 9});
+  const std::uint64_t before = test::fnv(test::fnv(test::fnv_seed, kpool), vpool);
+  kvevict::eviction_result r;
+  kvevict::workspace ws(kvevict::evict_workspace_size(keys, values));
+  kvevict::status st = kvevict::evict(keys, values, keep.view(), r, ws);
+  CHECK(st.code() == kvevict::errc::out_of_range);
+  CHECK(std::string(st.argument()) == "keys.block_table[2]");
+  CHECK(std::string(st.message()).find("8589934592") != std::string::npos);
+  CHECK(test::fnv(test::fnv(test::fnv_seed, kpool), vpool) == before);
+
+  table[2] = 5;
+  keys.num_pool_blocks = std::int64_t{1} << 31;  // ids are reported as int32 (changed-block lists)
+  st = kvevict::evict(keys, values, keep.view(), r, ws);
+  CHECK(st.code() == kvevict::errc::out_of_range);
+  CHECK(std::string(st.argument()) == "keys.num_pool_blocks");
+  CHECK(test::fnv(test::fnv(test::fnv_seed, kpool), vpool) == before);
+
+  keys.num_pool_blocks = blocks;  // the valid int64 table compacts as the int32 one does
+  std::vector<float> kcopy = kpool, vcopy = vpool;
+  std::vector<std::int32_t> table32(table.begin(), table.end());
+  auto keys32 = kvevict::vllm_paged(kcopy.data(), blocks, bs, hkv, d, table32.data(), l);
+  auto values32 = kvevict::vllm_paged(vcopy.data(), blocks, bs, hkv, d, table32.data(), l);
+  kvevict::eviction_result r32;
+  REQUIRE(kvevict::evict(keys, values, keep.view(), r, ws).ok());
+  REQUIRE(kvevict::evict(keys32, values32, keep.view(), r32, ws).ok());
+  CHECK(kcopy == kpool);
+  CHECK(vcopy == vpool);
+  CHECK(r.max_length == r32.max_length);
+}

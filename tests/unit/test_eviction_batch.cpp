@@ -79,14 +79,17 @@ void check_batch(kvevict::batch_cache_view<T> kb, kvevict::batch_cache_view<T> v
   std::vector<std::vector<std::int64_t>> lengths, positions;
   std::vector<kvevict::eviction_result> results(kSeqLens.size());
   std::vector<std::vector<std::int64_t>> kpos(kSeqLens.size());
-  std::vector<const std::int64_t*> kpos_ptrs;
+  std::vector<std::vector<std::int32_t>> kpos32(kSeqLens.size());  // int32 positions, as llama.cpp keeps them
+  std::vector<kvevict::index_ptr> kpos_ptrs;
   for (std::size_t s = 0; s < kSeqLens.size(); ++s) {
     lengths.emplace_back(kHeads, -1);
     positions.emplace_back(keeps[s].indices.size(), -1);
     results[s].head_lengths = lengths[s].data();
     results[s].positions = positions[s].data();
     for (std::int64_t j = 0; j < kSeqLens[s]; ++j) kpos[s].push_back(100 * static_cast<std::int64_t>(s) + 2 * j);
-    kpos_ptrs.push_back(s == 1 ? nullptr : kpos[s].data());  // one sequence at positions j
+    for (const std::int64_t p : kpos[s]) kpos32[s].push_back(static_cast<std::int32_t>(p));
+    // One sequence at positions j, one with int32 positions, the others int64.
+    kpos_ptrs.push_back(s == 1 ? kvevict::index_ptr{} : s == 3 ? kvevict::index_ptr{kpos32[s].data()} : kpos[s].data());
   }
   const kvevict::executor exec = parallel ? reverse_executor() : kvevict::executor{};
   const std::size_t ws_size = kvevict::evict_batch_workspace_size(kb, vb, exec);

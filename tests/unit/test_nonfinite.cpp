@@ -57,7 +57,7 @@ template <class T>
 std::vector<float> library_scores(const ref::problem& p, const config& c, test::layout lay, i64 seed,
                                   const std::vector<float>* lse = nullptr) {
   auto keys = test::make_cache<T>(lay, p.hkv, p.l, p.d, p.k, 8, static_cast<std::uint64_t>(seed));
-  auto queries = test::make_queries<T>(p.hq, p.w, p.d, p.q, p.qpos);
+  auto queries = test::make_queries<T>(p.hq, p.w, p.d, p.q, p.qpos, false, test::int32_positions(lay));
   std::vector<float> out(static_cast<std::size_t>(p.hkv * p.l), -1.0f);
   kvevict::workspace ws(kvevict::observation_scores_workspace_size({p.hq, p.hkv, p.d, p.l, p.w}, c.lib));
   kvevict::observation_inputs in;

@@ -45,7 +45,7 @@ void check_case(const shape& s, test::layout lay, config c, std::vector<std::int
     c.ref.weights.assign(weights.begin(), weights.end());
   }
   auto keys = test::make_cache<T>(lay, s.hkv, s.tokens, s.dim, p.k, 16, seed);
-  auto queries = test::make_queries<T>(hq, s.window, s.dim, p.q, qpos, token_major_queries);
+  auto queries = test::make_queries<T>(hq, s.window, s.dim, p.q, qpos, token_major_queries, test::int32_positions(lay));
 
   std::vector<float> out(static_cast<std::size_t>(s.hkv * s.tokens), -1.0f);
   kvevict::score_view scores{out.data(), s.hkv, s.tokens, s.tokens};
@@ -53,7 +53,10 @@ void check_case(const shape& s, test::layout lay, config c, std::vector<std::int
   kvevict::workspace ws(kvevict::observation_scores_workspace_size(shape, c.lib));
   kvevict::observation_inputs in;
   in.weights = weights.empty() ? nullptr : weights.data();
-  in.key_positions = kpos.empty() ? nullptr : kpos.data();
+  const std::vector<std::int32_t> kpos32(kpos.begin(), kpos.end());  // llama.cpp layouts: int32 positions
+  in.key_positions = kpos.empty()                 ? kvevict::index_ptr{}
+                     : test::int32_positions(lay) ? kvevict::index_ptr{kpos32.data()}
+                                                  : kvevict::index_ptr{kpos.data()};
   const kvevict::status st = kvevict::observation_scores(queries.view, keys.view, c.lib, scores, ws, in);
   INFO(st.message());
   REQUIRE(st.ok());

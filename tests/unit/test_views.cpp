@@ -107,6 +107,58 @@ TEST_CASE("paged ragged batches: vLLM 2-D block table and FlashInfer CSR", "[vie
   }
 }
 
+TEST_CASE("index arrays in int32 or int64: positions, block tables, CSR offsets", "[views]") {
+  STATIC_REQUIRE(std::is_trivially_copyable<kvevict::index_ptr>::value);
+  const std::int32_t narrow[4] = {5, -1, 7, 2147483647};
+  const std::int64_t wide[4] = {5, -1, 7, std::int64_t{1} << 40};
+  const kvevict::index_ptr n = narrow, w = wide, none = nullptr;
+  REQUIRE(n.width() == 4);
+  REQUIRE(w.width() == 8);
+  REQUIRE(none.width() == 0);
+  REQUIRE(none == nullptr);
+  REQUIRE(!none);
+  REQUIRE(n != nullptr);
+  REQUIRE(n.int32() == narrow);
+  REQUIRE(n.int64() == nullptr);
+  REQUIRE(w.int64() == wide);
+  for (std::int64_t i = 0; i < 4; ++i) {
+    REQUIRE(n[i] == narrow[i]);  // widened exactly, sign included
+    REQUIRE(w[i] == wide[i]);
+  }
+  REQUIRE((n + 2)[1] == 2147483647);
+  REQUIRE((w + 3)[-1] == 7);
+  kvevict::index_ptr m = n;
+  m += 1;
+  REQUIRE(m == kvevict::index_ptr(narrow + 1));
+  REQUIRE(m != n);
+  // Same address, other width: not the same indices.
+  REQUIRE(kvevict::index_ptr(reinterpret_cast<const std::int64_t*>(narrow)) != n);
+
+  // The same batch through int32 and int64 tables and CSR offsets.
+  const std::int64_t heads = 2, dim = 8, bs = 4, pool_blocks = 12;
+  std::vector<float> pool(static_cast<std::size_t>(pool_blocks * bs * heads * dim));
+  const auto layout = kvevict::paged_nhd(pool.data(), pool_blocks, bs, heads, dim, nullptr, 0);
+  const std::int64_t lens[3] = {5, 0, 11};
+  const std::int32_t tables32[9] = {3, 9, -1, -1, -1, -1, 0, 11, 4};
+  const std::int64_t tables64[9] = {3, 9, -1, -1, -1, -1, 0, 11, 4};
+  const std::int64_t indptr64[4] = {0, 2, 2, 5};
+  const std::int64_t indices64[5] = {3, 9, 0, 11, 4};
+  const auto a = kvevict::vllm_paged_batch(layout, 3, tables32, 3, lens);
+  const auto b = kvevict::vllm_paged_batch(layout, 3, tables64, 3, lens);
+  const auto c = kvevict::flashinfer_paged_batch(layout, 3, indptr64, indices64, lens);
+  for (std::int64_t s = 0; s < 3; ++s)
+    for (std::int64_t j = 0; j < lens[s]; ++j)
+      for (std::int64_t h = 0; h < heads; ++h) {
+        REQUIRE(b.sequence(s).offset(h, j, 3) == a.sequence(s).offset(h, j, 3));
+        REQUIRE(c.sequence(s).offset(h, j, 3) == a.sequence(s).offset(h, j, 3));
+      }
+  // Queries with int32 positions (llama.cpp's llama_pos).
+  std::vector<float> q(2 * 3 * 8);
+  const std::int32_t qpos[3] = {4, 9, 10};
+  const auto qv = kvevict::contiguous_queries(q.data(), 2, 3, 8, qpos);
+  REQUIRE(qv.positions[2] == 10);
+}
+
 TEST_CASE("TensorRT-LLM blocks [Hkv][tokens_per_block][d] with separate K and V offsets", "[views]") {
   const std::int64_t heads = 3, dim = 16, tpb = 8, tokens = 19, pool_blocks = 8;
   std::vector<float> pool(static_cast<std::size_t>(pool_blocks * heads * tpb * dim));

@@ -37,7 +37,7 @@ struct sequence_io {
   cache_view<T> values;         ///< [Hkv, L, dv]
   query_view<const T> queries;  ///< [Hq, W, d] with positions; see above
   /// [L] position of every cached token (llama.cpp cells), or null for position j.
-  const std::int64_t* key_positions = nullptr;
+  index_ptr key_positions = nullptr;
   /// Optional flash-attention log-sum-exp of the queries ([Hq, W] natural log, rows
   /// lse_head_stride apart; 0 means W): one sweep over K instead of two (softmax over
   /// visible keys only; not for DeferKV, which normalises its own observations).

@@ -82,6 +82,15 @@ inline status check_device_pointer(const void* ptr, const launch_options& opt, c
                        "expected device-accessible memory (device, managed or mapped host), got an unregistered "
                        "host pointer");
 }
+inline status check_device_pointer(index_ptr ptr, const launch_options& opt, const char* fn, const char* arg) noexcept {
+  return check_device_pointer(ptr.data(), opt, fn, arg);
+}
+
+/// Index i of the engine's int32 or int64 array through the read-only data cache.
+__device__ __forceinline__ std::int64_t load_index(index_ptr p, std::int64_t i) {
+  if (p.width() == 4) return __ldg(p.int32() + i);
+  return __ldg(p.int64() + i);
+}
 
 /// cache_view checks that need no device memory (kvevict::detail::validate_cache_view_metadata)
 /// plus pointer checks; the block table's entries (ids in range, no repeats) are checked on
@@ -184,7 +193,7 @@ __device__ __forceinline__ std::int64_t checked_row_offset(const cache_view<T>& 
   if (v.block_table != nullptr) {
     const std::int64_t block = j / v.block_size;
     // Per-head tables (head_table_stride != 0): head h's table starts h * head_table_stride in.
-    const std::int32_t id = __ldg(v.block_table + h * v.head_table_stride + block);
+    const std::int64_t id = load_index(v.block_table, h * v.head_table_stride + block);
     if (id < 0 || id >= v.num_pool_blocks) {
       raise_flag(flags, flag_block_id_out_of_range);
       return -1;

@@ -42,9 +42,9 @@ namespace cuda {
 
 /// Optional device outputs of `compact` (and its input of original key positions).
 struct compact_outputs {
-  std::int64_t* head_lengths = nullptr;         ///< [Hkv] out: keep.size(h)
-  std::int64_t* positions = nullptr;            ///< [keep.capacity] out, aligned with keep.indices
-  const std::int64_t* key_positions = nullptr;  ///< [L] original positions, or null: position j
+  std::int64_t* head_lengths = nullptr;  ///< [Hkv] out: keep.size(h)
+  std::int64_t* positions = nullptr;     ///< [keep.capacity] out, aligned with keep.indices
+  index_ptr key_positions = nullptr;     ///< [L] original positions, or null: position j
 };
 
 namespace detail {
@@ -76,7 +76,7 @@ __device__ __forceinline__ void check_table(const compact_args& a, const byte_vi
   if (v.block_table == nullptr || v.num_tokens == 0) return;  // an empty view may have any geometry
   const std::int64_t used = ceil_div(v.num_tokens, v.block_size);
   for (std::int64_t e = gtid; e < v.num_tables * used; e += nthreads) {
-    const std::int32_t id = v.block_table[(e / used) * v.head_table_stride + e % used];  // every head's table
+    const std::int64_t id = v.block_table[(e / used) * v.head_table_stride + e % used];  // every head's table
     if (id < 0 || id >= v.num_pool_blocks) {
       compact_fail(a, flag_block_id_out_of_range);
       continue;

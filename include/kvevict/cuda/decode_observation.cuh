@@ -60,7 +60,7 @@ struct decode_params {
 
 /// Optional device inputs of a decode step.
 struct decode_inputs {
-  const std::int64_t* key_positions = nullptr;  ///< [L], or null: key j at position j
+  index_ptr key_positions = nullptr;  ///< [L], or null: key j at position j
   /// [Hq] natural-log LSE of each query head's decode query (flash-decoding returns it);
   /// softmax_domain::visible only. Makes the step a single pass over K.
   const float* lse = nullptr;
@@ -78,7 +78,7 @@ template <class QT, class KT>
 struct decode_args {
   query_view<const QT> q;
   cache_view<const KT> k;
-  const std::int64_t* key_positions = nullptr;
+  index_ptr key_positions = nullptr;
   const float* engine_lse = nullptr;
   std::int64_t engine_lse_stride = 1;
   float* logits = nullptr;              // [Hq, softmax_end]

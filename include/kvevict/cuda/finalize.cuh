@@ -50,11 +50,11 @@ struct finalize_args {
   int candidates = 0;     ///< C
   int tokens = 0;         ///< L
   scoring_params params;
-  float scale = 1.0f;                             ///< window normaliser when not per key and weights == null
-  const float* weights = nullptr;                 ///< [window] device: scale = 1 / sum (weighted aggregation)
-  bool per_key = false;                           ///< visible_mean: divide by the observations that see the key
-  const std::int64_t* query_positions = nullptr;  ///< [window] (per_key)
-  const std::int64_t* key_positions = nullptr;    ///< [L] or null: key j at position j (per_key)
+  float scale = 1.0f;                   ///< window normaliser when not per key and weights == null
+  const float* weights = nullptr;       ///< [window] device: scale = 1 / sum (weighted aggregation)
+  bool per_key = false;                 ///< visible_mean: divide by the observations that see the key
+  index_ptr query_positions = nullptr;  ///< [window] (per_key)
+  index_ptr key_positions = nullptr;    ///< [L] or null: key j at position j (per_key)
   int window = 0;
   float* scores = nullptr;  ///< [Hkv, L]
   std::int64_t score_stride = 0;

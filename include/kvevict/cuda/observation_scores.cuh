@@ -50,7 +50,7 @@ namespace cuda {
 /// Optional device inputs of GPU observation scoring (all device pointers).
 struct observation_inputs {
   /// [L] absolute position of every key; null means key j is at position j. Any order.
-  const std::int64_t* key_positions = nullptr;
+  index_ptr key_positions = nullptr;
   /// [W] weight of each observation, for window_aggregation::weighted. Checked on the device
   /// (flag_invalid_weights): finite, >= 0, sum >= FLT_MIN.
   const float* weights = nullptr;
@@ -69,7 +69,7 @@ template <class QT, class KT>
 struct obs_args {
   query_view<const QT> q;
   cache_view<const KT> k;
-  const std::int64_t* key_positions = nullptr;
+  index_ptr key_positions = nullptr;
   const float* weights = nullptr;
   const float* engine_lse = nullptr;
   std::int64_t engine_lse_stride = 0;

@@ -55,10 +55,10 @@ struct observation_problem {
   std::int64_t tokens = 0;      ///< L
   std::int64_t candidates = 0;  ///< C: keys scored are [0, C)
   softmax_domain domain = softmax_domain::visible;
-  const std::int64_t* query_positions = nullptr;  ///< [W]
-  const std::int64_t* key_positions = nullptr;    ///< [L], or null for "key j is at position j"
-  bool key_positions_sorted = true;               ///< non-decreasing (true when null)
-  const float* lse = nullptr;                     ///< [Hq, W] natural-log LSE, or null
+  index_ptr query_positions = nullptr;  ///< [W]
+  index_ptr key_positions = nullptr;    ///< [L], or null for "key j is at position j"
+  bool key_positions_sorted = true;     ///< non-decreasing (true when null)
+  const float* lse = nullptr;           ///< [Hq, W] natural-log LSE, or null
   std::int64_t lse_head_stride = 0;
   const float* weights = nullptr;  ///< [W] per-observation weights of the sum, or null (all 1)
   bool max_over_window = false;    ///< max_t instead of the weighted sum
@@ -137,11 +137,10 @@ inline void carve_observation_scratch(arena& a, const observation_problem& p, ob
 KVEVICT_ALWAYS_INLINE std::int64_t visible_prefix(const observation_problem& p, std::int64_t j0, std::int64_t j1,
                                                   std::int64_t pos) noexcept {
   if (p.key_positions == nullptr) return std::max<std::int64_t>(0, std::min(j1, pos + 1) - j0);
-  const std::int64_t* first = p.key_positions + j0;
-  const std::int64_t* last = p.key_positions + j1;
+  const index_ptr first = p.key_positions + j0;
   // Binary search by hand: std::upper_bound would be a std:: instantiation shared by every
   // translation unit whatever its -march (docs/cpu-dispatch.md), this is kvevict's own.
-  std::int64_t lo = 0, hi = last - first;
+  std::int64_t lo = 0, hi = j1 - j0;
   while (lo < hi) {
     const std::int64_t mid = lo + (hi - lo) / 2;
     if (first[mid] <= pos)

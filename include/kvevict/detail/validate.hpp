@@ -97,6 +97,12 @@ status validate_cache_view_metadata(const cache_view<T>& v, const char* fn, cons
   if (v.num_pool_blocks < 1)
     return status::error(errc::invalid_shape, fn, field_name(arg, "num_pool_blocks"), "expected >= 1, got %lld",
                          static_cast<long long>(v.num_pool_blocks));
+  // Block ids travel as int32 (changed-block lists, vLLM's and TensorRT-LLM's tables) whatever
+  // the table's width.
+  if (v.num_pool_blocks > std::numeric_limits<std::int32_t>::max())
+    return status::error(errc::out_of_range, fn, field_name(arg, "num_pool_blocks"),
+                         "expected at most 2^31 - 1 blocks (block ids are int32), got %lld",
+                         static_cast<long long>(v.num_pool_blocks));
   if (v.block_stride < 0)
     return status::error(errc::invalid_stride, fn, field_name(arg, "block_stride"), "expected >= 0, got %lld",
                          static_cast<long long>(v.block_stride));
@@ -143,17 +149,17 @@ status validate_cache_view(const cache_view<T>& v, const char* fn, const char* a
   const std::int64_t used = v.num_used_blocks();
   for (std::int64_t e = 0; e < v.num_tables() * used; ++e) {
     const std::int64_t b = (e / used) * v.head_table_stride + e % used;  // the entry's index in block_table
-    const std::int32_t id = v.block_table[b];
+    const std::int64_t id = v.block_table[b];
     if (id < 0 || id >= v.num_pool_blocks) {
       char name[status::max_argument];
       std::snprintf(name, sizeof(name), "%s.block_table[%lld]", arg, static_cast<long long>(b));
       if (id < 0)  // bit 31 set: TensorRT-LLM's KVCacheIndex marks a block of its secondary (host) pool so
         return status::error(errc::out_of_range, fn, name,
-                             "expected a block id in [0, %lld), got %d (bit 31 set: TensorRT-LLM's secondary-pool "
-                             "flag; blocks offloaded to another pool are not read)",
-                             static_cast<long long>(v.num_pool_blocks), static_cast<int>(id));
-      return status::error(errc::out_of_range, fn, name, "expected a block id in [0, %lld), got %d",
-                           static_cast<long long>(v.num_pool_blocks), static_cast<int>(id));
+                             "expected a block id in [0, %lld), got %lld (negative: in an int32 table, bit 31 is "
+                             "TensorRT-LLM's secondary-pool flag; blocks offloaded to another pool are not read)",
+                             static_cast<long long>(v.num_pool_blocks), static_cast<long long>(id));
+      return status::error(errc::out_of_range, fn, name, "expected a block id in [0, %lld), got %lld",
+                           static_cast<long long>(v.num_pool_blocks), static_cast<long long>(id));
     }
   }
   return status();

@@ -152,14 +152,15 @@ status check_block_ids(std::int64_t num_seqs, const KSeq& kseq, const VSeq& vseq
   for (std::int64_t s = 0; s < num_seqs; ++s) {
     const auto v = kseq(s);
     const std::int64_t used = used_blocks_or_zero(v);
-    for (std::int64_t e = 0; e < used; ++e) scratch[nk + e] = v.block_table[table_entry(v, e)];
+    for (std::int64_t e = 0; e < used; ++e)
+      scratch[nk + e] = static_cast<std::int32_t>(v.block_table[table_entry(v, e)]);
     nk += used;
   }
   std::int32_t* vids = scratch + nk;
   for (std::int64_t s = 0; s < num_seqs; ++s) {
     const auto v = vseq(s);
     const std::int64_t used = used_blocks_or_zero(v);
-    for (std::int64_t e = 0; e < used; ++e) vids[nv + e] = v.block_table[table_entry(v, e)];
+    for (std::int64_t e = 0; e < used; ++e) vids[nv + e] = static_cast<std::int32_t>(v.block_table[table_entry(v, e)]);
     nv += used;
   }
   const std::int32_t kdup = find_duplicate_id(scratch, nk);
@@ -241,16 +242,16 @@ status validate_batch_layout(const batch_cache_view<T>& b, const char* fn, const
                          static_cast<long long>(l.block_size));
   if (b.block_indptr != nullptr) {
     for (std::int64_t s = 0; s < b.num_seqs; ++s) {
-      const std::int64_t pages = static_cast<std::int64_t>(b.block_indptr[s + 1]) - b.block_indptr[s];
+      const std::int64_t pages = b.block_indptr[s + 1] - b.block_indptr[s];
       const std::int64_t used = (b.seq_lens[s] + l.block_size - 1) / l.block_size;
       if (b.block_indptr[s] < 0 || pages < used) {
         char name[status::max_argument];
         std::snprintf(name, sizeof(name), "%s.block_indptr[%lld]", arg, static_cast<long long>(s + 1));
         return status::error(errc::invalid_shape, fn, name,
-                             "sequence %lld holds %lld tokens (%lld blocks of %lld), got indptr %d..%d",
+                             "sequence %lld holds %lld tokens (%lld blocks of %lld), got indptr %lld..%lld",
                              static_cast<long long>(s), static_cast<long long>(b.seq_lens[s]),
                              static_cast<long long>(used), static_cast<long long>(l.block_size),
-                             static_cast<int>(b.block_indptr[s]), static_cast<int>(b.block_indptr[s + 1]));
+                             static_cast<long long>(b.block_indptr[s]), static_cast<long long>(b.block_indptr[s + 1]));
       }
     }
   } else if (b.num_seqs > 1) {

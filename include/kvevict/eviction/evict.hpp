@@ -78,7 +78,7 @@ struct eviction_result {
 struct eviction_options {
   /// [L] original position of every token (llama.cpp cells), or null for position j; only
   /// used for eviction_result::positions.
-  const std::int64_t* key_positions = nullptr;
+  index_ptr key_positions = nullptr;
   /// [num_pool_blocks] of each paged view: how many sequences reference each physical block
   /// (vLLM's ref_cnt). A block with a count above 1 is shared by prefix caching: evict() in
   /// place refuses to write it. Null: no block is shared.
@@ -217,7 +217,7 @@ status check_shared_writes(const cache_view<T>& v, const written_per_table& w, c
          rows.end > rows.first && b < (rows.end + v.block_size - 1) / v.block_size; ++b) {
       const std::int64_t entry = t * v.head_table_stride + b;
       std::int32_t count = 0;
-      if (block_shared(opt, v.block_table[entry], &count)) {
+      if (block_shared(opt, static_cast<std::int32_t>(v.block_table[entry]), &count)) {
         char name[2 * status::max_argument];
         std::snprintf(name, sizeof(name), "%s.block_table[%lld]", arg, static_cast<long long>(entry));
         return status::error(errc::invalid_argument, fn, name,
@@ -239,7 +239,7 @@ std::int64_t list_written_blocks(const cache_view<T>& v, const written_per_table
     const written_rows rows = w.of(v, t);
     if (rows.end <= rows.first) continue;
     for (std::int64_t b = rows.first / v.block_size; b < (rows.end + v.block_size - 1) / v.block_size; ++b)
-      out[n++] = v.block_table[t * v.head_table_stride + b];
+      out[n++] = static_cast<std::int32_t>(v.block_table[t * v.head_table_stride + b]);
   }
   return n;
 }
@@ -262,7 +262,7 @@ std::int64_t freed_blocks_of(const cache_view<T>& v, std::int64_t new_length) no
 /// Fills `result` for a validated keep-list.
 template <class KT, class VT>
 void report_eviction(const cache_view<KT>& keys, const cache_view<VT>& values, const const_keep_list_view& keep,
-                     const std::int64_t* key_positions, eviction_result& result) noexcept {
+                     index_ptr key_positions, eviction_result& result) noexcept {
   std::int64_t longest = 0;
   for (std::int64_t h = 0; h < keep.num_heads; ++h) {
     const std::int64_t n = keep.size(h);
@@ -375,7 +375,7 @@ status evict(cache_view<KT> keys, cache_view<VT> values, const_keep_list_view ke
 /// evict() without options: key_positions (or null) only.
 template <class KT, class VT>
 status evict(cache_view<KT> keys, cache_view<VT> values, const_keep_list_view keep, eviction_result& result,
-             workspace_span ws = {}, const std::int64_t* key_positions = nullptr, const executor& exec = {}) {
+             workspace_span ws = {}, index_ptr key_positions = nullptr, const executor& exec = {}) {
   eviction_options opt;
   opt.key_positions = key_positions;
   return evict(keys, values, keep, result, ws, opt, exec);

@@ -78,7 +78,7 @@ std::size_t evict_batch_workspace_size(const batch_cache_view<KT>& keys, const b
 /// Paged batches must not share a physical block between sequences (checked).
 template <class KT, class VT>
 status evict_batch(batch_cache_view<KT> keys, batch_cache_view<VT> values, const const_keep_list_view* keeps,
-                   eviction_result* results, workspace_span ws = {}, const std::int64_t* const* key_positions = nullptr,
+                   eviction_result* results, workspace_span ws = {}, const index_ptr* key_positions = nullptr,
                    const executor& exec = {}) {
   static_assert(!std::is_const<KT>::value && !std::is_const<VT>::value,
                 "kvevict::evict_batch writes the cache: pass views of mutable elements");
@@ -124,7 +124,7 @@ status evict_batch(batch_cache_view<KT> keys, batch_cache_view<VT> values, const
 
   for (std::int64_t s = 0; s < num_seqs; ++s)
     detail::report_eviction(keys.sequence(s), values.sequence(s), keeps[s],
-                            key_positions != nullptr ? key_positions[s] : nullptr, results[s]);
+                            key_positions != nullptr ? key_positions[s] : index_ptr{}, results[s]);
   struct task_context {
     batch_cache_view<KT> keys;
     batch_cache_view<VT> values;

@@ -57,7 +57,7 @@ void copy_kept_rows(const cache_view<ST>& src, const cache_view<DT>& dst, std::i
 template <class T>
 std::int64_t append_block_ids(const cache_view<T>& v, std::int32_t* out) noexcept {
   const std::int64_t used = used_blocks_or_zero(v);
-  for (std::int64_t e = 0; e < used; ++e) out[e] = v.block_table[table_entry(v, e)];
+  for (std::int64_t e = 0; e < used; ++e) out[e] = static_cast<std::int32_t>(v.block_table[table_entry(v, e)]);
   return used;
 }
 

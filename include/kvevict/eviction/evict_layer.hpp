@@ -97,7 +97,7 @@ status validate_layer_cache(const layer_cache<T>& cache, const layer_budget& b, 
 /// The compaction step of evict(): in place, or into cache.dst_* when set.
 template <class T>
 status compact_layer(const layer_cache<T>& cache, const const_keep_list_view& keep, eviction_result& result,
-                     workspace_span ws, const std::int64_t* key_positions, const executor& exec) {
+                     workspace_span ws, index_ptr key_positions, const executor& exec) {
   eviction_options opt;
   opt.key_positions = key_positions;
   opt.block_refcounts = cache.block_refcounts;

@@ -18,7 +18,7 @@ KVEVICT_NAMESPACE_BEGIN
 
 namespace detail {
 /// positions_out[k] = original position of keep.indices[k]; the keep-list is valid.
-inline void write_keep_positions(const const_keep_list_view& keep, const std::int64_t* key_positions,
+inline void write_keep_positions(const const_keep_list_view& keep, index_ptr key_positions,
                                  std::int64_t* positions_out) noexcept {
   const std::int64_t total = keep.total();
   if (key_positions == nullptr) {
@@ -40,7 +40,7 @@ inline void write_keep_positions(const const_keep_list_view& keep, const std::in
 ///
 /// RoPE positions are never changed by eviction: the next token is still decoded at the
 /// position it would have had without eviction.
-inline status keep_list_positions(const_keep_list_view keep, std::int64_t num_tokens, const std::int64_t* key_positions,
+inline status keep_list_positions(const_keep_list_view keep, std::int64_t num_tokens, index_ptr key_positions,
                                   std::int64_t* positions_out) noexcept {
   static constexpr const char* fn = "kvevict::keep_list_positions";
   if (num_tokens < 0)

@@ -57,7 +57,7 @@ inline std::size_t attention_scores_workspace_size(const layer_shape& shape, con
 ///   key_positions: [L] or null (key j at position j); used by visible_mean only
 ///   weights:     [W] for window_aggregation::weighted, else ignored
 inline status attention_scores(const attention_view& attention, std::int64_t num_kv_heads, const scoring_params& params,
-                               score_view scores, workspace_span ws, const std::int64_t* key_positions = nullptr,
+                               score_view scores, workspace_span ws, index_ptr key_positions = nullptr,
                                const float* weights = nullptr) {
   static constexpr const char* fn = "kvevict::attention_scores";
   if (attention.num_heads < 1 || attention.num_queries < 1 || attention.num_tokens < 0)

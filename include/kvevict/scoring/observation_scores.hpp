@@ -33,7 +33,7 @@ struct observation_inputs {
   /// [L] absolute position of every key; null means key j is at position j. Query t sees key
   /// j iff key_positions[j] <= queries.positions[t]. Any order is accepted (llama.cpp cells);
   /// non-decreasing positions take the fast path.
-  const std::int64_t* key_positions = nullptr;
+  index_ptr key_positions = nullptr;
   /// [W] weight of each observation, for window_aggregation::weighted (finite, >= 0, with a
   /// sum >= FLT_MIN, about 1.2e-38: smaller sums are rejected, as 1 / sum is not a float).
   const float* weights = nullptr;
@@ -68,7 +68,7 @@ inline status validate_window_weights(const float* weights, std::int64_t count, 
   return status();
 }
 
-inline bool is_non_decreasing(const std::int64_t* v, std::int64_t n) noexcept {
+inline bool is_non_decreasing(index_ptr v, std::int64_t n) noexcept {
   for (std::int64_t i = 1; i < n; ++i)
     if (v[i] < v[i - 1]) return false;
   return true;

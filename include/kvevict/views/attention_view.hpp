@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kvevict/config.hpp"
+#include "kvevict/views/index_ptr.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
 
@@ -20,7 +21,7 @@ struct attention_view {
   std::int64_t query_stride = 0;  ///< key stride is 1
   /// [W] positions of the queries; needed for window_aggregation::visible_mean (H2O), which
   /// divides by how many queries could see each key.
-  const std::int64_t* positions = nullptr;
+  index_ptr positions = nullptr;
 
   KVEVICT_HOST_DEVICE const float* row(std::int64_t q, std::int64_t t) const noexcept {
     return data + q * head_stride + t * query_stride;
@@ -29,7 +30,7 @@ struct attention_view {
 
 /// Attention rows of one sequence stored contiguously as [Hq, W, L].
 inline attention_view contiguous_attention(const float* data, std::int64_t num_heads, std::int64_t num_queries,
-                                           std::int64_t num_tokens, const std::int64_t* positions = nullptr) noexcept {
+                                           std::int64_t num_tokens, index_ptr positions = nullptr) noexcept {
   return {data, num_heads, num_queries, num_tokens, num_queries * num_tokens, num_tokens, positions};
 }
 

@@ -28,9 +28,9 @@ struct batch_cache_view {
 
   /// Paged: sequence s uses block ids block_tables[block_indptr[s] ...] when block_indptr is
   /// set (FlashInfer CSR), else block_tables[s * block_table_stride ...] (vLLM 2-D table).
-  const std::int32_t* block_tables = nullptr;
+  index_ptr block_tables = nullptr;
   std::int64_t block_table_stride = 0;
-  const std::int32_t* block_indptr = nullptr;
+  index_ptr block_indptr = nullptr;
 
   KVEVICT_HOST_DEVICE bool is_paged() const noexcept { return block_tables != nullptr; }
 

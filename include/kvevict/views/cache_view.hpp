@@ -19,6 +19,7 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/dtype.hpp"
+#include "kvevict/views/index_ptr.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
 
@@ -37,10 +38,10 @@ struct cache_view {
   std::int64_t dim_stride = 1;
 
   // Paged caches only (block_table == nullptr means strided).
-  const std::int32_t* block_table = nullptr;  ///< logical block -> physical block id
-  std::int64_t block_size = 0;                ///< tokens per block
-  std::int64_t block_stride = 0;              ///< elements between physical blocks
-  std::int64_t num_pool_blocks = 0;           ///< physical blocks in the pool (ids must be below)
+  index_ptr block_table = nullptr;   ///< logical block -> physical block id
+  std::int64_t block_size = 0;       ///< tokens per block
+  std::int64_t block_stride = 0;     ///< elements between physical blocks
+  std::int64_t num_pool_blocks = 0;  ///< physical blocks in the pool (ids must be below)
   /// A block table per head (per-head lengths, each head freeing its own blocks): head h's
   /// table is block_table + h * head_table_stride and every block holds one head (head_stride
   /// is then unused). 0: one table for every head.
@@ -49,9 +50,7 @@ struct cache_view {
   KVEVICT_HOST_DEVICE bool is_paged() const noexcept { return block_table != nullptr; }
   KVEVICT_HOST_DEVICE bool has_head_tables() const noexcept { return is_paged() && head_table_stride != 0; }
   /// Head h's block table (every head's, without per-head tables).
-  KVEVICT_HOST_DEVICE const std::int32_t* table_of(std::int64_t h) const noexcept {
-    return block_table + h * head_table_stride;
-  }
+  KVEVICT_HOST_DEVICE index_ptr table_of(std::int64_t h) const noexcept { return block_table + h * head_table_stride; }
   /// Tables the view uses: Hkv with per-head tables, else 1.
   KVEVICT_HOST_DEVICE std::int64_t num_tables() const noexcept { return has_head_tables() ? num_heads : 1; }
 

@@ -61,8 +61,8 @@ KVEVICT_HOST_DEVICE batch_cache_view<T> hf_contiguous_batch(T* data, std::int64_
 /// logical block i is physical block block_table[i].
 template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> paged_nhd(T* pool, std::int64_t num_blocks, std::int64_t block_size,
-                                            std::int64_t num_heads, std::int64_t head_dim,
-                                            const std::int32_t* block_table, std::int64_t num_tokens) noexcept {
+                                            std::int64_t num_heads, std::int64_t head_dim, index_ptr block_table,
+                                            std::int64_t num_tokens) noexcept {
   cache_view<T> v = strided_cache(pool, num_heads, num_tokens, head_dim, head_dim, num_heads * head_dim, 1);
   v.block_table = block_table;
   v.block_size = block_size;
@@ -74,8 +74,8 @@ KVEVICT_HOST_DEVICE cache_view<T> paged_nhd(T* pool, std::int64_t num_blocks, st
 /// Paged pool [num_blocks, Hkv, block_size, d] ("HND": FlashInfer HND, vLLM HND).
 template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> paged_hnd(T* pool, std::int64_t num_blocks, std::int64_t block_size,
-                                            std::int64_t num_heads, std::int64_t head_dim,
-                                            const std::int32_t* block_table, std::int64_t num_tokens) noexcept {
+                                            std::int64_t num_heads, std::int64_t head_dim, index_ptr block_table,
+                                            std::int64_t num_tokens) noexcept {
   cache_view<T> v = strided_cache(pool, num_heads, num_tokens, head_dim, block_size * head_dim, head_dim, 1);
   v.block_table = block_table;
   v.block_size = block_size;
@@ -89,8 +89,7 @@ KVEVICT_HOST_DEVICE cache_view<T> paged_hnd(T* pool, std::int64_t num_blocks, st
 template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> flashinfer_paged_nhd(T* pool, std::int64_t num_pages, std::int64_t page_size,
                                                        std::int64_t num_heads, std::int64_t head_dim,
-                                                       const std::int32_t* page_indices,
-                                                       std::int64_t num_tokens) noexcept {
+                                                       index_ptr page_indices, std::int64_t num_tokens) noexcept {
   return paged_nhd(pool, num_pages, page_size, num_heads, head_dim, page_indices, num_tokens);
 }
 
@@ -98,8 +97,7 @@ KVEVICT_HOST_DEVICE cache_view<T> flashinfer_paged_nhd(T* pool, std::int64_t num
 template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> flashinfer_paged_hnd(T* pool, std::int64_t num_pages, std::int64_t page_size,
                                                        std::int64_t num_heads, std::int64_t head_dim,
-                                                       const std::int32_t* page_indices,
-                                                       std::int64_t num_tokens) noexcept {
+                                                       index_ptr page_indices, std::int64_t num_tokens) noexcept {
   return paged_hnd(pool, num_pages, page_size, num_heads, head_dim, page_indices, num_tokens);
 }
 
@@ -108,7 +106,7 @@ KVEVICT_HOST_DEVICE cache_view<T> flashinfer_paged_hnd(T* pool, std::int64_t num
 /// (= (pages - 1) * page_size + last_page_len[s] in FlashInfer's terms).
 template <class T>
 KVEVICT_HOST_DEVICE batch_cache_view<T> flashinfer_paged_batch(cache_view<T> pool_layout, std::int64_t num_seqs,
-                                                               const std::int32_t* indptr, const std::int32_t* indices,
+                                                               index_ptr indptr, index_ptr indices,
                                                                const std::int64_t* seq_lens) noexcept {
   batch_cache_view<T> b;
   b.layout = pool_layout;
@@ -123,24 +121,23 @@ KVEVICT_HOST_DEVICE batch_cache_view<T> flashinfer_paged_batch(cache_view<T> poo
 /// sequence's row of the block table.
 template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> vllm_paged(T* pool, std::int64_t num_blocks, std::int64_t block_size,
-                                             std::int64_t num_heads, std::int64_t head_dim,
-                                             const std::int32_t* block_table, std::int64_t num_tokens) noexcept {
+                                             std::int64_t num_heads, std::int64_t head_dim, index_ptr block_table,
+                                             std::int64_t num_tokens) noexcept {
   return paged_nhd(pool, num_blocks, block_size, num_heads, head_dim, block_table, num_tokens);
 }
 
 /// vLLM paged cache, HND variant [num_blocks, Hkv, block_size, d].
 template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> vllm_paged_hnd(T* pool, std::int64_t num_blocks, std::int64_t block_size,
-                                                 std::int64_t num_heads, std::int64_t head_dim,
-                                                 const std::int32_t* block_table, std::int64_t num_tokens) noexcept {
+                                                 std::int64_t num_heads, std::int64_t head_dim, index_ptr block_table,
+                                                 std::int64_t num_tokens) noexcept {
   return paged_hnd(pool, num_blocks, block_size, num_heads, head_dim, block_table, num_tokens);
 }
 
 /// vLLM ragged batch: block table [num_seqs, max_blocks_per_seq] (row-major), seq_lens[s].
 template <class T>
 KVEVICT_HOST_DEVICE batch_cache_view<T> vllm_paged_batch(cache_view<T> pool_layout, std::int64_t num_seqs,
-                                                         const std::int32_t* block_tables,
-                                                         std::int64_t max_blocks_per_seq,
+                                                         index_ptr block_tables, std::int64_t max_blocks_per_seq,
                                                          const std::int64_t* seq_lens) noexcept {
   batch_cache_view<T> b;
   b.layout = pool_layout;
@@ -192,9 +189,8 @@ KVEVICT_HOST_DEVICE cache_view<T> llamacpp_v_transposed(T* data, std::int64_t kv
 /// their own blocks: the paged form of length_mode::per_head.
 template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> paged_per_head(T* pool, std::int64_t num_blocks, std::int64_t block_size,
-                                                 std::int64_t num_heads, std::int64_t head_dim,
-                                                 const std::int32_t* block_tables, std::int64_t table_stride,
-                                                 std::int64_t num_tokens) noexcept {
+                                                 std::int64_t num_heads, std::int64_t head_dim, index_ptr block_tables,
+                                                 std::int64_t table_stride, std::int64_t num_tokens) noexcept {
   cache_view<T> v = strided_cache(pool, num_heads, num_tokens, head_dim, 0, head_dim, 1);
   v.block_table = block_tables;
   v.block_size = block_size;
@@ -214,8 +210,8 @@ enum class block_order : std::int32_t { nhd, hnd };
 /// (they share every block), so kvevict checks the table once.
 template <class T>
 KVEVICT_HOST_DEVICE layer_cache<T> vllm_packed_kv(T* pool, std::int64_t num_blocks, std::int64_t block_size,
-                                                  std::int64_t num_heads, std::int64_t head_dim,
-                                                  const std::int32_t* block_table, std::int64_t num_tokens,
+                                                  std::int64_t num_heads, std::int64_t head_dim, index_ptr block_table,
+                                                  std::int64_t num_tokens,
                                                   block_order order = block_order::hnd) noexcept {
   const std::int64_t row = 2 * head_dim;
   cache_view<T> k = order == block_order::hnd
@@ -236,7 +232,7 @@ KVEVICT_HOST_DEVICE layer_cache<T> vllm_packed_kv(T* pool, std::int64_t num_bloc
 template <class T>
 KVEVICT_HOST_DEVICE layer_cache<T> flashinfer_paged_kv(T* pool, std::int64_t num_pages, std::int64_t page_size,
                                                        std::int64_t num_heads, std::int64_t head_dim,
-                                                       const std::int32_t* page_indices, std::int64_t num_tokens,
+                                                       index_ptr page_indices, std::int64_t num_tokens,
                                                        block_order order = block_order::nhd) noexcept {
   cache_view<T> k = order == block_order::nhd
                         ? paged_nhd(pool, num_pages, page_size, num_heads, head_dim, page_indices, num_tokens)
@@ -254,8 +250,8 @@ KVEVICT_HOST_DEVICE layer_cache<T> flashinfer_paged_kv(T* pool, std::int64_t num
 /// A paged view with one-token blocks: block id = cell index.
 template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> llamacpp_cells_k(T* data, std::int64_t kv_size, std::int64_t num_heads,
-                                                   std::int64_t head_dim, const std::int32_t* cells,
-                                                   std::int64_t num_tokens, std::int64_t row_stride = -1) noexcept {
+                                                   std::int64_t head_dim, index_ptr cells, std::int64_t num_tokens,
+                                                   std::int64_t row_stride = -1) noexcept {
   const std::int64_t stride = row_stride < 0 ? num_heads * head_dim : row_stride;
   cache_view<T> v = strided_cache(data, num_heads, num_tokens, head_dim, head_dim, stride, 1);
   v.block_table = cells;
@@ -270,7 +266,7 @@ KVEVICT_HOST_DEVICE cache_view<T> llamacpp_cells_k(T* data, std::int64_t kv_size
 /// apart, interleaved across the channel rows.
 template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> llamacpp_cells_v_transposed(T* data, std::int64_t kv_size, std::int64_t num_heads,
-                                                              std::int64_t head_dim, const std::int32_t* cells,
+                                                              std::int64_t head_dim, index_ptr cells,
                                                               std::int64_t num_tokens) noexcept {
   cache_view<T> v = strided_cache(data, num_heads, num_tokens, head_dim, head_dim * kv_size, 1, kv_size);
   v.block_table = cells;
@@ -283,7 +279,7 @@ KVEVICT_HOST_DEVICE cache_view<T> llamacpp_cells_v_transposed(T* data, std::int6
 /// Observation queries [Hq, W, d] contiguous (HF's query states of one sequence).
 template <class T>
 KVEVICT_HOST_DEVICE query_view<T> contiguous_queries(T* data, std::int64_t num_heads, std::int64_t num_queries,
-                                                     std::int64_t head_dim, const std::int64_t* positions) noexcept {
+                                                     std::int64_t head_dim, index_ptr positions) noexcept {
   query_view<T> q;
   q.data = data;
   q.num_heads = num_heads;
@@ -300,7 +296,7 @@ KVEVICT_HOST_DEVICE query_view<T> contiguous_queries(T* data, std::int64_t num_h
 /// writes: one row of Hq*d channels per token).
 template <class T>
 KVEVICT_HOST_DEVICE query_view<T> token_major_queries(T* data, std::int64_t num_heads, std::int64_t num_queries,
-                                                      std::int64_t head_dim, const std::int64_t* positions) noexcept {
+                                                      std::int64_t head_dim, index_ptr positions) noexcept {
   query_view<T> q = contiguous_queries(data, num_heads, num_queries, head_dim, positions);
   q.head_stride = head_dim;
   q.query_stride = num_heads * head_dim;

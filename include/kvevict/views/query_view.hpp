@@ -10,6 +10,7 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/dtype.hpp"
+#include "kvevict/views/index_ptr.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
 
@@ -29,7 +30,7 @@ struct query_view {
   std::int64_t head_stride = 0;
   std::int64_t query_stride = 0;
   std::int64_t dim_stride = 1;
-  const std::int64_t* positions = nullptr;  ///< [W] absolute positions
+  index_ptr positions = nullptr;  ///< [W] absolute positions
 
   KVEVICT_HOST_DEVICE std::int64_t offset(std::int64_t q, std::int64_t t, std::int64_t c) const noexcept {
     return q * head_stride + t * query_stride + c * dim_stride;

@@ -88,7 +88,7 @@ struct byte_view {
   std::int64_t element_bytes = 0;
   std::int64_t head_dim = 0;
   std::int64_t row_bytes = 0;  // head_dim * element_bytes
-  const std::int32_t* block_table = nullptr;
+  index_ptr block_table = nullptr;
   std::int64_t block_size = 0, block_stride = 0, num_pool_blocks = 0;
   std::int64_t head_table_stride = 0;  // entries between heads' tables; 0: one table for every head
   std::int64_t num_tables = 1;         // tables to check: num_heads with per-head tables, else 1

@@ -158,7 +158,7 @@ KVEVICT_HOST_DEVICE inline float pool_at(const float* x, std::int64_t x_begin, s
 }
 
 /// Number of observations that see a key at `key_position` (visible_mean's divisor).
-KVEVICT_HOST_DEVICE inline float visible_count(std::int64_t key_position, const std::int64_t* query_positions,
+KVEVICT_HOST_DEVICE inline float visible_count(std::int64_t key_position, index_ptr query_positions,
                                                std::int64_t window) noexcept {
   std::int64_t n = 0;
   for (std::int64_t t = 0; t < window; ++t) n += key_position <= query_positions[t] ? 1 : 0;
