@@ -390,8 +390,13 @@ inline result run_scenario(const kvevict::collective& group, const std::vector<i
       return run_scenario_typed<kvevict::fp16>(group, split, sc, seed);
     case kvevict::dtype::bf16:
       return run_scenario_typed<kvevict::bf16>(group, split, sc, seed);
+    case kvevict::dtype::f8_e4m3:  // the scenarios draw f32, f16 and bf16 caches only
+    case kvevict::dtype::f8_e5m2:
+      break;
   }
-  return {};
+  result unsupported;
+  unsupported.failures.push_back("run_scenario: no fp8 scenarios");
+  return unsupported;
 }
 
 /// Whether `text` is the same on every rank that takes part (one max all-reduce of its hash and

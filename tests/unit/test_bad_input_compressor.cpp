@@ -397,7 +397,7 @@ TEST_CASE("bad input: compressor::run", "[errors]") {
            }},
           {"null seqs", errc::null_pointer, "seqs",
            [](world& wd) -> call_fn {
-             return [&wd] { return wd.snap.run<float>(0, nullptr, 2, wd.reports.data(), wd.span()); };
+             return [&wd] { return wd.snap.run<float, float>(0, nullptr, 2, wd.reports.data(), wd.span()); };
            }},
           {"null reports", errc::null_pointer, "reports",
            [](world& wd) -> call_fn {

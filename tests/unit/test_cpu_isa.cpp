@@ -46,7 +46,7 @@ bool supported(cpu_isa isa) {
 
 template <class T>
 const char* dtype_name() {
-  return std::is_same<T, float>::value ? "f32" : std::is_same<T, fp16>::value ? "fp16" : "bf16";
+  return kvevict::to_string(kvevict::dtype_of<T>::value);
 }
 
 TEST_CASE("the process's CPU path follows KVEVICT_ISA", "[isa]") {
@@ -440,6 +440,8 @@ void compare_widen(std::uint64_t seed) {
 TEST_CASE("widening is exact on every path", "[isa]") {
   compare_widen<bf16>(1);
   compare_widen<fp16>(2);
+  compare_widen<kvevict::fp8_e4m3>(3);  // F16C / AVX-512 conversions through fp16, every code
+  compare_widen<kvevict::fp8_e5m2>(4);
 }
 
 TEST_CASE("the top-k survivor sweep keeps the same offsets on every path", "[isa]") {

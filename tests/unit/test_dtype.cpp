@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "kvevict/detail/widen.hpp"
 #include "kvevict/dtype.hpp"
 
 namespace {
@@ -180,4 +181,112 @@ TEST_CASE("bf16 narrowing rounds to nearest even", "[dtype]") {
   for (int i = 0; i < 1000000; ++i) check(bits_to_float(static_cast<std::uint32_t>(rng())));
   check(bits_to_float(0x7f800001u));
   check(bits_to_float(0xff800001u));
+}
+
+namespace {
+/// An OCP 8-bit float's value from its fields (independent of the library): bias, mantissa
+/// bits, and whether the all-ones exponent holds infinities/NaNs (e5m2) or values (e4m3fn,
+/// where only S.1111.111 is NaN).
+double fp8_reference(std::uint8_t b, int man, int bias, bool ieee_specials) {
+  const int exp_bits = 7 - man;
+  const int e = (b >> man) & ((1 << exp_bits) - 1), m = b & ((1 << man) - 1);
+  const double sign = (b & 0x80) ? -1.0 : 1.0;
+  if (ieee_specials && e == (1 << exp_bits) - 1) return m == 0 ? sign * INFINITY : NAN;
+  if (!ieee_specials && (b & 0x7f) == 0x7f) return NAN;
+  if (e == 0) return sign * std::ldexp(m, 1 - bias - man);
+  return sign * std::ldexp(1.0 + std::ldexp(m, -man), e - bias);
+}
+
+template <class T>
+void check_fp8(int man, int bias, bool ieee_specials, double max_finite) {
+  std::vector<double> finite;  // every finite value, to find the nearest by brute force
+  for (int b = 0; b < 256; ++b) {
+    const auto x = T::from_bits(static_cast<std::uint8_t>(b));
+    const double want = fp8_reference(static_cast<std::uint8_t>(b), man, bias, ieee_specials);
+    const float got = kvevict::to_float(x);
+    INFO("bits " << b);
+    if (std::isnan(want)) {
+      REQUIRE(std::isnan(got));
+      REQUIRE(std::isnan(kvevict::to_float(T(got))));  // NaN stays NaN through narrowing
+      continue;
+    }
+    REQUIRE(static_cast<double>(got) == want);
+    REQUIRE(std::signbit(got) == ((b & 0x80) != 0));
+    // Narrowing is exact on representable values (zeros keep their sign).
+    REQUIRE(T(got).bits == static_cast<std::uint8_t>(b));
+    if (std::isfinite(want)) finite.push_back(want);
+  }
+  REQUIRE(std::find(finite.begin(), finite.end(), max_finite) != finite.end());
+  std::sort(finite.begin(), finite.end());
+  // Round to nearest, ties to the even code, finite overflow saturates.
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> mag(-1.2 * max_finite, 1.2 * max_finite);
+  std::vector<double> probes;
+  for (std::size_t i = 0; i + 1 < finite.size(); ++i) probes.push_back((finite[i] + finite[i + 1]) / 2);  // ties
+  for (int i = 0; i < 20000; ++i) probes.push_back(mag(rng) * std::pow(2.0, -static_cast<double>(rng() % 24)));
+  for (const double p : probes) {
+    const float f = static_cast<float>(p);
+    if (static_cast<double>(f) != p) continue;  // probes must be float32 values
+    const float got = kvevict::to_float(T(f));
+    double want;
+    if (std::fabs(p) >= max_finite) {
+      want = std::copysign(max_finite, p);
+    } else {
+      auto hi = std::lower_bound(finite.begin(), finite.end(), p);
+      auto lo = hi == finite.begin() ? hi : hi - 1;
+      if (*hi == p) {
+        want = p;
+      } else {
+        const double dl = p - *lo, dh = *hi - p;
+        if (dl != dh) {
+          want = dl < dh ? *lo : *hi;
+        } else {  // a tie: the value whose code is even
+          const std::uint8_t cl = T(static_cast<float>(*lo)).bits;
+          want = (cl & 1) == 0 ? *lo : *hi;
+        }
+      }
+    }
+    INFO("probe " << p);
+    REQUIRE(static_cast<double>(got) == want);
+  }
+  REQUIRE(kvevict::to_float(T(1e30f)) == static_cast<float>(max_finite));
+  REQUIRE(kvevict::to_float(T(-1e30f)) == -static_cast<float>(max_finite));
+}
+}  // namespace
+
+TEST_CASE("fp8 e4m3 and e5m2: exact widening of all 256 codes, nearest-even saturating narrowing", "[dtype][fp8]") {
+  check_fp8<kvevict::fp8_e4m3>(3, 7, false, 448.0);
+  check_fp8<kvevict::fp8_e5m2>(2, 15, true, 57344.0);
+  // Infinities: e4m3 has none (saturates), e5m2 keeps them.
+  REQUIRE(kvevict::to_float(kvevict::fp8_e4m3(INFINITY)) == 448.0f);
+  REQUIRE(std::isinf(kvevict::to_float(kvevict::fp8_e5m2(-INFINITY))));
+  REQUIRE(kvevict::to_float(kvevict::fp8_e5m2(-INFINITY)) < 0);
+}
+
+TEST_CASE("fp8 rows widen the same on every kernel path (SIMD bodies, tails, strides)", "[dtype][fp8]") {
+  std::vector<kvevict::fp8_e4m3> a(3 * 256);
+  std::vector<kvevict::fp8_e5m2> b(3 * 256);
+  for (int i = 0; i < 3 * 256; ++i) {
+    a[static_cast<std::size_t>(i)] = kvevict::fp8_e4m3::from_bits(static_cast<std::uint8_t>(i * 7 + i / 256));
+    b[static_cast<std::size_t>(i)] = kvevict::fp8_e5m2::from_bits(static_cast<std::uint8_t>(i * 7 + i / 256));
+  }
+  for (const std::int64_t n : {std::int64_t{1}, std::int64_t{7}, std::int64_t{16}, std::int64_t{37}, std::int64_t{256}})
+    for (const std::int64_t stride : {std::int64_t{1}, std::int64_t{3}}) {
+      std::vector<float> wa(static_cast<std::size_t>(n)), wb(static_cast<std::size_t>(n));
+      kvevict::detail::widen_row(a.data(), stride, wa.data(), n);
+      kvevict::detail::widen_row(b.data(), stride, wb.data(), n);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float ea = kvevict::to_float(a[static_cast<std::size_t>(i * stride)]);
+        const float eb = kvevict::to_float(b[static_cast<std::size_t>(i * stride)]);
+        INFO("n " << n << " stride " << stride << " i " << i);
+        if (std::isnan(ea))
+          REQUIRE(std::isnan(wa[static_cast<std::size_t>(i)]));
+        else
+          REQUIRE(std::memcmp(&ea, &wa[static_cast<std::size_t>(i)], 4) == 0);
+        if (std::isnan(eb))
+          REQUIRE(std::isnan(wb[static_cast<std::size_t>(i)]));
+        else
+          REQUIRE(std::memcmp(&eb, &wb[static_cast<std::size_t>(i)], 4) == 0);
+      }
+    }
 }

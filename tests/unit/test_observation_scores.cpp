@@ -25,9 +25,11 @@ struct shape {
   std::int64_t hkv, group, dim, tokens, window;
 };
 
-template <class T>
+/// Keys stored as T (scaled by key_scale: the cache holds k / scale, as fp8 caches do), queries
+/// as Q.
+template <class T, class Q = T>
 void check_case(const shape& s, test::layout lay, config c, std::vector<std::int64_t> qpos, std::uint64_t seed,
-                bool token_major_queries = false, std::vector<std::int64_t> kpos = {}) {
+                bool token_major_queries = false, std::vector<std::int64_t> kpos = {}, float key_scale = 1.0f) {
   const std::int64_t hq = s.hkv * s.group;
   ref::problem p;
   p.hq = hq;
@@ -35,8 +37,11 @@ void check_case(const shape& s, test::layout lay, config c, std::vector<std::int
   p.w = s.window;
   p.l = s.tokens;
   p.d = s.dim;
-  p.q = test::rounded<T>(test::normal(static_cast<std::size_t>(hq * s.window * s.dim), seed, 1.5));
-  p.k = test::rounded<T>(test::normal(static_cast<std::size_t>(s.hkv * s.tokens * s.dim), seed + 1));
+  p.q = test::rounded<Q>(test::normal(static_cast<std::size_t>(hq * s.window * s.dim), seed, 1.5));
+  const std::vector<double> stored =
+      test::rounded<T>(test::normal(static_cast<std::size_t>(s.hkv * s.tokens * s.dim), seed + 1, 1.0 / key_scale));
+  p.k = stored;
+  for (double& x : p.k) x *= static_cast<double>(key_scale);  // what the cache stands for
   p.qpos = qpos;
   p.kpos = kpos;
   std::vector<float> weights;
@@ -44,8 +49,9 @@ void check_case(const shape& s, test::layout lay, config c, std::vector<std::int
     for (std::int64_t t = 0; t < s.window; ++t) weights.push_back(std::pow(0.8f, static_cast<float>(s.window - 1 - t)));
     c.ref.weights.assign(weights.begin(), weights.end());
   }
-  auto keys = test::make_cache<T>(lay, s.hkv, s.tokens, s.dim, p.k, 16, seed);
-  auto queries = test::make_queries<T>(hq, s.window, s.dim, p.q, qpos, token_major_queries, test::int32_positions(lay));
+  auto keys = test::make_cache<T>(lay, s.hkv, s.tokens, s.dim, stored, 16, seed);
+  keys.view.scale = key_scale;
+  auto queries = test::make_queries<Q>(hq, s.window, s.dim, p.q, qpos, token_major_queries, test::int32_positions(lay));
 
   std::vector<float> out(static_cast<std::size_t>(s.hkv * s.tokens), -1.0f);
   kvevict::score_view scores{out.data(), s.hkv, s.tokens, s.tokens};
@@ -105,6 +111,27 @@ TEMPLATE_TEST_CASE("observation scores match the reference across shapes and lay
       c.lib.protected_tail = c.ref.protected_tail = s.window;
       INFO("G=" << s.group << " d=" << s.dim << " L=" << s.tokens << " layout " << test::name(lay));
       check_case<TestType>(s, lay, c, tail_positions(s.tokens, s.window), seed++, lay == test::layout::padded);
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("fp8 caches: scaled keys widened in scoring, against the reference in every layout",
+                   "[scoring][fp8]", kvevict::fp8_e4m3, kvevict::fp8_e5m2) {
+  const shape shapes[] = {{2, 4, 64, 101, 16}, {1, 8, 128, 67, 5}, {3, 2, 96, 45, 9}};
+  const config kvpress = make_config(softmax_domain::visible, window_aggregation::mean, gqa_reduction::mean,
+                                     gqa_order::after_pooling, pooling_kind::avg, 5, true, 0);
+  std::uint64_t seed = 301;
+  for (const shape& s : shapes) {
+    for (test::layout lay : test::kAllLayouts) {
+      config c = kvpress;
+      c.lib.protected_tail = c.ref.protected_tail = s.window;
+      INFO("G=" << s.group << " d=" << s.dim << " L=" << s.tokens << " layout " << test::name(lay));
+      // vLLM's k_scale: the cache holds k / scale. bf16 and fp16 models; one unscaled cache.
+      const float scale = seed % 3 == 0 ? 1.0f : 0.0371f;
+      if (seed % 2 == 0)
+        check_case<TestType, bf16>(s, lay, c, tail_positions(s.tokens, s.window), seed++, false, {}, scale);
+      else
+        check_case<TestType, fp16>(s, lay, c, tail_positions(s.tokens, s.window), seed++, false, {}, scale);
     }
   }
 }

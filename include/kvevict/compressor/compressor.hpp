@@ -151,17 +151,7 @@ class compressor {
                          static_cast<long long>(UINT32_MAX / static_cast<std::uint64_t>(c.total_heads_)),
                          static_cast<long long>(c.total_heads_), static_cast<long long>(c.options_.limits.max_tokens));
     if (st.ok()) {
-      switch (options.model.storage) {
-        case dtype::f32:
-          c.size<float>();
-          break;
-        case dtype::f16:
-          c.size<fp16>();
-          break;
-        case dtype::bf16:
-          c.size<bf16>();
-          break;
-      }
+      c.size_for(c.options_.model.storage, c.options_.model.query_storage);
       if (c.workspace_bytes_ == std::numeric_limits<std::size_t>::max() ||
           c.state_bytes_ == std::numeric_limits<std::size_t>::max() ||
           c.keep_capacity_ == std::numeric_limits<std::int64_t>::max())
@@ -182,6 +172,15 @@ class compressor {
 
   /// Bytes of workspace one run() needs (any layer, any batch within the limits).
   std::size_t workspace_size() const noexcept { return workspace_bytes_; }
+  /// Bytes of workspace one run() over any_sequence_io needs: workspace_size() and room for
+  /// the batch's typed views (limits.max_sequences of them, with every layer's under the
+  /// per-sequence scope). 0 before plan().
+  std::size_t any_workspace_size() const noexcept {
+    if (!planned_) return 0;
+    detail::arena a;
+    carve_typed_batch<float, float>(a, options_.limits.max_sequences, nullptr, nullptr);
+    return detail::saturating_add(a.used(), workspace_bytes_);
+  }
   /// Bytes of state per sequence (0 when the policy is stateless and the scope is not
   /// per_sequence: then sequence_io::state may be null). DeferKV: [layers, Hkv, max_tokens]
   /// floats plus small headers; a per-sequence scope adds [max_tokens] floats.
@@ -268,12 +267,36 @@ class compressor {
   /// own heads' views), and gets for its heads what one process holding every head would; a
   /// rank that fails or disagrees makes it fail on every rank (design.md §15). Reports and
   /// outputs describe this rank's heads (report.length: its longest head).
-  template <class T>
-  status run(std::int64_t layer, const sequence_io<T>* seqs, std::int64_t num_seqs, sequence_report* reports,
+  /// The runtime-dtype entry: run() for views whose element types are the plan's
+  /// model.storage and model.query_storage (tags checked at plan time). `ws`: at least
+  /// any_workspace_size() bytes. Otherwise run()'s contract exactly (the typed call it makes).
+  status run(std::int64_t layer, const any_sequence_io* seqs, std::int64_t num_seqs, sequence_report* reports,
              workspace_span ws) const {
     static constexpr const char* fn = "kvevict::compressor::run";
     KVEVICT_RETURN_IF_ERROR(check_planned(fn));
-    static_assert(is_storage_type<T>::value && !std::is_const<T>::value, "run<T>: T is float, fp16 or bf16");
+    switch (options_.model.storage) {
+      case dtype::f32:
+        return run_typed<float, float>(layer, seqs, num_seqs, reports, ws);
+      case dtype::f16:
+        return run_typed<fp16, fp16>(layer, seqs, num_seqs, reports, ws);
+      case dtype::bf16:
+        return run_typed<bf16, bf16>(layer, seqs, num_seqs, reports, ws);
+      case dtype::f8_e4m3:
+        return run_fp8<fp8_e4m3>(layer, seqs, num_seqs, reports, ws);
+      case dtype::f8_e5m2:
+        return run_fp8<fp8_e5m2>(layer, seqs, num_seqs, reports, ws);
+    }
+    return status::error(errc::invalid_argument, fn, "model.storage", "not a dtype");  // plan() refuses it
+  }
+
+  template <class T, class Q = default_query_type_t<T>>
+  status run(std::int64_t layer, const sequence_io<T, Q>* seqs, std::int64_t num_seqs, sequence_report* reports,
+             workspace_span ws) const {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    KVEVICT_RETURN_IF_ERROR(check_planned(fn));
+    static_assert(is_storage_type<T>::value && !std::is_const<T>::value,
+                  "run<T, Q>: T is float, fp16, bf16, fp8_e4m3 or fp8_e5m2");
+    static_assert(is_query_type<Q>::value && !std::is_const<Q>::value, "run<T, Q>: Q is float, fp16 or bf16");
     run_layout lay;
     const status checked = check_run(layer, seqs, num_seqs, reports, ws, &lay);
     // Tensor parallelism: one agreement round for the batch, failed or not (design.md §15).
@@ -295,6 +318,51 @@ class compressor {
   }
 
  private:
+  template <class T>
+  status run_fp8(std::int64_t layer, const any_sequence_io* seqs, std::int64_t num_seqs, sequence_report* reports,
+                 workspace_span ws) const {
+    if (options_.model.query_storage == dtype::f32) return run_typed<T, float>(layer, seqs, num_seqs, reports, ws);
+    if (options_.model.query_storage == dtype::f16) return run_typed<T, fp16>(layer, seqs, num_seqs, reports, ws);
+    return run_typed<T, bf16>(layer, seqs, num_seqs, reports, ws);
+  }
+
+  /// The typed views of a batch of n erased sequences, carved from the front of the workspace
+  /// (views are trivially copyable: the arena holds them like any scratch).
+  template <class T = float, class Q = float>
+  void carve_typed_batch(detail::arena& a, std::int64_t n, sequence_io<T, Q>** seqs,
+                         layer_cache<T>** layers) const noexcept {
+    static_assert(sizeof(sequence_io<T, Q>) == sizeof(sequence_io<float, float>), "views of any type are alike");
+    sequence_io<T, Q>* s = a.take<sequence_io<T, Q>>(n);
+    layer_cache<T>* l =
+        sequence_scope() ? a.take<layer_cache<T>>(detail::saturating_mul(n, options_.model.num_layers)) : nullptr;
+    if (seqs != nullptr) *seqs = s;
+    if (layers != nullptr) *layers = l;
+  }
+
+  template <class T, class Q>
+  status run_typed(std::int64_t layer, const any_sequence_io* seqs, std::int64_t num_seqs, sequence_report* reports,
+                   workspace_span ws) const {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    if (num_seqs < 0 || num_seqs > options_.limits.max_sequences)
+      return status::error(errc::invalid_shape, fn, "num_seqs", "expected 0 .. %lld (limits.max_sequences), got %lld",
+                           static_cast<long long>(options_.limits.max_sequences), static_cast<long long>(num_seqs));
+    if (num_seqs > 0 && seqs == nullptr) return status::error(errc::null_pointer, fn, "seqs", "expected non-null");
+    if (ws.size > 0 && ws.data == nullptr) return status::error(errc::null_pointer, fn, "ws.data", "expected non-null");
+    detail::arena a(ws);
+    sequence_io<T, Q>* typed = nullptr;
+    layer_cache<T>* layers = nullptr;
+    carve_typed_batch(a, num_seqs, &typed, &layers);
+    if (a.overflowed() || a.used() > ws.size)
+      return status::error(errc::workspace_too_small, fn, "ws",
+                           "expected at least %zu bytes (any_workspace_size()), got %zu", any_workspace_size(),
+                           ws.size);
+    for (std::int64_t s = 0; s < num_seqs; ++s)
+      typed[s] = detail::typed_sequence<T, Q>(
+          seqs[s], layers != nullptr ? layers + s * options_.model.num_layers : nullptr, options_.model.num_layers);
+    const workspace_span rest{static_cast<unsigned char*>(ws.data) + a.used(), ws.size - a.used()};
+    return run(layer, typed, num_seqs, reports, rest);
+  }
+
   struct run_layout {
     std::int64_t* layer_budgets = nullptr;  ///< [layers] (PyramidKV)
     std::int64_t* head_lengths = nullptr;   ///< [Hkv] when the caller asks for none
@@ -314,13 +382,16 @@ class compressor {
   };
 
   /// Everything run() can check before it changes anything, for the whole batch.
-  template <class T>
-  status check_run(std::int64_t layer, const sequence_io<T>* seqs, std::int64_t num_seqs,
+  template <class T, class Q>
+  status check_run(std::int64_t layer, const sequence_io<T, Q>* seqs, std::int64_t num_seqs,
                    const sequence_report* reports, workspace_span ws, run_layout* lay) const {
     static constexpr const char* fn = "kvevict::compressor::run";
     if (dtype_of<T>::value != options_.model.storage)
       return status::error(errc::invalid_argument, fn, "seqs", "expected %s views (the plan's storage type), got %s",
                            to_string(options_.model.storage), to_string(dtype_of<T>::value));
+    if (dtype_of<Q>::value != options_.model.query_storage)
+      return status::error(errc::invalid_argument, fn, "seqs", "expected %s queries (the plan's query_storage), got %s",
+                           to_string(options_.model.query_storage), to_string(dtype_of<Q>::value));
     if (layer < 0 || layer >= options_.model.num_layers)
       return status::error(errc::out_of_range, fn, "layer", "expected a layer in [0, %lld), got %lld",
                            static_cast<long long>(options_.model.num_layers), static_cast<long long>(layer));
@@ -356,14 +427,15 @@ class compressor {
   /// Tensor parallelism: run()'s agreement round. Every rank passes the same layer, batch size
   /// and, per sequence, the same event, action, token counts and protected tail, or every rank
   /// gets the same error; a rank whose checks failed makes every rank return.
-  template <class T>
-  status agree_run(std::int64_t layer, const sequence_io<T>* seqs, std::int64_t num_seqs, const status& local) const {
+  template <class T, class Q>
+  status agree_run(std::int64_t layer, const sequence_io<T, Q>* seqs, std::int64_t num_seqs,
+                   const status& local) const {
     static constexpr const char* fn = "kvevict::compressor::run";
     detail::digest batch;
     std::uint64_t tokens = 0;
     if (local.ok()) {
       for (std::int64_t s = 0; s < num_seqs; ++s) {
-        const sequence_io<T>& io = seqs[s];
+        const sequence_io<T, Q>& io = seqs[s];
         plan_step what;
         (void)decide(layer, io, s, &what);  // checked: cannot fail
         batch.add(static_cast<std::uint64_t>(io.event));
@@ -374,7 +446,7 @@ class compressor {
         batch.add(static_cast<std::uint64_t>(io.keys.num_tokens));
         if (options_.policy.kind == policy_kind::deferkv) {
           const policy_state st = layer_state(io.state, layer);
-          const deferkv<T> d(options_.policy.deferkv);
+          const deferkv<T, Q> d(options_.policy.deferkv);
           batch.add(static_cast<std::uint64_t>(d.prompt_tokens(st)));
           batch.add(static_cast<std::uint64_t>(d.steps_observed(st)));
         } else if (what.action != act::none) {
@@ -468,6 +540,7 @@ class compressor {
         {"model.head_dim", static_cast<std::uint64_t>(m.head_dim)},
         {"model.value_head_dim", static_cast<std::uint64_t>(m.value_head_dim)},
         {"model.storage", static_cast<std::uint64_t>(m.storage)},
+        {"model.query_storage", static_cast<std::uint64_t>(m.query_storage)},
         {"policy.kind", static_cast<std::uint64_t>(o.policy.kind)},
         {"policy", policy.h, true},
         {"per_head", budget.h, true},
@@ -512,9 +585,17 @@ class compressor {
       return status::error(errc::invalid_shape, fn, "model.value_head_dim", "expected >= 0 (0: head_dim), got %lld",
                            static_cast<long long>(m.value_head_dim));
     if (m.value_head_dim == 0) m.value_head_dim = m.head_dim;
-    if (static_cast<unsigned>(m.storage) > 2u)
+    if (static_cast<unsigned>(m.storage) > static_cast<unsigned>(dtype::f8_e5m2))
       return status::error(errc::invalid_argument, fn, "model.storage", "expected a dtype value, got %d",
                            static_cast<int>(m.storage));
+    const bool fp8 = m.storage == dtype::f8_e4m3 || m.storage == dtype::f8_e5m2;
+    if (m.query_storage == dtype_query_default) m.query_storage = fp8 ? dtype::bf16 : m.storage;
+    if (fp8 ? static_cast<unsigned>(m.query_storage) > static_cast<unsigned>(dtype::bf16)
+            : m.query_storage != m.storage)
+      return status::error(errc::invalid_argument, fn, "model.query_storage",
+                           "expected %s for %s storage (or dtype_query_default), got %s (%d)",
+                           fp8 ? "f32, f16 or bf16" : to_string(m.storage), to_string(m.storage),
+                           to_string(m.query_storage), static_cast<int>(m.query_storage));
     const compressor_limits& lim = options_.limits;
     if (lim.max_sequences < 1)
       return status::error(errc::invalid_shape, fn, "limits.max_sequences", "expected >= 1, got %lld",
@@ -723,36 +804,58 @@ class compressor {
   }
 
   /// Calls f(policy) with the configured policy object for storage type T (stateless kinds).
-  template <class T, class F>
+  template <class T, class Q, class F>
   status with_scoring_policy(F&& f) const {
     const policy_config& p = options_.policy;
     const chunkkv_config chunks{p.chunk_length};
     switch (p.kind) {
       case policy_kind::streaming_llm: {
-        const kvevict::streaming_llm<T> base(p.streaming_llm);
-        return p.chunk_length > 0 ? f(kvevict::chunkkv<kvevict::streaming_llm<T>>(base, chunks)) : f(base);
+        const kvevict::streaming_llm<T, Q> base(p.streaming_llm);
+        return p.chunk_length > 0 ? f(kvevict::chunkkv<kvevict::streaming_llm<T, Q>>(base, chunks)) : f(base);
       }
       case policy_kind::knorm: {
-        const kvevict::knorm<T> base(p.knorm);
-        return p.chunk_length > 0 ? f(kvevict::chunkkv<kvevict::knorm<T>>(base, chunks)) : f(base);
+        const kvevict::knorm<T, Q> base(p.knorm);
+        return p.chunk_length > 0 ? f(kvevict::chunkkv<kvevict::knorm<T, Q>>(base, chunks)) : f(base);
       }
       case policy_kind::h2o: {
-        const kvevict::h2o<T> base(p.h2o);
-        return p.chunk_length > 0 ? f(kvevict::chunkkv<kvevict::h2o<T>>(base, chunks)) : f(base);
+        const kvevict::h2o<T, Q> base(p.h2o);
+        return p.chunk_length > 0 ? f(kvevict::chunkkv<kvevict::h2o<T, Q>>(base, chunks)) : f(base);
       }
       case policy_kind::snapkv: {
-        const kvevict::snapkv<T> base(p.snapkv);
-        return p.chunk_length > 0 ? f(kvevict::chunkkv<kvevict::snapkv<T>>(base, chunks)) : f(base);
+        const kvevict::snapkv<T, Q> base(p.snapkv);
+        return p.chunk_length > 0 ? f(kvevict::chunkkv<kvevict::snapkv<T, Q>>(base, chunks)) : f(base);
       }
       case policy_kind::dapq:
-        return f(kvevict::dapq<T>(p.dapq));
+        return f(kvevict::dapq<T, Q>(p.dapq));
       case policy_kind::deferkv:
         break;
     }
     return status::error(errc::invalid_state, "kvevict::compressor", "policy.kind", "not a scoring policy");
   }
 
+  /// size<T, Q>() for the plan's (validated) storage and query types.
+  void size_for(dtype storage, dtype queries) noexcept {
+    switch (storage) {
+      case dtype::f32:
+        return size<float, float>();
+      case dtype::f16:
+        return size<fp16, fp16>();
+      case dtype::bf16:
+        return size<bf16, bf16>();
+      case dtype::f8_e4m3:
+        return size_fp8<fp8_e4m3>(queries);
+      case dtype::f8_e5m2:
+        return size_fp8<fp8_e5m2>(queries);
+    }
+  }
   template <class T>
+  void size_fp8(dtype queries) noexcept {
+    if (queries == dtype::f32) return size<T, float>();
+    if (queries == dtype::f16) return size<T, fp16>();
+    size<T, bf16>();
+  }
+
+  template <class T, class Q>
   void size() noexcept {
     const model_shape& m = options_.model;
     const compressor_limits& lim = options_.limits;
@@ -767,16 +870,16 @@ class compressor {
                          : (keep_capacity_ + m.num_kv_heads - 1) / m.num_kv_heads;
     std::size_t evict_bytes = 0, score_bytes = 0;
     if (options_.policy.kind == policy_kind::deferkv) {
-      const deferkv<T> d(options_.policy.deferkv);
+      const deferkv<T, Q> d(options_.policy.deferkv);
       const std::size_t observe = d.workspace_size(shape, exec);
       evict_bytes = std::max(observe, d.evict_workspace_size(shape, b, exec));
       score_bytes = observe;  // covers finalize's [C] row too
-      layer_state_bytes_ = detail::round_up_64(deferkv<T>::state_size(m.num_kv_heads, lim.max_tokens));
+      layer_state_bytes_ = detail::round_up_64(deferkv<T, Q>::state_size(m.num_kv_heads, lim.max_tokens));
     } else {
-      (void)with_scoring_policy<T>([&](const auto& policy) {
+      (void)with_scoring_policy<T, Q>([&](const auto& policy) {
         using P = std::decay_t<decltype(policy)>;
         evict_bytes = policy.evict_workspace_size(shape, b, exec);
-        if constexpr (std::is_same<P, kvevict::dapq<T>>::value) {
+        if constexpr (std::is_same<P, kvevict::dapq<T, Q>>::value) {
           score_bytes = policy.score_window_workspace_size(shape, exec);
         } else {
           score_bytes = policy.workspace_size(shape, exec);
@@ -825,16 +928,16 @@ class compressor {
   }
 
   /// The queries a prefill_end observation uses: the policy's window (H2O: all).
-  template <class T>
-  query_view<const T> prefill_queries(const sequence_io<T>& io) const noexcept {
+  template <class T, class Q>
+  query_view<const Q> prefill_queries(const sequence_io<T, Q>& io) const noexcept {
     return options_.policy.kind == policy_kind::h2o ? io.queries : detail::last_queries(io.queries, window_);
   }
 
   /// The observation inputs of a sequence for the queries `q` it observes with.
-  template <class T>
-  layer_observations<T> observations_of(const sequence_io<T>& io, const query_view<const T>& q,
+  template <class T, class Q>
+  layer_observations<Q> observations_of(const sequence_io<T, Q>& io, const query_view<const Q>& q,
                                         policy_state state) const noexcept {
-    layer_observations<T> o;
+    layer_observations<Q> o;
     o.queries = q;
     o.observation.key_positions = io.key_positions;
     if (io.lse != nullptr) {
@@ -862,8 +965,8 @@ class compressor {
     return layer == options_.model.num_layers - 1 ? act::fold_and_evict_all : act::fold;
   }
 
-  template <class T>
-  status check_sequence(std::int64_t layer, const sequence_io<T>& io, std::int64_t s, const run_layout& lay) const {
+  template <class T, class Q>
+  status check_sequence(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, const run_layout& lay) const {
     static constexpr const char* fn = "kvevict::compressor::run";
     if (static_cast<unsigned>(io.event) > 2u)
       return status::error(errc::invalid_argument, fn, detail::io_name(s, "event"),
@@ -975,8 +1078,8 @@ class compressor {
   }
 
   /// Decides what the event does; for DeferKV and the sequence scope also checks the state.
-  template <class T>
-  status decide(std::int64_t layer, const sequence_io<T>& io, std::int64_t s, plan_step* out) const {
+  template <class T, class Q>
+  status decide(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, plan_step* out) const {
     static constexpr const char* fn = "kvevict::compressor::run";
     *out = plan_step{};
     if (io.event == sequence_event::idle) return status();
@@ -984,7 +1087,7 @@ class compressor {
     if (options_.policy.kind != policy_kind::deferkv) {
       if (io.event == sequence_event::prefill_end) out->action = scores_act(layer);
     } else {
-      const deferkv<T> d(options_.policy.deferkv);
+      const deferkv<T, Q> d(options_.policy.deferkv);
       const policy_state st = layer_state(io.state, layer);
       if (!d.intact(st))
         return status::error(errc::invalid_state, fn, detail::io_name(s, "state"),
@@ -1025,7 +1128,7 @@ class compressor {
       // Every layer's DeferKV state is marked evicted with the sequence's keep set: check them
       // now, before anything changes (the earlier layers observed this step and are ready).
       if (out->action == act::fold_and_evict_all && options_.policy.kind == policy_kind::deferkv) {
-        const deferkv<T> d(options_.policy.deferkv);
+        const deferkv<T, Q> d(options_.policy.deferkv);
         for (std::int64_t l = 0; l < layer; ++l)
           if (!d.intact(layer_state(io.state, l)) || !d.ready(layer_state(io.state, l)))
             return status::error(errc::invalid_state, fn, detail::io_name(s, "state"),
@@ -1053,8 +1156,8 @@ class compressor {
     return status();
   }
 
-  template <class T>
-  status check_queries(std::int64_t layer, const sequence_io<T>& io, std::int64_t s, const plan_step& what) const {
+  template <class T, class Q>
+  status check_queries(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, const plan_step& what) const {
     static constexpr const char* fn = "kvevict::compressor::run";
     const policy_kind kind = options_.policy.kind;
     if (kind == policy_kind::streaming_llm || kind == policy_kind::knorm) return status();
@@ -1071,7 +1174,7 @@ class compressor {
       return status::error(errc::invalid_shape, fn, detail::io_name(s, "queries.num_queries"),
                            "expected the decode step's query (1 per head), got %lld",
                            static_cast<long long>(io.queries.num_queries));
-    const query_view<const T> q = decode ? io.queries : prefill_queries(io);
+    const query_view<const Q> q = decode ? io.queries : prefill_queries(io);
     if (q.num_queries > options_.limits.max_queries)
       return status::error(errc::invalid_shape, fn, detail::io_name(s, "queries.num_queries"),
                            "expected at most limits.max_queries = %lld, got %lld",
@@ -1089,7 +1192,7 @@ class compressor {
                              static_cast<long long>(io.lse_head_stride));
     }
     if (kind == policy_kind::dapq) {
-      const std::int64_t prompt = dapq<T>(options_.policy.dapq).prompt_tokens(io.keys.num_tokens, q.num_queries);
+      const std::int64_t prompt = dapq<T, Q>(options_.policy.dapq).prompt_tokens(io.keys.num_tokens, q.num_queries);
       if (prompt < 0)
         return status::error(errc::invalid_shape, fn, detail::io_name(s, "keys.num_tokens"),
                              "expected the prompt and its %lld pseudo tokens, got %lld",
@@ -1102,8 +1205,8 @@ class compressor {
                                  static_cast<long long>(prompt), static_cast<long long>(q.positions[t]));
     }
     if (kind == policy_kind::deferkv && decode) {
-      const deferkv<T> d(options_.policy.deferkv);
-      layer_inputs<T> in;
+      const deferkv<T, Q> d(options_.policy.deferkv);
+      layer_inputs<T, Q> in;
       in.keys = io.keys;
       in.queries = q;
       return detail::in_sequence(d.check_decode(layer_state(io.state, layer), in, fn), s, fn);
@@ -1135,11 +1238,11 @@ class compressor {
   }
 
   /// Tokens the layer's scores cover: L, or DapQ's prompt length.
-  template <class T>
-  std::int64_t scored_tokens(const sequence_io<T>& io) const noexcept {
+  template <class T, class Q>
+  std::int64_t scored_tokens(const sequence_io<T, Q>& io) const noexcept {
     if (options_.policy.kind != policy_kind::dapq) return io.keys.num_tokens;
-    const query_view<const T> q = prefill_queries(io);
-    return dapq<T>(options_.policy.dapq).prompt_tokens(io.keys.num_tokens, q.num_queries);
+    const query_view<const Q> q = prefill_queries(io);
+    return dapq<T, Q>(options_.policy.dapq).prompt_tokens(io.keys.num_tokens, q.num_queries);
   }
 
   /// The layer's budget for a sequence of `tokens` scored tokens under selection `sel`.
@@ -1160,8 +1263,8 @@ class compressor {
 
   /// One past the newest token's position: a decode step's query position, else the
   /// cache's last token (its key position, or its index).
-  template <class T>
-  static std::int64_t next_position_after(const sequence_io<T>& io) noexcept {
+  template <class T, class Q>
+  static std::int64_t next_position_after(const sequence_io<T, Q>& io) noexcept {
     if (io.event == sequence_event::decode && io.queries.positions != nullptr && io.queries.num_queries > 0)
       return io.queries.positions[io.queries.num_queries - 1] + 1;
     const std::int64_t l = io.keys.num_tokens;
@@ -1170,24 +1273,24 @@ class compressor {
   }
 
   /// The layer's scores [Hkv, scored] for the sequence scope, from the policy's own scoring.
-  template <class T>
-  status layer_scores(const sequence_io<T>& io, policy_state st, const shared_layout& sh, score_view* out,
+  template <class T, class Q>
+  status layer_scores(const sequence_io<T, Q>& io, policy_state st, const shared_layout& sh, score_view* out,
                       selection_params* sel) const {
     const layer_cache<T> cache = io.cache();
     const std::int64_t scored = scored_tokens(io);
     *out = score_view{sh.scores, io.keys.num_heads, scored, scored};
     if (options_.policy.kind == policy_kind::deferkv) {
-      const deferkv<T> d(options_.policy.deferkv);
+      const deferkv<T, Q> d(options_.policy.deferkv);
       *sel = d.selection(st);
-      layer_inputs<T> in;
+      layer_inputs<T, Q> in;
       in.state = st;
       return d.score(in, *out, sh.score, options_.exec);
     }
-    const layer_observations<T> o = observations_of(io, prefill_queries(io), policy_state{});
-    return with_scoring_policy<T>([&](const auto& policy) {
+    const layer_observations<Q> o = observations_of(io, prefill_queries(io), policy_state{});
+    return with_scoring_policy<T, Q>([&](const auto& policy) {
       using P = std::decay_t<decltype(policy)>;
       *sel = policy.selection();
-      if constexpr (std::is_same<P, kvevict::dapq<T>>::value) {
+      if constexpr (std::is_same<P, kvevict::dapq<T, Q>>::value) {
         return policy.score_window(cache, o, *out, sh.score, options_.exec);
       } else {
         return policy.score(inputs_of(cache, o), *out, sh.score, options_.exec);
@@ -1195,8 +1298,8 @@ class compressor {
     });
   }
 
-  template <class T>
-  status step(std::int64_t layer, const sequence_io<T>& io, const run_layout& lay, sequence_report* r) const {
+  template <class T, class Q>
+  status step(std::int64_t layer, const sequence_io<T, Q>& io, const run_layout& lay, sequence_report* r) const {
     plan_step what;
     KVEVICT_RETURN_IF_ERROR(decide(layer, io, 0, &what));
     r->length = io.keys.num_tokens;
@@ -1215,8 +1318,8 @@ class compressor {
     const bool defer = options_.policy.kind == policy_kind::deferkv;
     const policy_state st = defer ? layer_state(io.state, layer) : policy_state{};
     if (what.observe) {
-      const deferkv<T> d(options_.policy.deferkv);
-      layer_inputs<T> in;
+      const deferkv<T, Q> d(options_.policy.deferkv);
+      layer_inputs<T, Q> in;
       in.keys = io.keys;
       in.observation.key_positions = io.key_positions;
       in.state = st;
@@ -1232,22 +1335,23 @@ class compressor {
     std::int64_t scored = io.keys.num_tokens;
     if (what.action == act::evict) {
       if (defer) {
-        const deferkv<T> d(options_.policy.deferkv);
-        layer_observations<T> o;
+        const deferkv<T, Q> d(options_.policy.deferkv);
+        layer_observations<Q> o;
         o.observation.key_positions = io.key_positions;
         o.state = st;
         KVEVICT_RETURN_IF_ERROR(
             d.evict(cache, o, budget_for(layer, io.keys.num_tokens, d.selection(st), lay), result, lay.policy, exec));
       } else {
-        const query_view<const T> q = prefill_queries(io);
-        const layer_observations<T> o = observations_of(io, q, policy_state{});
-        KVEVICT_RETURN_IF_ERROR(with_scoring_policy<T>([&](const auto& policy) {
+        const query_view<const Q> q = prefill_queries(io);
+        const layer_observations<Q> o = observations_of(io, q, policy_state{});
+        const status evicted = with_scoring_policy<T, Q>([&](const auto& policy) {
           using P = std::decay_t<decltype(policy)>;
-          if constexpr (std::is_same<P, kvevict::dapq<T>>::value) {
+          if constexpr (std::is_same<P, kvevict::dapq<T, Q>>::value) {
             scored = policy.prompt_tokens(io.keys.num_tokens, q.num_queries);
           }
           return policy.evict(cache, o, budget_for(layer, scored, policy.selection(), lay), result, lay.policy, exec);
-        }));
+        });
+        KVEVICT_RETURN_IF_ERROR(evicted);
       }
     } else {
       // The sequence scope: fold this layer's combined scores into the sequence's row; at the
@@ -1297,7 +1401,7 @@ class compressor {
         }
       }
       if (defer) {
-        const deferkv<T> d(options_.policy.deferkv);
+        const deferkv<T, Q> d(options_.policy.deferkv);
         for (std::int64_t l = 0; l < options_.model.num_layers; ++l)
           KVEVICT_RETURN_IF_ERROR(d.mark_evicted(layer_state(io.state, l)));
       }

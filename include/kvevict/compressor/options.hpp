@@ -26,6 +26,9 @@
 
 KVEVICT_NAMESPACE_BEGIN
 
+/// model_shape::query_storage left to the storage type's default query type.
+constexpr dtype dtype_query_default = static_cast<dtype>(-1);
+
 /// The attention shape of every layer of the model.
 struct model_shape {
   std::int64_t num_layers = 0;
@@ -33,7 +36,11 @@ struct model_shape {
   std::int64_t num_kv_heads = 0;     ///< Hkv (Hq must be a multiple)
   std::int64_t head_dim = 0;         ///< d of K (and of the queries)
   std::int64_t value_head_dim = 0;   ///< d of V; 0 means head_dim
-  dtype storage = dtype::bf16;       ///< element type of K, V and the queries
+  dtype storage = dtype::bf16;       ///< element type of K and V (fp8: with the views' scales)
+  /// Element type of the queries: the storage type for float, fp16 and bf16 caches; for fp8
+  /// caches the model's dtype (f32, f16 or bf16). dtype_query_default: storage's default
+  /// (default_query_type_t: the storage type, bf16 for fp8).
+  dtype query_storage = dtype_query_default;
 };
 
 enum class policy_kind : std::int32_t { streaming_llm, knorm, h2o, snapkv, deferkv, dapq };

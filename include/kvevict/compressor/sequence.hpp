@@ -30,12 +30,12 @@ enum class sequence_event : std::int32_t {
 ///                should count); more rows are fine, the last ones are used. StreamingLLM and
 ///                KNorm read none.
 ///   decode:      the step's query (one per query head). Only DeferKV reads it.
-template <class T>
+template <class T, class Q = default_query_type_t<T>>
 struct sequence_io {
   sequence_event event = sequence_event::idle;
   cache_view<T> keys;           ///< [Hkv, L, d], mutable: eviction compacts it in place
   cache_view<T> values;         ///< [Hkv, L, dv]
-  query_view<const T> queries;  ///< [Hq, W, d] with positions; see above
+  query_view<const Q> queries;  ///< [Hq, W, d] with positions (Q: the plan's query type); see above
   /// [L] position of every cached token (llama.cpp cells), or null for position j.
   index_ptr key_positions = nullptr;
   /// Optional flash-attention log-sum-exp of the queries ([Hq, W] natural log, rows
@@ -84,6 +84,56 @@ struct sequence_io {
     return c;
   }
 };
+
+/// The runtime-dtype form of sequence_io: views with `void*`-like data (any_element), whose
+/// element types are the plan's model.storage and model.query_storage tags. Engines that pick
+/// the dtype at run time fill these and call compressor::run without naming a type.
+using any_sequence_io = sequence_io<any_element, any_element>;
+using any_cache_view = cache_view<any_element>;
+using any_query_view = query_view<const any_element>;
+using any_layer_cache = layer_cache<any_element>;
+
+namespace detail {
+/// The typed views of an erased sequence (`layers`, when set, is rewritten to `typed_layers`,
+/// [num_layers] filled here).
+template <class T, class Q>
+sequence_io<T, Q> typed_sequence(const any_sequence_io& in, layer_cache<T>* typed_layers,
+                                 std::int64_t num_layers) noexcept {
+  sequence_io<T, Q> out;
+  out.event = in.event;
+  out.keys = in.keys.with_element<T>();
+  out.values = in.values.with_element<T>();
+  out.queries = in.queries.with_element<const Q>();
+  out.key_positions = in.key_positions;
+  out.lse = in.lse;
+  out.lse_head_stride = in.lse_head_stride;
+  out.state = in.state;
+  out.block_refcounts = in.block_refcounts;
+  out.shared_blocks = in.shared_blocks;
+  out.dst_keys = in.dst_keys.with_element<T>();
+  out.dst_values = in.dst_values.with_element<T>();
+  if (in.layers != nullptr && typed_layers != nullptr) {  // (only the per-sequence scope reads them)
+    for (std::int64_t l = 0; l < num_layers; ++l) {
+      const any_layer_cache& c = in.layers[l];
+      layer_cache<T>& t = typed_layers[l];
+      t.keys = c.keys.with_element<T>();
+      t.values = c.values.with_element<T>();
+      t.dst_keys = c.dst_keys.with_element<T>();
+      t.dst_values = c.dst_values.with_element<T>();
+      t.block_refcounts = c.block_refcounts;
+      t.shared_blocks = c.shared_blocks;
+      t.compact = c.compact;
+    }
+    out.layers = typed_layers;
+  }
+  out.head_lengths = in.head_lengths;
+  out.kept_positions = in.kept_positions;
+  out.padded_indices = in.padded_indices;
+  out.changed_blocks = in.changed_blocks;
+  out.head_freed_blocks = in.head_freed_blocks;
+  return out;
+}
+}  // namespace detail
 
 /// What the call did to a sequence.
 enum class sequence_action : std::int32_t {

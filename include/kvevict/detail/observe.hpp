@@ -62,6 +62,10 @@ struct observation_problem {
   std::int64_t lse_head_stride = 0;
   const float* weights = nullptr;  ///< [W] per-observation weights of the sum, or null (all 1)
   bool max_over_window = false;    ///< max_t instead of the weighted sum
+  float key_scale = 1.0f;          ///< the keys' dequantisation scale (cache_view::scale)
+
+  /// The logits' factor: 1/sqrt(d) times the key scale (exactly 1/sqrt(d) for unscaled keys).
+  float logit_scale() const noexcept { return (1.0f / std::sqrt(static_cast<float>(dim))) * key_scale; }
 
   /// G*W (saturating: size queries see unvalidated shapes).
   std::int64_t rows() const noexcept { return saturating_mul(group, window); }

@@ -72,6 +72,9 @@ status validate_cache_view_metadata(const cache_view<T>& v, const char* fn, cons
   if (v.num_tokens < 0)
     return status::error(errc::invalid_shape, fn, field_name(arg, "num_tokens"), "expected >= 0, got %lld",
                          static_cast<long long>(v.num_tokens));
+  if (!(v.scale > 0.0f) || v.scale == std::numeric_limits<float>::infinity())
+    return status::error(errc::invalid_argument, fn, field_name(arg, "scale"),
+                         "expected a finite dequantisation scale > 0, got %g", static_cast<double>(v.scale));
   if (v.head_stride < 0 || v.token_stride < 0 || v.dim_stride < 0) {
     const char* which = v.head_stride < 0 ? "head_stride" : (v.token_stride < 0 ? "token_stride" : "dim_stride");
     const std::int64_t value = v.head_stride < 0 ? v.head_stride : (v.token_stride < 0 ? v.token_stride : v.dim_stride);

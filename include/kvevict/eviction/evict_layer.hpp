@@ -117,8 +117,8 @@ status compact_layer(const layer_cache<T>& cache, const const_keep_list_view& ke
 /// score -> select_layer -> evict for one layer. `score(scores, ws)` fills [Hkv, score_cols]
 /// scores (score_cols <= L; keys past it are dropped: DapQ's pseudo tokens); `score_bytes`
 /// is the scoring workspace it needs; `sel` is the policy's selection for this call.
-template <class T, class ScoreFn>
-status evict_layer(const char* fn, const layer_cache<T>& cache, const layer_observations<T>& observed,
+template <class T, class Q, class ScoreFn>
+status evict_layer(const char* fn, const layer_cache<T>& cache, const layer_observations<Q>& observed,
                    std::int64_t score_cols, std::size_t score_bytes, const selection_params& sel, const layer_budget& b,
                    eviction_result& result, workspace_span ws, const executor& exec, ScoreFn&& score) {
   static_assert(!std::is_const<T>::value, "evict() compacts the cache: pass views of mutable elements");
@@ -154,7 +154,7 @@ status evict_layer(const char* fn, const layer_cache<T>& cache, const layer_obse
 
 /// The policy contract's evict() for policies that are a score(): Derived provides
 /// score(layer_inputs, scores, ws, exec), workspace_size(shape, exec) and selection().
-template <class Derived, class T>
+template <class Derived, class T, class Q = default_query_type_t<T>>
 class scoring_policy {
  public:
   /// Bytes of workspace evict() needs for layers up to `shape` (L and W upper bounds).
@@ -172,10 +172,10 @@ class scoring_policy {
   ///   b:        the layer's budget (per-head B, head allocation, layer override)
   ///   result:   as kvevict::evict fills it (lengths, positions, max_length, freed_blocks)
   ///   ws:       at least evict_workspace_size(shape, b, exec) bytes
-  status evict(const layer_cache<T>& cache, const layer_observations<T>& observed, const layer_budget& b,
+  status evict(const layer_cache<T>& cache, const layer_observations<Q>& observed, const layer_budget& b,
                eviction_result& result, workspace_span ws, const executor& exec = {}) const {
     const Derived& self = static_cast<const Derived&>(*this);
-    const layer_inputs<T> in = inputs_of(cache, observed);
+    const layer_inputs<T, Q> in = inputs_of(cache, observed);
     const layer_shape shape{observed.queries.num_heads > 0 ? observed.queries.num_heads : cache.keys.num_heads,
                             cache.keys.num_heads, cache.keys.head_dim, cache.keys.num_tokens,
                             observed.queries.num_queries};

@@ -31,10 +31,11 @@ struct chunkkv_config {
 };
 
 template <class Base>
-class chunkkv : public scoring_policy<chunkkv<Base>, typename Base::storage_type> {
+class chunkkv : public scoring_policy<chunkkv<Base>, typename Base::storage_type, typename Base::query_type> {
  public:
   static constexpr const char* evict_name = "kvevict::chunkkv::evict";
   using storage_type = typename Base::storage_type;
+  using query_type = typename Base::query_type;
   using config_type = chunkkv_config;
 
   explicit chunkkv(const Base& base, const chunkkv_config& config = {}) : base_(base), config_(config) {}
@@ -46,7 +47,7 @@ class chunkkv : public scoring_policy<chunkkv<Base>, typename Base::storage_type
   }
   selection_params selection() const noexcept { return base_.selection(); }
 
-  status score(const layer_inputs<storage_type>& in, score_view scores, workspace_span ws,
+  status score(const layer_inputs<storage_type, query_type>& in, score_view scores, workspace_span ws,
                const executor& exec = {}) const {
     if (config_.chunk_length < 1)
       return status::error(errc::invalid_argument, "kvevict::chunkkv::score", "config.chunk_length",

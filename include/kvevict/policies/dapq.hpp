@@ -148,10 +148,11 @@ status dapq_rotate_to(const query_view<QT>& pre_rope, const rope_config& rope, s
                                 out_view);
 }
 
-template <class T>
+template <class T, class Q = default_query_type_t<T>>
 class dapq {
  public:
   using storage_type = T;
+  using query_type = Q;
   using config_type = dapq_config;
   static constexpr const char* evict_name = "kvevict::dapq::evict";
 
@@ -167,7 +168,7 @@ class dapq {
   /// in.keys: [Hkv, Lp + N, d] (or [Hkv, Lp, d]): the cache after the pseudo prefill;
   /// in.queries: [Hq, N, d] the pseudo queries, positions >= Lp; scores: [Hkv, Lp] out -- its
   /// column count is Lp, the prompt length: only prompt keys are scored and normalised over.
-  status score(const layer_inputs<T>& in, score_view scores, workspace_span ws, const executor& exec = {}) const {
+  status score(const layer_inputs<T, Q>& in, score_view scores, workspace_span ws, const executor& exec = {}) const {
     static constexpr const char* fn = "kvevict::dapq::score";
     const std::int64_t prompt = scores.cols;
     if (prompt < 0 || prompt > in.keys.num_tokens)
@@ -210,18 +211,18 @@ class dapq {
   /// The scores evict() selects from: the prompt's keys [Hkv, Lp] observed by the window of
   /// config().source (re-rotated here when that is rerotated_window). cache and observed as
   /// for evict(); scores.cols must be the prompt length (prompt_tokens()).
-  status score_window(const layer_cache<T>& cache, const layer_observations<T>& observed, score_view scores,
+  status score_window(const layer_cache<T>& cache, const layer_observations<Q>& observed, score_view scores,
                       workspace_span ws, const executor& exec = {}) const {
     static constexpr const char* fn = "kvevict::dapq::score_window";
     KVEVICT_RETURN_IF_ERROR(detail::validate_query_view(observed.queries, fn, "queries"));
-    const query_view<const T>& q = observed.queries;
+    const query_view<const Q>& q = observed.queries;
     detail::arena a(ws);
     rotation r = carve_rotation(a, q.num_heads, q.num_queries, q.head_dim);
     if (a.overflowed())
       return status::error(errc::workspace_too_small, fn, "ws",
                            "expected at least %zu bytes (dapq::score_window_workspace_size), got %zu", a.used(),
                            ws.size);
-    layer_observations<T> window = observed;
+    layer_observations<Q> window = observed;
     if (config_.source == dapq_source::rerotated_window)
       KVEVICT_RETURN_IF_ERROR(dapq_rerotate(q, config_.rope, q.num_queries, r.queries, r.positions, &window.queries));
     const workspace_span rest{static_cast<unsigned char*>(ws.data) + a.used(), ws.size - a.used()};
@@ -236,14 +237,14 @@ class dapq {
   ///   observed: queries [Hq, N, d]: the pseudo tokens' queries (positions Lp ..), or the
   ///             prompt's last N post-RoPE queries (positions Lp - N ..), rotated here
   ///   result:   as kvevict::evict fills it; decoding resumes at position Lp
-  status evict(const layer_cache<T>& cache, const layer_observations<T>& observed, const layer_budget& b,
+  status evict(const layer_cache<T>& cache, const layer_observations<Q>& observed, const layer_budget& b,
                eviction_result& result, workspace_span ws, const executor& exec = {}) const {
     static constexpr const char* fn = evict_name;
     // Sharded (b.shard), errors before the selection still reach the group (design.md §15).
     KVEVICT_RETURN_IF_ERROR(
         detail::fail_before_selection(b, detail::validate_query_view(observed.queries, fn, "queries"), fn));
     KVEVICT_RETURN_IF_ERROR(detail::fail_before_selection(b, detail::validate_layer_cache(cache, b, fn), fn));
-    const query_view<const T>& q = observed.queries;
+    const query_view<const Q>& q = observed.queries;
     const std::int64_t prompt = prompt_tokens(cache.keys.num_tokens, q.num_queries);
     if (prompt < 0)
       return detail::fail_before_selection(
@@ -259,13 +260,13 @@ class dapq {
   }
 
   struct rotation {
-    T* queries = nullptr;
+    Q* queries = nullptr;
     std::int64_t* positions = nullptr;
   };
   rotation carve_rotation(detail::arena& a, std::int64_t heads, std::int64_t queries, std::int64_t dim) const noexcept {
     rotation r;
     if (config_.source != dapq_source::rerotated_window) return r;
-    r.queries = a.take<T>(detail::saturating_mul(detail::saturating_mul(heads, queries), dim));
+    r.queries = a.take<Q>(detail::saturating_mul(detail::saturating_mul(heads, queries), dim));
     r.positions = a.take<std::int64_t>(queries);
     return r;
   }

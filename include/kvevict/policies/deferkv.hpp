@@ -125,10 +125,11 @@ inline bool assign_zeros(std::vector<std::uint64_t, abi_allocator<std::uint64_t>
 ///   observe_prefill({keys [Lp], queries [W'], state})   end of prefill
 ///   observe_decode({keys [Lp+k+1], queries [1], state})  decode steps k = 0 .. d-1
 ///   ready(state) -> evict(cache, {state}, budget, ...)  or score() + your own selection
-template <class T>
+template <class T, class Q = default_query_type_t<T>>
 class deferkv {
  public:
   using storage_type = T;
+  using query_type = Q;
   using config_type = deferkv_config;
   static constexpr const char* evict_name = "kvevict::deferkv::evict";
 
@@ -195,7 +196,7 @@ class deferkv {
 
   /// End of prefill. in.keys: [Hkv, Lp, d] the prompt's keys; in.queries: [Hq, W', d] the last
   /// W' <= W prompt queries in time order, with positions; in.state: an empty state.
-  status observe_prefill(const layer_inputs<T>& in, workspace_span ws, const executor& exec = {}) const {
+  status observe_prefill(const layer_inputs<T, Q>& in, workspace_span ws, const executor& exec = {}) const {
     static constexpr const char* fn = "kvevict::deferkv::observe_prefill";
     KVEVICT_RETURN_IF_ERROR(check_config(fn));
     detail::deferkv_header* h = nullptr;
@@ -228,7 +229,7 @@ class deferkv {
 
   /// The next decode step (observed in order, none skipped). in.keys: [Hkv, Lp+k+1, d] (the
   /// cache now holds the decoded tokens too); in.queries: [Hq, 1, d] this step's query.
-  status observe_decode(const layer_inputs<T>& in, workspace_span ws, const executor& exec = {}) const {
+  status observe_decode(const layer_inputs<T, Q>& in, workspace_span ws, const executor& exec = {}) const {
     static constexpr const char* fn = "kvevict::deferkv::observe_decode";
     detail::deferkv_header* h = nullptr;
     KVEVICT_RETURN_IF_ERROR(header(in.state, fn, &h));
@@ -274,7 +275,7 @@ class deferkv {
 
   /// Scores [Hkv, num_tokens(state)] from the ready state in in.state: prompt candidates
   /// scored, window and decoded tokens +inf. The keys are not read (the observations were).
-  status score(const layer_inputs<T>& in, score_view out, workspace_span ws, const executor& = {}) const {
+  status score(const layer_inputs<T, Q>& in, score_view out, workspace_span ws, const executor& = {}) const {
     static constexpr const char* fn = "kvevict::deferkv::score";
     const detail::deferkv_header* h = nullptr;
     KVEVICT_RETURN_IF_ERROR(ready_header(in.state, fn, &h));
@@ -284,7 +285,7 @@ class deferkv {
   /// score -> budgets -> select -> compact, then marks the state evicted. cache: K and V with
   /// num_tokens(state) tokens; observed.state: the ready state (observed.observation's key
   /// positions, if any, give result.positions).
-  status evict(const layer_cache<T>& cache, const layer_observations<T>& observed, const layer_budget& b,
+  status evict(const layer_cache<T>& cache, const layer_observations<Q>& observed, const layer_budget& b,
                eviction_result& result, workspace_span ws, const executor& exec = {}) const {
     static constexpr const char* fn = evict_name;
     detail::deferkv_header* h = nullptr;
@@ -352,7 +353,7 @@ class deferkv {
 
   /// The checks observe_decode runs before it touches the state, for callers that must
   /// validate a whole batch first (the compressor): the state's phase, then the inputs.
-  status check_decode(const policy_state state, const layer_inputs<T>& in, const char* fn) const noexcept {
+  status check_decode(const policy_state state, const layer_inputs<T, Q>& in, const char* fn) const noexcept {
     const detail::deferkv_header* h = nullptr;
     KVEVICT_RETURN_IF_ERROR(header(state, fn, &h));
     return check_decode(*h, in, fn);
@@ -472,7 +473,7 @@ class deferkv {
     return status();
   }
 
-  status check_decode(const detail::deferkv_header& h, const layer_inputs<T>& in, const char* fn) const noexcept {
+  status check_decode(const detail::deferkv_header& h, const layer_inputs<T, Q>& in, const char* fn) const noexcept {
     KVEVICT_RETURN_IF_ERROR(check_decode_phase(h, fn));
     if (in.keys.num_heads != h.heads || in.queries.num_heads != h.heads * h.group)
       return status::error(errc::invalid_shape, fn, "keys.num_heads",
@@ -501,7 +502,7 @@ class deferkv {
   }
 
   /// Adds this observation batch into S (after discounting S unless first).
-  status observe(const char* fn, detail::deferkv_header& h, float* state_sums, const layer_inputs<T>& in,
+  status observe(const char* fn, detail::deferkv_header& h, float* state_sums, const layer_inputs<T, Q>& in,
                  std::int64_t prompt, std::int64_t state_tokens, const float* weights, bool first, workspace_span ws,
                  const executor& exec) const {
     KVEVICT_RETURN_IF_ERROR(detail::validate_query_view(in.queries, fn, "queries"));
@@ -537,6 +538,7 @@ class deferkv {
     detail::observation_problem p = detail::make_problem(shape, params);
     p.query_positions = in.queries.positions;
     p.key_positions = in.observation.key_positions;
+    p.key_scale = in.keys.scale;
     p.key_positions_sorted =
         p.key_positions == nullptr || detail::is_non_decreasing(p.key_positions, in.keys.num_tokens);
     p.weights = weights;
@@ -553,7 +555,7 @@ class deferkv {
       h.group = in.queries.num_heads / in.keys.num_heads;
     }
     struct task_context {
-      const layer_inputs<T>* in;
+      const layer_inputs<T, Q>* in;
       const detail::observation_problem* p;
       const detail::observation_layout* layout;
       float* sums;
@@ -589,17 +591,18 @@ class deferkv {
 /// manage the memory themselves: the lifecycle of deferkv<T> with the state inside and the
 /// layer it belongs to checked on every call. Engines use the compressor (one state block
 /// per sequence for all layers) or deferkv<T> over their own memory instead.
-template <class T>
+template <class T, class Q = default_query_type_t<T>>
 class deferkv_state {
  public:
   using storage_type = T;
+  using query_type = Q;
   using config_type = deferkv_config;
 
   explicit deferkv_state(const deferkv_config& config = {}, std::int64_t layer = 0) : policy_(config), layer_(layer) {}
 
   const deferkv_config& config() const noexcept { return policy_.config(); }
   std::int64_t layer() const noexcept { return layer_; }
-  const deferkv<T>& policy() const noexcept { return policy_; }
+  const deferkv<T, Q>& policy() const noexcept { return policy_; }
   /// The state memory, as deferkv<T> takes it.
   policy_state memory() noexcept { return {words_.data(), words_.size() * sizeof(std::uint64_t)}; }
 
@@ -614,7 +617,7 @@ class deferkv_state {
     if (max_prompt_tokens < 0)
       return status::error(errc::invalid_argument, fn, "max_prompt_tokens", "expected >= 0, got %lld",
                            static_cast<long long>(max_prompt_tokens));
-    const std::size_t bytes = deferkv<T>::state_size(num_kv_heads, max_prompt_tokens);
+    const std::size_t bytes = deferkv<T, Q>::state_size(num_kv_heads, max_prompt_tokens);
     const std::size_t words = bytes / sizeof(std::uint64_t) + 1;
     if (bytes == std::numeric_limits<std::size_t>::max() || words > words_.max_size())
       return status::error(errc::overflow, fn, "max_prompt_tokens",
@@ -630,7 +633,8 @@ class deferkv_state {
     return policy_.workspace_size(shape, exec);
   }
 
-  status observe_prefill(std::int64_t layer, const layer_inputs<T>& in, workspace_span ws, const executor& exec = {}) {
+  status observe_prefill(std::int64_t layer, const layer_inputs<T, Q>& in, workspace_span ws,
+                         const executor& exec = {}) {
     static constexpr const char* fn = "kvevict::deferkv_state::observe_prefill";
     KVEVICT_RETURN_IF_ERROR(policy_.check_config(fn));
     KVEVICT_RETURN_IF_ERROR(check_layer(fn, layer));
@@ -638,11 +642,11 @@ class deferkv_state {
   }
 
   /// Decode step `step` (0-based, observed in order, none skipped).
-  status observe_decode(std::int64_t layer, std::int64_t step, const layer_inputs<T>& in, workspace_span ws,
+  status observe_decode(std::int64_t layer, std::int64_t step, const layer_inputs<T, Q>& in, workspace_span ws,
                         const executor& exec = {}) {
     static constexpr const char* fn = "kvevict::deferkv_state::observe_decode";
     KVEVICT_RETURN_IF_ERROR(check_layer(fn, layer));
-    const layer_inputs<T> s = with_state(in);
+    const layer_inputs<T, Q> s = with_state(in);
     KVEVICT_RETURN_IF_ERROR(policy_.check_decode_phase(s.state, fn));
     if (step != steps_observed())
       return status::error(errc::invalid_state, fn, "step",
@@ -662,7 +666,7 @@ class deferkv_state {
     if (words_.empty())
       return status::error(errc::invalid_state, "kvevict::deferkv_state::scores", "state",
                            "not ready: call reserve() and observe first");
-    layer_inputs<T> in;
+    layer_inputs<T, Q> in;
     in.state = view();
     return policy_.score(in, out, ws);
   }
@@ -686,8 +690,8 @@ class deferkv_state {
   policy_state view() const noexcept {
     return {const_cast<std::uint64_t*>(words_.data()), words_.size() * sizeof(std::uint64_t)};
   }
-  layer_inputs<T> with_state(const layer_inputs<T>& in) noexcept {
-    layer_inputs<T> s = in;
+  layer_inputs<T, Q> with_state(const layer_inputs<T, Q>& in) noexcept {
+    layer_inputs<T, Q> s = in;
     s.state = memory();
     return s;
   }
@@ -700,7 +704,7 @@ class deferkv_state {
     return status();
   }
 
-  deferkv<T> policy_;
+  deferkv<T, Q> policy_;
   std::int64_t layer_ = 0;
   std::vector<std::uint64_t, detail::abi_allocator<std::uint64_t>> words_;  // detail/abi_std.hpp says why
 };

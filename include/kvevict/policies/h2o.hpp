@@ -43,11 +43,12 @@ struct h2o_config {
   }
 };
 
-template <class T>
-class h2o : public scoring_policy<h2o<T>, T> {
+template <class T, class Q = default_query_type_t<T>>
+class h2o : public scoring_policy<h2o<T, Q>, T, Q> {
  public:
   static constexpr const char* evict_name = "kvevict::h2o::evict";
   using storage_type = T;
+  using query_type = Q;
   using config_type = h2o_config;
 
   explicit h2o(const h2o_config& config = {}) noexcept : config_(config) {}
@@ -61,7 +62,7 @@ class h2o : public scoring_policy<h2o<T>, T> {
 
   /// From attention rows when in.attention.data is set (then in.attention is [Hq, W, L] with
   /// positions and in.keys gives Hkv), else from in.queries over in.keys. scores: [Hkv, L].
-  status score(const layer_inputs<T>& in, score_view scores, workspace_span ws, const executor& exec = {}) const {
+  status score(const layer_inputs<T, Q>& in, score_view scores, workspace_span ws, const executor& exec = {}) const {
     if (in.attention.data != nullptr)
       return attention_scores(in.attention, in.keys.num_heads, config_.params(), scores, ws,
                               in.observation.key_positions);

@@ -29,11 +29,12 @@ struct knorm_config {
   protected_mode protect = protected_mode::inside_budget;
 };
 
-template <class T>
-class knorm : public scoring_policy<knorm<T>, T> {
+template <class T, class Q = default_query_type_t<T>>
+class knorm : public scoring_policy<knorm<T, Q>, T, Q> {
  public:
   static constexpr const char* evict_name = "kvevict::knorm::evict";
   using storage_type = T;
+  using query_type = Q;
   using config_type = knorm_config;
 
   explicit knorm(const knorm_config& config = {}) noexcept : config_(config) {}
@@ -47,7 +48,7 @@ class knorm : public scoring_policy<knorm<T>, T> {
   selection_params selection() const noexcept { return {config_.protected_tail, config_.protect}; }
 
   /// keys: [Hkv, L, d]; scores: [Hkv, L] out.
-  status score(const layer_inputs<T>& in, score_view scores, workspace_span ws, const executor& = {}) const {
+  status score(const layer_inputs<T, Q>& in, score_view scores, workspace_span ws, const executor& = {}) const {
     static constexpr const char* fn = "kvevict::knorm::score";
     if (config_.protected_tail < 0)
       return status::error(errc::invalid_argument, fn, "config.protected_tail", "expected >= 0, got %lld",
@@ -67,7 +68,7 @@ class knorm : public scoring_policy<knorm<T>, T> {
         detail::widen_row(in.keys.row(h, j), in.keys.dim_stride, row_buf, in.keys.head_dim);
         float sum = 0.0f;
         for (std::int64_t c = 0; c < in.keys.head_dim; ++c) sum += row_buf[c] * row_buf[c];
-        out[j] = -std::sqrt(sum);
+        out[j] = -(std::sqrt(sum) * in.keys.scale);  // ||scale * k|| (exactly ||k|| unscaled)
       }
       for (std::int64_t j = candidates; j < tokens; ++j) out[j] = std::numeric_limits<float>::infinity();
     }

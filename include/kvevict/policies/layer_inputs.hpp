@@ -32,26 +32,28 @@ struct policy_state {
   std::size_t size = 0;
 };
 
-/// Everything a policy observes of one layer except the keys themselves.
-template <class T>
+/// Everything a policy observes of one layer except the keys themselves; Q is the queries'
+/// storage type.
+template <class Q>
 struct layer_observations {
-  query_view<const T> queries;     ///< [Hq, W, d] observation queries with positions
+  query_view<const Q> queries;     ///< [Hq, W, d] observation queries with positions
   observation_inputs observation;  ///< optional key positions, window weights, engine LSE
   attention_view attention;        ///< optional precomputed attention rows [Hq, W, L]
   policy_state state;              ///< stateful policies only (DeferKV)
 };
 
-/// The keys a policy scores and what observes them.
-template <class T>
-struct layer_inputs : layer_observations<T> {
+/// The keys a policy scores (stored as T) and what observes them (queries stored as Q: the
+/// cache's type, or the model's for fp8 caches).
+template <class T, class Q = default_query_type_t<T>>
+struct layer_inputs : layer_observations<Q> {
   cache_view<const T> keys;  ///< [Hkv, L, d]
 };
 
 /// The layer_inputs that score the keys of `cache` under `observed`.
-template <class T>
-layer_inputs<T> inputs_of(const layer_cache<T>& cache, const layer_observations<T>& observed) noexcept {
-  layer_inputs<T> in;
-  static_cast<layer_observations<T>&>(in) = observed;
+template <class T, class Q>
+layer_inputs<T, Q> inputs_of(const layer_cache<T>& cache, const layer_observations<Q>& observed) noexcept {
+  layer_inputs<T, Q> in;
+  static_cast<layer_observations<Q>&>(in) = observed;
   in.keys = cache.keys;
   return in;
 }

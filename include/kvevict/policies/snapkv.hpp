@@ -22,11 +22,12 @@
 
 KVEVICT_NAMESPACE_BEGIN
 
-template <class T>
-class snapkv : public scoring_policy<snapkv<T>, T> {
+template <class T, class Q = default_query_type_t<T>>
+class snapkv : public scoring_policy<snapkv<T, Q>, T, Q> {
  public:
   static constexpr const char* evict_name = "kvevict::snapkv::evict";
   using storage_type = T;
+  using query_type = Q;
   using config_type = window_config;
 
   explicit snapkv(const window_config& config = presets::kvpress_snapkv()) noexcept : config_(config) {}
@@ -41,7 +42,7 @@ class snapkv : public scoring_policy<snapkv<T>, T> {
 
   /// in.queries: [Hq, W', d] the last W' <= W prompt queries with positions; in.keys:
   /// [Hkv, L, d]; scores: [Hkv, L] out (the last W tokens +inf).
-  status score(const layer_inputs<T>& in, score_view scores, workspace_span ws, const executor& exec = {}) const {
+  status score(const layer_inputs<T, Q>& in, score_view scores, workspace_span ws, const executor& exec = {}) const {
     static constexpr const char* fn = "kvevict::snapkv::score";
     if (config_.window < 0)
       return status::error(errc::invalid_argument, fn, "config.window", "expected >= 0, got %lld",

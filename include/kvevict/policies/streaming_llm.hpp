@@ -28,11 +28,12 @@ struct streaming_llm_config {
   std::int64_t sinks = 4;  ///< kvpress's default
 };
 
-template <class T>
-class streaming_llm : public scoring_policy<streaming_llm<T>, T> {
+template <class T, class Q = default_query_type_t<T>>
+class streaming_llm : public scoring_policy<streaming_llm<T, Q>, T, Q> {
  public:
   static constexpr const char* evict_name = "kvevict::streaming_llm::evict";
   using storage_type = T;
+  using query_type = Q;
   using config_type = streaming_llm_config;
 
   explicit streaming_llm(const streaming_llm_config& config = {}) noexcept : config_(config) {}
@@ -42,7 +43,7 @@ class streaming_llm : public scoring_policy<streaming_llm<T>, T> {
   selection_params selection() const noexcept { return {0, protected_mode::inside_budget}; }
 
   /// keys: [Hkv, L, d] (only its shape is read); scores: [Hkv, L] out.
-  status score(const layer_inputs<T>& in, score_view scores, workspace_span = {}, const executor& = {}) const {
+  status score(const layer_inputs<T, Q>& in, score_view scores, workspace_span = {}, const executor& = {}) const {
     static constexpr const char* fn = "kvevict::streaming_llm::score";
     if (config_.sinks < 0)
       return status::error(errc::invalid_argument, fn, "config.sinks", "expected >= 0, got %lld",

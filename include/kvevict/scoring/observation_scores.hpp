@@ -176,6 +176,7 @@ status observation_scores(query_view<QT> queries_in, cache_view<KT> keys_in, con
   detail::observation_problem p = detail::make_problem(shape, params);
   p.query_positions = queries.positions;
   p.key_positions = in.key_positions;
+  p.key_scale = keys.scale;
   p.key_positions_sorted = in.key_positions == nullptr || detail::is_non_decreasing(in.key_positions, keys.num_tokens);
   p.lse = in.lse;
   p.lse_head_stride = lse_stride;

@@ -25,7 +25,8 @@ KVEVICT_NAMESPACE_BEGIN
 
 template <class T>
 struct cache_view {
-  static_assert(is_storage_type<T>::value, "cache_view<T>: T must be float, fp16 or bf16 (maybe const)");
+  static_assert(is_storage_type<T>::value || is_any_element<T>::value,
+                "cache_view<T>: T must be float, fp16, bf16, fp8_e4m3 or fp8_e5m2 (maybe const)");
   using element_type = T;
   using value_type = std::remove_cv_t<T>;
 
@@ -36,6 +37,10 @@ struct cache_view {
   std::int64_t head_stride = 0;
   std::int64_t token_stride = 0;  ///< between consecutive tokens (inside a block when paged)
   std::int64_t dim_stride = 1;
+  /// Per-tensor dequantisation scale (vLLM's k_scale / v_scale for fp8 caches): element x
+  /// stands for to_float(x) * scale. Scoring applies it; compaction copies stored bytes and
+  /// leaves it to the engine. Must be finite and > 0; 1 for unscaled caches.
+  float scale = 1.0f;
 
   // Paged caches only (block_table == nullptr means strided).
   index_ptr block_table = nullptr;   ///< logical block -> physical block id
@@ -90,23 +95,31 @@ struct cache_view {
     return v;
   }
 
-  /// Read-only view of the same memory.
-  template <class U = T, std::enable_if_t<!std::is_const<U>::value, int> = 0>
-  KVEVICT_HOST_DEVICE operator detail::const_view_t<T, cache_view<const value_type>>() const noexcept {
-    cache_view<const value_type> v;
-    v.data = data;
+  /// The same view with elements of type U (data reinterpreted, every other field as is): the
+  /// read-only conversion, and the runtime-dtype entry's typed views (any_element <-> T).
+  template <class U>
+  KVEVICT_HOST_DEVICE cache_view<U> with_element() const noexcept {
+    cache_view<U> v;
+    v.data = static_cast<U*>(const_cast<void*>(static_cast<const void*>(data)));
     v.num_heads = num_heads;
     v.num_tokens = num_tokens;
     v.head_dim = head_dim;
     v.head_stride = head_stride;
     v.token_stride = token_stride;
     v.dim_stride = dim_stride;
+    v.scale = scale;
     v.block_table = block_table;
     v.block_size = block_size;
     v.block_stride = block_stride;
     v.num_pool_blocks = num_pool_blocks;
     v.head_table_stride = head_table_stride;
     return v;
+  }
+
+  /// Read-only view of the same memory.
+  template <class U = T, std::enable_if_t<!std::is_const<U>::value, int> = 0>
+  KVEVICT_HOST_DEVICE operator detail::const_view_t<T, cache_view<const value_type>>() const noexcept {
+    return with_element<const value_type>();
   }
 };
 

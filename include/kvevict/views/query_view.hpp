@@ -19,7 +19,8 @@ KVEVICT_NAMESPACE_BEGIN
 /// key_position(j) <= positions[t].
 template <class T>
 struct query_view {
-  static_assert(is_storage_type<T>::value, "query_view<T>: T must be float, fp16 or bf16 (maybe const)");
+  static_assert(is_query_type<T>::value || is_any_element<T>::value,
+                "query_view<T>: T must be float, fp16 or bf16 (maybe const)");
   using element_type = T;
   using value_type = std::remove_cv_t<T>;
 
@@ -39,10 +40,11 @@ struct query_view {
     return data[offset(q, t, c)];
   }
   KVEVICT_HOST_DEVICE T* row(std::int64_t q, std::int64_t t) const noexcept { return data + offset(q, t, 0); }
-  template <class U = T, std::enable_if_t<!std::is_const<U>::value, int> = 0>
-  KVEVICT_HOST_DEVICE operator detail::const_view_t<T, query_view<const value_type>>() const noexcept {
-    query_view<const value_type> v;
-    v.data = data;
+  /// The same view with elements of type U (data reinterpreted, every other field as is).
+  template <class U>
+  KVEVICT_HOST_DEVICE query_view<U> with_element() const noexcept {
+    query_view<U> v;
+    v.data = static_cast<U*>(const_cast<void*>(static_cast<const void*>(data)));
     v.num_heads = num_heads;
     v.num_queries = num_queries;
     v.head_dim = head_dim;
@@ -51,6 +53,10 @@ struct query_view {
     v.dim_stride = dim_stride;
     v.positions = positions;
     return v;
+  }
+  template <class U = T, std::enable_if_t<!std::is_const<U>::value, int> = 0>
+  KVEVICT_HOST_DEVICE operator detail::const_view_t<T, query_view<const value_type>>() const noexcept {
+    return with_element<const value_type>();
   }
 };
 

@@ -191,6 +191,24 @@ KVEVICT_ALWAYS_INLINE __m256 widen8(const fp16* p) noexcept {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+/// fp8 through F16C: an e5m2 byte is the top byte of an fp16; an e4m3 magnitude shifted into an
+/// fp16's exponent and mantissa is its value times 2^-8 (subnormals too: no float32 denormal
+/// appears, so DAZ cannot flush them), and its NaN code is patched in after.
+KVEVICT_ALWAYS_INLINE __m256 widen8(const fp8_e5m2* p) noexcept {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), bytes));  // byte << 8 in each 16-bit lane
+}
+KVEVICT_ALWAYS_INLINE __m256 widen8(const fp8_e4m3* p) noexcept {
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7f));
+  const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(mag, 7));
+  const __m256 value = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+  const __m256 nan_lanes = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f))));
+  const __m256 signed_nan =
+      _mm256_or_ps(_mm256_and_ps(value, _mm256_set1_ps(-0.0f)), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)));
+  return _mm256_blendv_ps(value, signed_nan, nan_lanes);
+}
+
 inline void widen_row(const float* src, std::int64_t stride, float* dst, std::int64_t n) noexcept {
   isa_scalar::widen_row(src, stride, dst, n);
 }
@@ -208,6 +226,12 @@ inline void widen_row(const bf16* src, std::int64_t stride, float* dst, std::int
   widen_row_narrow(src, stride, dst, n);
 }
 inline void widen_row(const fp16* src, std::int64_t stride, float* dst, std::int64_t n) noexcept {
+  widen_row_narrow(src, stride, dst, n);
+}
+inline void widen_row(const fp8_e4m3* src, std::int64_t stride, float* dst, std::int64_t n) noexcept {
+  widen_row_narrow(src, stride, dst, n);
+}
+inline void widen_row(const fp8_e5m2* src, std::int64_t stride, float* dst, std::int64_t n) noexcept {
   widen_row_narrow(src, stride, dst, n);
 }
 

@@ -172,6 +172,23 @@ KVEVICT_ALWAYS_INLINE __m512 widen16(const bf16* p, __mmask16 m) noexcept {
 KVEVICT_ALWAYS_INLINE __m512 widen16(const fp16* p, __mmask16 m) noexcept {
   return cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
 }
+/// fp8 as in the AVX2 set (detail/isa/avx2.hpp): through fp16, masked byte loads.
+KVEVICT_ALWAYS_INLINE __m512 widen16(const fp8_e5m2* p, __mmask16 m) noexcept {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+  return cvtph_ps(_mm256_slli_epi16(w, 8));
+}
+KVEVICT_ALWAYS_INLINE __m512 widen16(const fp8_e4m3* p, __mmask16 m) noexcept {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+  const __m256i half =
+      _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8), _mm256_slli_epi16(mag, 7));
+  const __m512 value = _mm512_mul_ps(cvtph_ps(half), _mm512_set1_ps(256.0f));
+  const __mmask16 nan_lanes = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+  const __m512 signed_nan = _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_and_si512(_mm512_castps_si512(value), _mm512_set1_epi32(std::numeric_limits<std::int32_t>::min())),
+      _mm512_set1_epi32(0x7fc00000)));
+  return _mm512_mask_blend_ps(nan_lanes, value, signed_nan);
+}
 
 inline void widen_row(const float* src, std::int64_t stride, float* dst, std::int64_t n) noexcept {
   isa_scalar::widen_row(src, stride, dst, n);
@@ -191,6 +208,12 @@ inline void widen_row(const bf16* src, std::int64_t stride, float* dst, std::int
   widen_row_narrow(src, stride, dst, n);
 }
 inline void widen_row(const fp16* src, std::int64_t stride, float* dst, std::int64_t n) noexcept {
+  widen_row_narrow(src, stride, dst, n);
+}
+inline void widen_row(const fp8_e4m3* src, std::int64_t stride, float* dst, std::int64_t n) noexcept {
+  widen_row_narrow(src, stride, dst, n);
+}
+inline void widen_row(const fp8_e5m2* src, std::int64_t stride, float* dst, std::int64_t n) noexcept {
   widen_row_narrow(src, stride, dst, n);
 }
 

@@ -9,7 +9,7 @@
 /// Gathers head h's group of query rows, widened and scaled by 1/sqrt(d), into q [R, d].
 template <class QT>
 void gather_queries(const query_view<const QT>& queries, std::int64_t h, const observation_problem& p, float* q) {
-  const float scale = 1.0f / std::sqrt(static_cast<float>(p.dim));
+  const float scale = p.logit_scale();
   for (std::int64_t g = 0; g < p.group; ++g)
     for (std::int64_t t = 0; t < p.window; ++t) {
       float* dst = q + (g * p.window + t) * p.dim;
@@ -28,7 +28,7 @@ void observe_rows_cached(const cache_view<const KT>& keys, std::int64_t h, const
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
   const tile_plan plan(p.dim);
   const std::int64_t end = p.softmax_end();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(p.dim));
+  const float scale = p.logit_scale();
   for (std::int64_t r = r0; r < r0 + nr; ++r) {
     s.row_max[r] = neg_inf;
     s.row_lse[r] = 0.0f;
@@ -88,7 +88,7 @@ void observe_head(const query_view<const QT>& queries, const cache_view<const KT
   const std::int64_t rows = p.rows();
   const std::int64_t chunk_rows = std::min(rows, plan.rows);
   const std::int64_t end = p.softmax_end();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(p.dim));
+  const float scale = p.logit_scale();
   gather_queries(queries, h, p, s.q);
   for (std::int64_t i = 0; i < p.group * p.candidates; ++i) s.acc[i] = 0.0f;  // probabilities are >= 0
 

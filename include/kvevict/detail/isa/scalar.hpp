@@ -38,6 +38,12 @@ inline void widen_row(const bf16* src, std::int64_t stride, float* dst, std::int
 inline void widen_row(const fp16* src, std::int64_t stride, float* dst, std::int64_t n) noexcept {
   for (std::int64_t i = 0; i < n; ++i) dst[i] = fp16_bits_to_float(src[i * stride].bits);
 }
+inline void widen_row(const fp8_e4m3* src, std::int64_t stride, float* dst, std::int64_t n) noexcept {
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = fp8_e4m3_bits_to_float(src[i * stride].bits);
+}
+inline void widen_row(const fp8_e5m2* src, std::int64_t stride, float* dst, std::int64_t n) noexcept {
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = fp8_e5m2_bits_to_float(src[i * stride].bits);
+}
 
 /// Keys per panel: the portable micro-kernel's accumulators (4 rows x 8 keys) fit the 16
 /// vector registers of the x86-64 baseline once the compiler vectorises the key loop.
