@@ -155,4 +155,19 @@ void with_dtype(int which, Fn&& fn) {
   }
 }
 
+/// Picks a cache storage type, fp8 included, and calls fn(T{}) (queries: default_query_type_t<T>).
+template <class Fn>
+void with_cache_dtype(int which, Fn&& fn) {
+  switch (which % 5) {
+    case 3:
+      fn(kvevict::fp8_e4m3{});
+      break;
+    case 4:
+      fn(kvevict::fp8_e5m2{});
+      break;
+    default:
+      with_dtype(which % 5, fn);
+  }
+}
+
 }  // namespace fuzz

@@ -1,8 +1,8 @@
 // Differential fuzzing of scoring and selection against the scalar double-precision
 // reference (tests/reference/reference.hpp): random shapes (GQA groups, head dims, short
 // and empty caches, W > L), every cache layout of tests/support/test_cache.hpp, every
-// storage type, every scoring parameter, query/key positions in any order, window weights
-// and engine LSEs, a permuting executor. Checks:
+// storage type (fp8 caches with bf16 queries), per-tensor key scales, every scoring parameter, query/key positions in
+// any order, window weights and engine LSEs, a permuting executor. Checks:
 //   * observation_scores within tolerance of the reference (finite data);
 //   * the same scores bitwise under a permuting 3-worker executor and a dirty workspace;
 //   * attention_scores on the reference's attention rows within tolerance;
@@ -111,8 +111,15 @@ void run(FuzzedDataProvider& in) {
       for (i64 c = 0; c < d; ++c)
         p.k[static_cast<std::size_t>((h * l + b) * d + c)] = p.k[static_cast<std::size_t>((h * l + a) * d + c)];
   }
-  p.q = test::rounded<T>(p.q);
+  using Q = kvevict::default_query_type_t<T>;  // fp8 caches: bf16 queries
+  p.q = test::rounded<Q>(p.q);
   p.k = test::rounded<T>(p.k);
+  // A per-tensor dequantisation scale (fp8 caches store k / scale): the cache holds p.k, the
+  // reference sees p.k * scale (exact in double).
+  const float scales[] = {1.0f, 0.03125f, 0.0371f, 3.0f};
+  const float key_scale = scales[in.ConsumeIntegralInRange<int>(0, 3)];
+  const std::vector<double> stored_k = p.k;
+  for (double& x : p.k) x *= static_cast<double>(key_scale);
   bool finite = true;
   for (double x : p.q) finite = finite && std::isfinite(x);
   for (double x : p.k) finite = finite && std::isfinite(x);
@@ -141,9 +148,10 @@ void run(FuzzedDataProvider& in) {
       }
   }
 
-  auto keys = test::make_cache<T>(kind, hkv, l, d, p.k, block, seed);
+  auto keys = test::make_cache<T>(kind, hkv, l, d, stored_k, block, seed);
+  keys.view.scale = key_scale;
   // llama.cpp layouts take int32 positions (every value fits: positions are small here).
-  auto queries = test::make_queries<T>(hq, w, d, p.q, p.qpos, token_major_q, test::int32_positions(kind));
+  auto queries = test::make_queries<Q>(hq, w, d, p.q, p.qpos, token_major_q, test::int32_positions(kind));
   const std::vector<std::int32_t> kpos32(p.kpos.begin(), p.kpos.end());
   kvevict::observation_inputs oi;
   oi.key_positions = p.kpos.empty()                ? kvevict::index_ptr{}
@@ -229,6 +237,6 @@ void run(FuzzedDataProvider& in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   FuzzedDataProvider in(data, size);
-  with_dtype(in.ConsumeIntegral<std::uint8_t>(), [&](auto tag) { run<decltype(tag)>(in); });
+  with_cache_dtype(in.ConsumeIntegral<std::uint8_t>(), [&](auto tag) { run<decltype(tag)>(in); });
   return 0;
 }

@@ -1674,8 +1674,9 @@ TEST_CASE("bad input: flatten_varlen and keep_list_positions", "[errors]") {
 // point that takes a cache view, and nothing moves.
 // ---------------------------------------------------------------------------------------
 TEMPLATE_TEST_CASE("bad input: malformed cache views of every layout and type", "[errors]", float, kvevict::fp16,
-                   kvevict::bf16) {
+                   kvevict::bf16, kvevict::fp8_e4m3, kvevict::fp8_e5m2) {
   using T = TestType;
+  using Q = kvevict::default_query_type_t<T>;  // fp8 caches: bf16 queries
   const i64 hkv = 2, l = 20, d = 8, hq = 4, w = 3;
   struct mutation {
     const char* field;
@@ -1730,6 +1731,11 @@ TEMPLATE_TEST_CASE("bad input: malformed cache views of every layout and type", 
          v.block_size = 0;
          return true;
        }},
+      {"scale", errc::invalid_argument,  // a dequantisation scale must be finite and > 0
+       [](kvevict::cache_view<T>& v, test::layout) {
+         v.scale = -0.5f;
+         return true;
+       }},
       {"num_pool_blocks", errc::invalid_shape,
        [](kvevict::cache_view<T>& v, test::layout) {
          if (!v.is_paged()) return false;
@@ -1771,7 +1777,7 @@ TEMPLATE_TEST_CASE("bad input: malformed cache views of every layout and type", 
         // 0: observation_scores keys, 1: evict keys, 2: evict values, 3: flatten_varlen src, 4: knorm keys
         auto kc = test::make_cache<T>(kind, hkv, l, d, dense, 8, 11);
         auto vc = test::make_cache<T>(kind, hkv, l, d, dense, 8, 12);
-        auto queries = test::make_queries<T>(hq, w, d, qdense, {17, 18, 19}, false, test::int32_positions(kind));
+        auto queries = test::make_queries<Q>(hq, w, d, qdense, {17, 18, 19}, false, test::int32_positions(kind));
         std::vector<float> scores(static_cast<std::size_t>(hkv * l), 5.0f);
         std::vector<T> dst(static_cast<std::size_t>(hkv * l * d), test::store<T>(-1.0));
         std::vector<i64> off{0, 3, 5}, idx{2, 7, 19, 0, 1};

@@ -99,7 +99,12 @@ template <class T>
 status validate_device_cache_view(const cache_view<T>& v, const launch_options& opt, const char* fn,
                                   const char* arg) noexcept {
   using kvevict::detail::field_name;
+  static_assert(is_query_type<T>::value, "the CUDA path reads float, fp16 and bf16 caches (fp8: the CPU path)");
   KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_cache_view_metadata(v, fn, arg));
+  // The kernels read unscaled elements; a scaled cache would be scored wrongly, so it is refused.
+  if (v.scale != 1.0f)
+    return status::error(errc::unsupported, fn, field_name(arg, "scale"),
+                         "the CUDA path reads unscaled caches (scale 1), got %g", static_cast<double>(v.scale));
   if (v.is_paged() && v.num_tokens > 0)
     KVEVICT_RETURN_IF_ERROR(check_device_pointer(v.block_table, opt, fn, field_name(arg, "block_table")));
   return check_device_pointer(v.data, opt, fn, field_name(arg, "data"));
