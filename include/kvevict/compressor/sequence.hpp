@@ -10,6 +10,7 @@
 #include "kvevict/config.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/index_ptr.hpp"
 #include "kvevict/views/query_view.hpp"
 
 KVEVICT_NAMESPACE_BEGIN

@@ -34,6 +34,7 @@
 #include "kvevict/dtype.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/index_ptr.hpp"
 #include "kvevict/views/matrix_view.hpp"
 #include "kvevict/views/query_view.hpp"
 #include "kvevict/workspace.hpp"

@@ -35,6 +35,7 @@
 #include "kvevict/error.hpp"
 #include "kvevict/selection/keep_list.hpp"
 #include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/index_ptr.hpp"
 #include "kvevict/workspace.hpp"
 
 KVEVICT_NAMESPACE_BEGIN

@@ -25,6 +25,7 @@
 #include "kvevict/cuda/detail/workspace_plan.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/scoring/params.hpp"
+#include "kvevict/views/index_ptr.hpp"
 #include "kvevict/views/matrix_view.hpp"
 
 KVEVICT_NAMESPACE_BEGIN

@@ -41,6 +41,7 @@
 #include "kvevict/dtype.hpp"
 #include "kvevict/scoring/params.hpp"
 #include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/index_ptr.hpp"
 #include "kvevict/views/query_view.hpp"
 #include "kvevict/workspace.hpp"
 

@@ -40,6 +40,7 @@
 #include "kvevict/executor.hpp"
 #include "kvevict/selection/keep_list.hpp"
 #include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/index_ptr.hpp"
 #include "kvevict/workspace.hpp"
 
 KVEVICT_NAMESPACE_BEGIN

@@ -26,6 +26,7 @@
 #include "kvevict/selection/budget.hpp"
 #include "kvevict/selection/keep_list.hpp"
 #include "kvevict/shape.hpp"
+#include "kvevict/views/index_ptr.hpp"
 #include "kvevict/views/matrix_view.hpp"
 #include "kvevict/workspace.hpp"
 

@@ -13,6 +13,7 @@
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/selection/keep_list.hpp"
+#include "kvevict/views/index_ptr.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
 

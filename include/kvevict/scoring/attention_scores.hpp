@@ -19,6 +19,7 @@
 #include "kvevict/scoring/observation_scores.hpp"
 #include "kvevict/scoring/params.hpp"
 #include "kvevict/views/attention_view.hpp"
+#include "kvevict/views/index_ptr.hpp"
 #include "kvevict/views/matrix_view.hpp"
 #include "kvevict/workspace.hpp"
 

@@ -22,6 +22,7 @@
 #include "kvevict/scoring/params.hpp"
 #include "kvevict/shape.hpp"
 #include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/index_ptr.hpp"
 #include "kvevict/views/matrix_view.hpp"
 #include "kvevict/views/query_view.hpp"
 #include "kvevict/workspace.hpp"

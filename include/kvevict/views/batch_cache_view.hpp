@@ -10,6 +10,7 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/index_ptr.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
 

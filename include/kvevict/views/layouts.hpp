@@ -12,6 +12,7 @@
 #include "kvevict/config.hpp"
 #include "kvevict/views/batch_cache_view.hpp"
 #include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/index_ptr.hpp"
 #include "kvevict/views/layer_cache.hpp"
 #include "kvevict/views/query_view.hpp"
 

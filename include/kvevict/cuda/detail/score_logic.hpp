@@ -14,6 +14,7 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/scoring/params.hpp"
+#include "kvevict/views/index_ptr.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
 namespace cuda {
