@@ -151,7 +151,10 @@ class compressor {
                          static_cast<long long>(UINT32_MAX / static_cast<std::uint64_t>(c.total_heads_)),
                          static_cast<long long>(c.total_heads_), static_cast<long long>(c.options_.limits.max_tokens));
     if (st.ok()) {
-      c.size_for(c.options_.model.storage, c.options_.model.query_storage);
+      (void)with_types(c.options_.model.storage, c.options_.model.query_storage, [&](auto t, auto q) {
+        c.size<typename decltype(t)::type, typename decltype(q)::type>();
+        return status();
+      });
       if (c.workspace_bytes_ == std::numeric_limits<std::size_t>::max() ||
           c.state_bytes_ == std::numeric_limits<std::size_t>::max() ||
           c.keep_capacity_ == std::numeric_limits<std::int64_t>::max())
@@ -252,6 +255,18 @@ class compressor {
     return status();
   }
 
+  /// The runtime-dtype entry: run() for views whose element types are the plan's
+  /// model.storage and model.query_storage (tags checked at plan time). `ws`: at least
+  /// any_workspace_size() bytes. Otherwise run()'s contract exactly (the typed call it makes).
+  status run(std::int64_t layer, const any_sequence_io* seqs, std::int64_t num_seqs, sequence_report* reports,
+             workspace_span ws) const {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    KVEVICT_RETURN_IF_ERROR(check_planned(fn));
+    return with_types(options_.model.storage, options_.model.query_storage, [&](auto t, auto q) {
+      return run_typed<typename decltype(t)::type, typename decltype(q)::type>(layer, seqs, num_seqs, reports, ws);
+    });
+  }
+
   /// One layer's hook for a batch of sequences.
   ///
   ///   layer:   0 .. num_layers - 1
@@ -267,28 +282,6 @@ class compressor {
   /// own heads' views), and gets for its heads what one process holding every head would; a
   /// rank that fails or disagrees makes it fail on every rank (design.md §15). Reports and
   /// outputs describe this rank's heads (report.length: its longest head).
-  /// The runtime-dtype entry: run() for views whose element types are the plan's
-  /// model.storage and model.query_storage (tags checked at plan time). `ws`: at least
-  /// any_workspace_size() bytes. Otherwise run()'s contract exactly (the typed call it makes).
-  status run(std::int64_t layer, const any_sequence_io* seqs, std::int64_t num_seqs, sequence_report* reports,
-             workspace_span ws) const {
-    static constexpr const char* fn = "kvevict::compressor::run";
-    KVEVICT_RETURN_IF_ERROR(check_planned(fn));
-    switch (options_.model.storage) {
-      case dtype::f32:
-        return run_typed<float, float>(layer, seqs, num_seqs, reports, ws);
-      case dtype::f16:
-        return run_typed<fp16, fp16>(layer, seqs, num_seqs, reports, ws);
-      case dtype::bf16:
-        return run_typed<bf16, bf16>(layer, seqs, num_seqs, reports, ws);
-      case dtype::f8_e4m3:
-        return run_fp8<fp8_e4m3>(layer, seqs, num_seqs, reports, ws);
-      case dtype::f8_e5m2:
-        return run_fp8<fp8_e5m2>(layer, seqs, num_seqs, reports, ws);
-    }
-    return status::error(errc::invalid_argument, fn, "model.storage", "not a dtype");  // plan() refuses it
-  }
-
   template <class T, class Q = default_query_type_t<T>>
   status run(std::int64_t layer, const sequence_io<T, Q>* seqs, std::int64_t num_seqs, sequence_report* reports,
              workspace_span ws) const {
@@ -318,14 +311,6 @@ class compressor {
   }
 
  private:
-  template <class T>
-  status run_fp8(std::int64_t layer, const any_sequence_io* seqs, std::int64_t num_seqs, sequence_report* reports,
-                 workspace_span ws) const {
-    if (options_.model.query_storage == dtype::f32) return run_typed<T, float>(layer, seqs, num_seqs, reports, ws);
-    if (options_.model.query_storage == dtype::f16) return run_typed<T, fp16>(layer, seqs, num_seqs, reports, ws);
-    return run_typed<T, bf16>(layer, seqs, num_seqs, reports, ws);
-  }
-
   /// The typed views of a batch of n erased sequences, carved from the front of the workspace
   /// (views are trivially copyable: the arena holds them like any scratch).
   template <class T = float, class Q = float>
@@ -833,26 +818,32 @@ class compressor {
     return status::error(errc::invalid_state, "kvevict::compressor", "policy.kind", "not a scoring policy");
   }
 
-  /// size<T, Q>() for the plan's (validated) storage and query types.
-  void size_for(dtype storage, dtype queries) noexcept {
+  template <class T>
+  struct type_tag {
+    using type = T;
+  };
+  /// f(type_tag<T>, type_tag<Q>) for the plan's (validated) storage and query types: the one
+  /// place the tags become types (plan's sizing and the runtime-dtype run()).
+  template <class F>
+  static status with_types(dtype storage, dtype queries, F&& f) {
+    auto fp8 = [&](auto t) -> status {
+      if (queries == dtype::f32) return f(t, type_tag<float>{});
+      if (queries == dtype::f16) return f(t, type_tag<fp16>{});
+      return f(t, type_tag<bf16>{});
+    };
     switch (storage) {
       case dtype::f32:
-        return size<float, float>();
+        return f(type_tag<float>{}, type_tag<float>{});
       case dtype::f16:
-        return size<fp16, fp16>();
-      case dtype::bf16:
-        return size<bf16, bf16>();
+        return f(type_tag<fp16>{}, type_tag<fp16>{});
       case dtype::f8_e4m3:
-        return size_fp8<fp8_e4m3>(queries);
+        return fp8(type_tag<fp8_e4m3>{});
       case dtype::f8_e5m2:
-        return size_fp8<fp8_e5m2>(queries);
+        return fp8(type_tag<fp8_e5m2>{});
+      case dtype::bf16:
+        break;
     }
-  }
-  template <class T>
-  void size_fp8(dtype queries) noexcept {
-    if (queries == dtype::f32) return size<T, float>();
-    if (queries == dtype::f16) return size<T, fp16>();
-    size<T, bf16>();
+    return f(type_tag<bf16>{}, type_tag<bf16>{});
   }
 
   template <class T, class Q>
