@@ -62,7 +62,7 @@ GPUS = {
 
 # Registers per thread from `ptxas -v` (nvcc 13.0, sm_90, bf16 instantiations of bench_gpu.cu);
 # they set how many blocks an SM holds.
-REGS = {"obs_tile_kernel": 48, "row_lse_kernel": 23, "finalize_kernel": 56, "obs_state_kernel": 32,
+REGS = {"obs_tile_kernel": 40, "row_lse_kernel": 23, "finalize_kernel": 56, "obs_state_kernel": 32,
         "decode_logits_kernel": 48, "decode_update_kernel": 32, "select_prepare_kernel": 30,
         "select_rows_kernel": 47, "compact_validate_kernel": 30, "compact_move_kernel": 64}
 
@@ -190,13 +190,47 @@ def decode_sweep_wavefronts(group, d, elem):
 OBS_TK, OBS_RT, OBS_DC, DEC_TK, FIN_TK, SEL_THREADS, SEL_TILE = 64, 64, 32, 256, 256, 512, 4096
 
 
+def tensor_cores(s: Shape):
+    """bf16/fp16 keys with queries of the same type score on tensor cores; float32 on FP32 cores."""
+    return s.elem == 2
+
+
+def mma_key_words(d):
+    return ceil_div(d, 16) * 8 + 4
+
+
+MMA_QUERY_WORDS = 64 // 2 + 4
+
+
 def obs_smem(s: Shape, accumulate):
-    b = (s.window + 2 * OBS_TK) * 8 + OBS_TK * (s.d + 1) * 4
-    q, p = OBS_RT * (OBS_DC + 1), OBS_RT * (OBS_TK + 1)
-    b += (max(q, p) if accumulate else q) * 4
+    b = (s.window + 2 * OBS_TK) * 8
+    p = OBS_RT * (OBS_TK + 1)
+    if tensor_cores(s):
+        b += OBS_TK * mma_key_words(s.d) * 4 + max(OBS_RT * MMA_QUERY_WORDS, p) * 4
+    else:
+        q = OBS_RT * (OBS_DC + 1)
+        b += OBS_TK * (s.d + 1) * 4 + (max(q, p) if accumulate else q) * 4
     if accumulate:
         b += (s.group * OBS_TK + s.window) * 4
     return b
+
+
+def mma_tile_wavefronts(d):
+    """Shared-memory wavefronts per warp for one 16 x 32 slice of the 64 x 64 logit tile on
+    tensor cores: per 16 channels, A's four words and B's 2 x 4 (LDS.32, conflict-free thanks
+    to the 4-word pads), then the scaled logits through the scratch tile ([64][65] floats):
+    16 STS.32 in the fragment layout, 16 LDS.32 in the epilogue's."""
+    frag = ceil_div(d, 16) * 12
+    write = 0
+    for n in range(4):
+        for r in (0, 8):
+            for c in (0, 1):
+                write += wavefronts([(((lane // 4 + r) * 65 + 8 * n + 2 * (lane % 4) + c) * 4, 4) for lane in range(32)])
+    read = 0
+    for i in range(4):
+        for k in range(4):
+            read += wavefronts([(((lane // 16 + 16 * i) * 65 + lane % 16 + 16 * k) * 4, 4) for lane in range(32)])
+    return frag + write + read
 
 
 def fits_l2(g: Gpu, nbytes):
@@ -214,11 +248,24 @@ def obs_tile(s: Shape, g: Gpu, accumulate):
     blocks = tiles * s.hkv
     k_bytes = s.hkv * keys * s.d * s.elem
     q_bytes = blocks * rows * s.d * s.elem  # every block stages all G*W queries (L2 hits)
-    # Main loop: per channel, each thread loads 4 query and 4 key values (LDS.32, conflict-free
-    # thanks to the +1 pads) for 16 FFMA: 8 LDS per 16 FFMA.
-    lds = rchunks * s.d * 8 * 8            # warp-LDS per block (8 warps)
-    fma = rchunks * s.d * 16 * 8           # warp-FFMA per block
-    staging = 2 * s.d + rchunks * dchunks * 8 * 8   # STS of the K tile and query chunks
+    if tensor_cores(s):
+        # Per row chunk, each warp computes a 16 x 32 slice with 4 m16n8k16 MMAs per 16
+        # channels; the queries are staged 64 channels at a time as 16-bit pairs (8 STS.32 per
+        # thread), the K tile once (ceil(64 * words / 256) STS.32 per thread).
+        dpad = ceil_div(s.d, 16) * 16
+        lds = rchunks * 8 * mma_tile_wavefronts(s.d)
+        fma = 0
+        staging = 8 * ceil_div(OBS_TK * mma_key_words(s.d), 256) + rchunks * ceil_div(dpad, 64) * 8 * 8
+        tensor = 2.0 * s.hkv * rchunks * OBS_RT * tiles * OBS_TK * dpad
+        note = "tensor cores: 12 LDS.32 per 4 MMA, logits through shared memory"
+    else:
+        # Per channel, each thread loads 4 query and 4 key values (LDS.32, conflict-free thanks
+        # to the +1 pads) for 16 FFMA: 8 LDS per 16 FFMA.
+        lds = rchunks * s.d * 8 * 8            # warp-LDS per block (8 warps)
+        fma = rchunks * s.d * 16 * 8           # warp-FFMA per block
+        staging = 2 * s.d + rchunks * dchunks * 8 * 8   # STS of the K tile and query chunks
+        tensor = 0.0
+        note = "4x4 register tile: 8 LDS.32 per 16 FFMA"
     mufu = rchunks * OBS_RT * OBS_TK
     if accumulate:
         rows_per_g = min(s.window, OBS_RT)
@@ -235,9 +282,9 @@ def obs_tile(s: Shape, g: Gpu, accumulate):
         l2 = q_bytes + k_bytes
         label = "stats (tile max, sum exp)"
     return Kernel("obs_tile_kernel", label, blocks, 256, obs_smem(s, accumulate), hbm_bytes=hbm, l2_bytes=l2,
-                  fp32_flops=2.0 * s.hkv * rchunks * OBS_RT * tiles * OBS_TK * s.d, fma_per_block=fma,
-                  mio_per_block=lds + staging + epilogue, mufu_per_block=mufu,
-                  note="4x4 register tile: 8 LDS.32 per 16 FFMA")
+                  fp32_flops=0.0 if tensor else 2.0 * s.hkv * rchunks * OBS_RT * tiles * OBS_TK * s.d,
+                  fma_per_block=fma, mio_per_block=lds + staging + epilogue, mufu_per_block=mufu,
+                  tensor_flops=tensor, note=note)
 
 
 def row_lse(s: Shape, g: Gpu, rows, tiles):
@@ -448,8 +495,8 @@ def table(s: Shape, g: Gpu, out):
     out.append(f"Shape: {shape_line(s)}. GPU: {g.name}, {g.sms} SMs at {g.clock_ghz} GHz, HBM "
                f"{g.hbm_gbs / 1000:.1f} TB/s, FP32 {g.fp32_tflops:.1f} TFLOP/s, launch floor {g.launch_us} us.")
     out.append("")
-    out.append("| call / kernel | grid x threads | HBM | L2 | FP32 FLOP | smem wavefronts | time HBM / FP32 / SMEM / "
-               "latency (us) | bound | modelled (us) |")
+    out.append("| call / kernel | grid x threads | HBM | L2 | FLOP FP32 / tensor | smem wavefronts | time HBM / FP32 / "
+               "tensor / SMEM / latency (us) | bound | modelled (us) |")
     out.append("|---|---:|---:|---:|---:|---:|---|---|---:|")
     for key, (title, ks) in calls(s, g).items():
         total = call_time(ks, g)
@@ -459,8 +506,9 @@ def table(s: Shape, g: Gpu, out):
             tt = k.times
             mio_total = k.mio_per_block * k.blocks
             out.append(f"| &nbsp; {k.name}: {k.label} | {k.blocks} x {k.threads} | {fmt_bytes(k.hbm_bytes)} | "
-                       f"{fmt_bytes(k.l2_bytes)} | {k.fp32_flops / 1e9:.2f} G | {mio_total / 1e6:.2f} M | "
-                       f"{fmt_us(tt['HBM'])} / {fmt_us(tt['FP32'])} / {fmt_us(tt['SMEM'])} / {fmt_us(tt['latency'])} "
+                       f"{fmt_bytes(k.l2_bytes)} | {k.fp32_flops / 1e9:.2f} / {k.tensor_flops / 1e9:.2f} G | "
+                       f"{mio_total / 1e6:.2f} M | {fmt_us(tt['HBM'])} / {fmt_us(tt['FP32'])} / {fmt_us(tt['tensor'])} / "
+                       f"{fmt_us(tt['SMEM'])} / {fmt_us(tt['latency'])} "
                        f"| {res} | {fmt_us(t)} |")
     out.append("")
 
@@ -654,17 +702,24 @@ def self_test():
     stats, lse, acc, fin = c["obs_2pass"][1]
     # K of a Llama-3.1-8B layer at 32K: 8 * 32768 * 128 * 2 B = 64 MiB, read once per pass.
     check(stats.hbm_bytes - 64 * 2**20 == 8 * 32 * 4 * 512 * 8, f"stats HBM bytes {stats.hbm_bytes}")
-    # Logits FLOPs per pass: 2 * Hq * W * L * d = 8.59 GFLOP (no row or key padding at this shape).
-    check(stats.fp32_flops == 2.0 * 32 * 32 * 32768 * 128, f"stats FLOPs {stats.fp32_flops}")
-    # 8 LDS per 16 FFMA at 1 LDS and 4 FFMA per clock per SM: the shared-memory bound is twice
-    # the FP32 bound.
-    t = stats.evaluate(g)
-    check(t["SMEM"] > 1.9 * t["FP32"] and t["SMEM"] < 2.2 * t["FP32"], f"stats SMEM/FP32 {t['SMEM'] / t['FP32']}")
+    # Logits FLOPs per pass: 2 * Hq * W * L * d = 8.59 GFLOP (no row or key padding at this
+    # shape), on tensor cores for bf16.
+    check(stats.tensor_flops == 2.0 * 32 * 32 * 32768 * 128 and stats.fp32_flops == 0, f"stats FLOPs {stats.tensor_flops}")
+    # Tensor cores: 12 conflict-free fragment loads per 4 MMAs per 16 channels, plus the logits'
+    # round trip through the scratch tile (16 STS, 4-way conflicted: row g and column 2t fall in
+    # bank g + 2t; 16 LDS, 2-way).
+    check(mma_tile_wavefronts(128) == 8 * 12 + 16 * 4 + 16 * 2, f"mma wavefronts {mma_tile_wavefronts(128)}")
     check(stats.bound(g)[1] == "SMEM" and acc.bound(g)[1] == "SMEM", "scoring passes bound by shared memory")
-    check(200 < stats.bound(g)[0] < 320, f"stats at 32K: {stats.bound(g)[0]} us")
+    check(50 < stats.bound(g)[0] < 80, f"stats at 32K: {stats.bound(g)[0]} us")
+    # float32 keys stay on FP32 cores: 8 LDS per 16 FFMA at 1 LDS and 4 FFMA per clock per SM,
+    # so the shared-memory bound is twice the FP32 bound.
+    f32 = calls(Shape(elem=4), g)["obs_2pass"][1][0]
+    check(f32.fp32_flops == 2.0 * 32 * 32 * 32768 * 128 and f32.tensor_flops == 0, f"f32 FLOPs {f32.fp32_flops}")
+    t = f32.evaluate(g)
+    check(t["SMEM"] > 1.9 * t["FP32"] and t["SMEM"] < 2.2 * t["FP32"], f"f32 stats SMEM/FP32 {t['SMEM'] / t['FP32']}")
     check(lse.bound(g)[1] == "launch" and fin.bound(g)[1] == "launch", "row LSE and finalize at the launch floor")
-    # Occupancy: stats 5 blocks per SM (registers), accumulate 4 (shared memory).
-    check(stats.resident(g) == 5 and acc.resident(g) == 4, f"resident {stats.resident(g)} {acc.resident(g)}")
+    # Occupancy: 6 blocks per SM for both passes (40 registers; 35 and 36 KiB of shared memory).
+    check(stats.resident(g) == 6 and acc.resident(g) == 6, f"resident {stats.resident(g)} {acc.resident(g)}")
     # Bank model: 16 lanes 32 B apart reading 4 B each: 4 lanes per bank, 4 wavefronts.
     check(wavefronts([(lane * 32, 4) for lane in range(16)]) == 4, "4-way conflict")
     check(wavefronts([(lane * 4, 4) for lane in range(32)]) == 1, "conflict-free")

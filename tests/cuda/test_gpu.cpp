@@ -320,6 +320,12 @@ TEST_CASE("GPU observation scores: edge shapes, positions, engine LSE, special v
     check_obs<bf16, bf16>({2, 2, 256, 200, 16}, test::layout::contiguous, kKvpress, c, 4);
     check_obs<fp16, fp16>({2, 2, 72, 200, 16}, test::layout::paged_hnd, kKvpress, c, 5);
   }
+  SECTION("odd head_dim on tensor cores (45, 33: half-filled channel pairs and MMA steps)") {
+    obs_case c;
+    c.qpos = tail_positions(130, 12);
+    check_obs<bf16, bf16>({2, 3, 45, 130, 12}, test::layout::paged_nhd, kKvpress, c, 21);
+    check_obs<fp16, fp16>({1, 4, 33, 130, 12}, test::layout::transposed, kKvpress, c, 22);
+  }
   SECTION("large group: G = 8, W = 64 (512 rows)") {
     obs_case c;
     c.qpos = tail_positions(333, 64);

@@ -31,6 +31,7 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/cuda/common.cuh"
+#include "kvevict/cuda/detail/mma.cuh"
 #include "kvevict/cuda/detail/row_lse.cuh"
 #include "kvevict/cuda/detail/score_logic.hpp"
 #include "kvevict/cuda/detail/tiling.hpp"
@@ -84,19 +85,202 @@ struct obs_args {
   bool max_window = false;
 };
 
+/// Tensor cores score when queries and keys are both bf16 or both fp16; float32 and mixed
+/// types stay on the CUDA cores.
+template <class QT, class KT>
+struct uses_tensor_cores : std::integral_constant<bool, std::is_same<QT, KT>::value && is_mma_operand<KT>::value> {};
+
+/// Channels of the query tile staged per step (the whole head_dim is held for the keys).
+constexpr int obs_mma_chunk = 64;
+/// 32-bit words per row of the tensor-core tiles: 16-bit channels in pairs, head_dim padded
+/// to a multiple of 16 (one MMA step), plus 4 words so that the 8 rows x 4 words a fragment
+/// load touches fall in 32 different banks.
+KVEVICT_HOST_DEVICE constexpr int mma_key_words(int dim) noexcept {
+  return (dim + 15) / 16 * 8 + 4;
+}
+constexpr int mma_query_words = obs_mma_chunk / 2 + 4;
+
 /// Shared memory of the tile kernel, in carving order: query positions [W] and key
-/// positions and row offsets [64] (int64), the K tile [64][d + 1], the union of the query
-/// chunk [64][33] and the probability tile [64][65], then (accumulate) acc [G][64] and
-/// weights [W]. The +1 pads make the row-strided reads of the register tile conflict-free.
-inline std::size_t obs_shared_bytes(std::int64_t dim, std::int64_t group, std::int64_t window,
-                                    bool accumulate) noexcept {
+/// positions and row offsets [64] (int64), the K tile, a scratch tile, then (accumulate)
+/// acc [G][64] and weights [W]. CUDA cores: the K tile widened to float [64][d + 1], the
+/// scratch the union of the query chunk [64][33] and the probability tile [64][65] (the +1
+/// pads make the row-strided reads of the register tile conflict-free). Tensor cores: the K
+/// tile as 16-bit pairs [64][mma_key_words(d)], the scratch the union of the query chunk
+/// [64][mma_query_words] and the logit tile [64][65].
+inline std::size_t obs_shared_bytes(std::int64_t dim, std::int64_t group, std::int64_t window, bool accumulate,
+                                    bool tensor_cores) noexcept {
   const std::int64_t tk = obs_tile_keys, rt = obs_tile_rows, dc = obs_tile_dims;
   std::int64_t bytes = (window + 2 * tk) * 8;
-  bytes += tk * (dim + 1) * 4;
-  const std::int64_t qchunk = rt * (dc + 1), ptile = rt * (tk + 1);
-  bytes += (accumulate ? (qchunk > ptile ? qchunk : ptile) : qchunk) * 4;
+  const std::int64_t ptile = rt * (tk + 1);
+  if (tensor_cores) {
+    bytes += tk * mma_key_words(static_cast<int>(dim)) * 4;
+    const std::int64_t qchunk = rt * mma_query_words;
+    bytes += (qchunk > ptile ? qchunk : ptile) * 4;
+  } else {
+    bytes += tk * (dim + 1) * 4;
+    const std::int64_t qchunk = rt * (dc + 1);
+    bytes += (accumulate ? (qchunk > ptile ? qchunk : ptile) : qchunk) * 4;
+  }
   if (accumulate) bytes += (group * tk + window) * 4;
   return static_cast<std::size_t>(bytes);
+}
+
+/// The K tile of keys [j0, j0 + nk) of head h in shared memory, widened once. A key behind a
+/// bad block id (rowoff < 0) reads as NaN: its logits are NaN, which the mask turns into "no
+/// attention", as for any NaN key. CUDA cores: floats [64][d + 1].
+template <class QT, class KT>
+__device__ void stage_key_tile(std::false_type, const obs_args<QT, KT>& a, void* tile, const std::int64_t* rowoff,
+                               int nk, int tid) {
+  constexpr int TK = static_cast<int>(obs_tile_keys);
+  const int d = a.dim;
+  float* ks = static_cast<float*>(tile);
+  for (int e = tid; e < TK * d; e += obs_threads) {
+    const int i = e / d, c = e - i * d;
+    float v = 0.0f;
+    if (i < nk) {
+      const std::int64_t off = rowoff[i];
+      v = off < 0 ? __int_as_float(0x7fc00000) : load_float(a.k.data + off + c * a.k.dim_stride);
+    }
+    ks[i * (d + 1) + c] = v;
+  }
+}
+
+template <class T>
+__device__ __forceinline__ std::uint32_t load_bits(const T* p) {
+  return __ldg(reinterpret_cast<const unsigned short*>(p));
+}
+
+/// Tensor cores: the stored 16-bit keys, two channels per word, [64][mma_key_words(d)];
+/// channels past d are zero.
+template <class QT, class KT>
+__device__ void stage_key_tile(std::true_type, const obs_args<QT, KT>& a, void* tile, const std::int64_t* rowoff,
+                               int nk, int tid) {
+  constexpr int TK = static_cast<int>(obs_tile_keys);
+  constexpr std::uint32_t nan_bits = std::is_same<KT, bf16>::value ? 0x7fc0u : 0x7e00u;
+  const int d = a.dim, kw = mma_key_words(d), pairs = (d + 1) / 2;
+  std::uint32_t* ks = static_cast<std::uint32_t*>(tile);
+  for (int e = tid; e < TK * kw; e += obs_threads) {
+    const int i = e / kw, w = e - i * kw, c = 2 * w;
+    std::uint32_t v = 0;
+    if (i < nk && w < pairs) {
+      const std::int64_t off = rowoff[i];
+      const KT* row = a.k.data + off;
+      const std::uint32_t lo = off < 0 ? nan_bits : load_bits(row + c * a.k.dim_stride);
+      const std::uint32_t hi = c + 1 >= d ? 0u : (off < 0 ? nan_bits : load_bits(row + (c + 1) * a.k.dim_stride));
+      v = lo | hi << 16;
+    }
+    ks[i * kw + w] = v;
+  }
+}
+
+/// Logits of observation rows [r0, r0 + 64) of head h against the K tile, scaled by
+/// 1/sqrt(d), in the epilogue's register layout: logit[i][k] is row r0 + ty + 16 i, key
+/// tx + 16 k. CUDA cores: a 4x4 register tile per thread over query chunks of 32 channels.
+template <class QT, class KT>
+__device__ void tile_logits(std::false_type, const obs_args<QT, KT>& a, const void* tile, float* scratch, int h, int r0,
+                            int tid, float (&logit)[4][4]) {
+  constexpr int RT = static_cast<int>(obs_tile_rows);
+  constexpr int DC = static_cast<int>(obs_tile_dims);
+  const int d = a.dim, W = a.window, G = a.group, R = a.rows;
+  const int tx = tid & 15, ty = tid >> 4;
+  const float* ks = static_cast<const float*>(tile);
+  float* qs = scratch;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) logit[i][k] = 0.0f;
+  for (int c0 = 0; c0 < d; c0 += DC) {
+    const int dc = d - c0 < DC ? d - c0 : DC;
+    for (int e = tid; e < RT * DC; e += obs_threads) {
+      const int rr = e / DC, cc = e - rr * DC;
+      const int r = r0 + rr;
+      float v = 0.0f;
+      if (r < R && cc < dc) {
+        const int g = r / W, t = r - g * W;
+        v = load_float(a.q.data + a.q.offset(static_cast<std::int64_t>(h) * G + g, t, c0 + cc)) * a.scale;
+      }
+      qs[rr * (DC + 1) + cc] = v;
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int cc = 0; cc < dc; ++cc) {
+      float qv[4], kv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) qv[i] = qs[(ty + 16 * i) * (DC + 1) + cc];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) kv[k] = ks[(tx + 16 * k) * (d + 1) + c0 + cc];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) logit[i][k] = fmaf(qv[i], kv[k], logit[i][k]);
+    }
+    __syncthreads();
+  }
+}
+
+/// Tensor cores: warp w computes rows [16 (w / 2), +16) x keys [32 (w % 2), +32) of the
+/// 64x64 tile as four m16n8k16 accumulators over query chunks of 64 channels, scales them
+/// and passes them through the scratch tile into the epilogue's layout. Leaves the block
+/// synchronised with the scratch free.
+template <class QT, class KT>
+__device__ void tile_logits(std::true_type, const obs_args<QT, KT>& a, const void* tile, float* scratch, int h, int r0,
+                            int tid, float (&logit)[4][4]) {
+  constexpr int RT = static_cast<int>(obs_tile_rows);
+  constexpr int TK = static_cast<int>(obs_tile_keys);
+  constexpr int QW = mma_query_words;
+  const int d = a.dim, W = a.window, G = a.group, R = a.rows, kw = mma_key_words(d);
+  const int padded = (d + 15) / 16 * 16;
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int m0 = 16 * (warp / 2), n0 = 32 * (warp % 2);
+  const std::uint32_t* ks = static_cast<const std::uint32_t*>(tile);
+  std::uint32_t* qs = reinterpret_cast<std::uint32_t*>(scratch);
+  float acc[4][4];
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) acc[n][k] = 0.0f;
+  for (int c0 = 0; c0 < padded; c0 += obs_mma_chunk) {
+    const int chunk = padded - c0 < obs_mma_chunk ? padded - c0 : obs_mma_chunk;
+    for (int e = tid; e < RT * (obs_mma_chunk / 2); e += obs_threads) {
+      const int rr = e / (obs_mma_chunk / 2), w = e - rr * (obs_mma_chunk / 2), c = c0 + 2 * w;
+      const int r = r0 + rr;
+      std::uint32_t v = 0;
+      if (r < R && c < d) {
+        const int gq = r / W, tq = r - gq * W;
+        const QT* q = a.q.data + a.q.offset(static_cast<std::int64_t>(h) * G + gq, tq, c);
+        v = load_bits(q) | (c + 1 < d ? load_bits(q + a.q.dim_stride) << 16 : 0u);
+      }
+      qs[rr * QW + w] = v;
+    }
+    __syncthreads();
+    for (int k0 = 0; k0 < chunk / 2; k0 += 8) {
+      const std::uint32_t fa[4] = {qs[(m0 + g) * QW + k0 + t], qs[(m0 + g + 8) * QW + k0 + t],
+                                   qs[(m0 + g) * QW + k0 + t + 4], qs[(m0 + g + 8) * QW + k0 + t + 4]};
+      const int kword = c0 / 2 + k0 + t;
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const int key = n0 + 8 * n + g;
+        const std::uint32_t fb[2] = {ks[key * kw + kword], ks[key * kw + kword + 4]};
+        mma_m16n8k16<KT>(acc[n], fa, fb);
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int key = n0 + 8 * n + 2 * t;
+    scratch[(m0 + g) * (TK + 1) + key] = acc[n][0] * a.scale;
+    scratch[(m0 + g) * (TK + 1) + key + 1] = acc[n][1] * a.scale;
+    scratch[(m0 + g + 8) * (TK + 1) + key] = acc[n][2] * a.scale;
+    scratch[(m0 + g + 8) * (TK + 1) + key + 1] = acc[n][3] * a.scale;
+  }
+  __syncthreads();
+  const int tx = tid & 15, ty = tid >> 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) logit[i][k] = scratch[(ty + 16 * i) * (TK + 1) + tx + 16 * k];
+  __syncthreads();
 }
 
 template <class QT, class KT, bool Accumulate>
@@ -104,16 +288,20 @@ __global__ void __launch_bounds__(obs_threads) obs_tile_kernel(obs_args<QT, KT> 
   constexpr int TK = static_cast<int>(obs_tile_keys);
   constexpr int RT = static_cast<int>(obs_tile_rows);
   constexpr int DC = static_cast<int>(obs_tile_dims);
+  using tensor_cores = uses_tensor_cores<QT, KT>;
   KVEVICT_DYNAMIC_SHARED(float4, obs_smem_raw);
   const int d = a.dim, W = a.window, G = a.group, R = a.rows;
   std::int64_t* qpos = reinterpret_cast<std::int64_t*>(obs_smem_raw);
   std::int64_t* kpos = qpos + W;
   std::int64_t* rowoff = kpos + TK;
-  float* ks = reinterpret_cast<float*>(rowoff + TK);                                   // [TK][d + 1]
-  float* qs = ks + TK * (d + 1);                                                       // [RT][DC + 1], aliased by ps
-  float* ps = qs;                                                                      // [RT][TK + 1]
-  float* accs = qs + (RT * (TK + 1) > RT * (DC + 1) ? RT * (TK + 1) : RT * (DC + 1));  // [G][TK]
-  float* wts = accs + G * TK;                                                          // [W]
+  float* ktile = reinterpret_cast<float*>(rowoff + TK);
+  float* scratch = ktile + TK * (tensor_cores::value ? mma_key_words(d) : d + 1);
+  float* ps = scratch;  // [RT][TK + 1]
+  const int scratch_floats = tensor_cores::value
+                                 ? (RT * (TK + 1) > RT * mma_query_words ? RT * (TK + 1) : RT * mma_query_words)
+                                 : (RT * (TK + 1) > RT * (DC + 1) ? RT * (TK + 1) : RT * (DC + 1));
+  float* accs = scratch + scratch_floats;  // [G][TK]
+  float* wts = accs + G * TK;              // [W]
 
   const int tid = static_cast<int>(threadIdx.x);
   const int tx = tid & 15, ty = tid >> 4;
@@ -141,52 +329,12 @@ __global__ void __launch_bounds__(obs_threads) obs_tile_kernel(obs_args<QT, KT> 
   if (Accumulate)
     for (int i = tid; i < G * TK; i += obs_threads) accs[i] = 0.0f;
   __syncthreads();
-  // The K tile, widened once. A key behind a bad block id reads as NaN: its logits are NaN,
-  // which the mask turns into "no attention", as for any NaN key.
-  for (int e = tid; e < TK * d; e += obs_threads) {
-    const int i = e / d, c = e - i * d;
-    float v = 0.0f;
-    if (i < nk) {
-      const std::int64_t off = rowoff[i];
-      v = off < 0 ? __int_as_float(0x7fc00000) : load_float(a.k.data + off + c * a.k.dim_stride);
-    }
-    ks[i * (d + 1) + c] = v;
-  }
+  stage_key_tile(tensor_cores(), a, ktile, rowoff, nk, tid);
   __syncthreads();
 
   for (int r0 = 0; r0 < R; r0 += RT) {
     float logit[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int k = 0; k < 4; ++k) logit[i][k] = 0.0f;
-    for (int c0 = 0; c0 < d; c0 += DC) {
-      const int dc = d - c0 < DC ? d - c0 : DC;
-      for (int e = tid; e < RT * DC; e += obs_threads) {
-        const int rr = e / DC, cc = e - rr * DC;
-        const int r = r0 + rr;
-        float v = 0.0f;
-        if (r < R && cc < dc) {
-          const int g = r / W, t = r - g * W;
-          v = load_float(a.q.data + a.q.offset(static_cast<std::int64_t>(h) * G + g, t, c0 + cc)) * a.scale;
-        }
-        qs[rr * (DC + 1) + cc] = v;
-      }
-      __syncthreads();
-#pragma unroll 4
-      for (int cc = 0; cc < dc; ++cc) {
-        float qv[4], kv[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) qv[i] = qs[(ty + 16 * i) * (DC + 1) + cc];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) kv[k] = ks[(tx + 16 * k) * (d + 1) + c0 + cc];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-          for (int k = 0; k < 4; ++k) logit[i][k] = fmaf(qv[i], kv[k], logit[i][k]);
-      }
-      __syncthreads();
-    }
+    tile_logits(tensor_cores(), a, ktile, scratch, h, r0, tid, logit);
 
     if (!Accumulate) {
       // Softmax partial of this tile per row: max, then sum of exp(x - max), each reduced
@@ -382,7 +530,7 @@ status obs_run_passes(const obs_plan<Q, K>& plan, std::int64_t dim, const launch
   if (dims.candidates == 0) return status();
   const unsigned hkv = static_cast<unsigned>(dims.kv_heads);
   if (a.engine_lse == nullptr && a.softmax_end > 0) {
-    const std::size_t smem = obs_shared_bytes(dim, dims.group, dims.window, false);
+    const std::size_t smem = obs_shared_bytes(dim, dims.group, dims.window, false, uses_tensor_cores<Q, K>::value);
     KVEVICT_RETURN_IF_ERROR(
         launch(fn, "obs_tile_kernel<stats>",
                {dim3(static_cast<unsigned>(a.stat_tiles), hkv), dim3(obs_threads), smem, opt.stream},
@@ -390,7 +538,7 @@ status obs_run_passes(const obs_plan<Q, K>& plan, std::int64_t dim, const launch
     KVEVICT_RETURN_IF_ERROR(
         launch_row_lse(a.partials, a.stat_tiles, dims.kv_heads * dims.rows(), plan.ws.row_lse, opt.stream, fn));
   }
-  const std::size_t smem = obs_shared_bytes(dim, dims.group, dims.window, true);
+  const std::size_t smem = obs_shared_bytes(dim, dims.group, dims.window, true, uses_tensor_cores<Q, K>::value);
   return launch(fn, "obs_tile_kernel<accumulate>",
                 {dim3(static_cast<unsigned>(num_tiles(dims.candidates, obs_tile_keys)), hkv), dim3(obs_threads), smem,
                  opt.stream},

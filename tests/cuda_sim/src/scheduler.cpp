@@ -92,6 +92,7 @@ constexpr unsigned kMaxThreads = 1024;
 constexpr unsigned kMaxWarps = kMaxThreads / 32;
 constexpr std::size_t kStackBytes = 256 * 1024;
 constexpr std::size_t kStaticSharedLimit = 48 * 1024;
+constexpr unsigned full_warp_mask = 0xffffffffu;
 
 struct machine_context {
 #if defined(CUDA_SIM_USE_UCONTEXT)
@@ -155,6 +156,10 @@ const char* op_name(warp_op op) {
       return "__reduce_xor_sync";
     case warp_op::syncwarp:
       return "__syncwarp";
+    case warp_op::mma_bf16:
+      return "mma.sync.m16n8k16.bf16";
+    case warp_op::mma_f16:
+      return "mma.sync.m16n8k16.f16";
   }
   return "a warp function";
 }
@@ -520,9 +525,82 @@ std::uint64_t mask_bytes(std::uint64_t v, int bytes) {
   return bytes >= 8 ? v : (v & ((std::uint64_t{1} << (8 * bytes)) - 1));
 }
 
+// One lane's operands of a pending mma_m16n8k16 (on that lane's stack, which stays live while
+// the lane waits in the collective).
+struct mma_lane {
+  const std::uint32_t* a;
+  const std::uint32_t* b;
+  float* d;
+};
+
+float half_bits_to_float(std::uint32_t h, mma_operands type) noexcept {
+  std::uint32_t bits = 0;
+  if (type == mma_operands::bf16) {
+    bits = h << 16;
+  } else {
+    const std::uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1fu) {
+      bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+      bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: value man * 2^-24, exact in float32
+      const float v = static_cast<float>(man) * 0x1p-24f;
+      std::memcpy(&bits, &v, 4);
+      bits |= sign;
+    }
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+float half_of(std::uint32_t word, int upper, mma_operands type) noexcept {
+  return half_bits_to_float(upper ? word >> 16 : word & 0xffffu, type);
+}
+
+// D = A * B + D over the warp's fragments (layouts in device.hpp), every lane's D written back.
+void resolve_mma(sim_thread* lanes, mma_operands type) noexcept {
+  float a[16][16], b[16][8], d[16][8];
+  for (unsigned lane = 0; lane < 32; ++lane) {
+    const mma_lane& f = *reinterpret_cast<const mma_lane*>(static_cast<std::uintptr_t>(lanes[lane].value));
+    const unsigned g = lane / 4, t = lane % 4;
+    for (int h = 0; h < 2; ++h) {
+      a[g][2 * t + h] = half_of(f.a[0], h, type);
+      a[g + 8][2 * t + h] = half_of(f.a[1], h, type);
+      a[g][2 * t + 8 + h] = half_of(f.a[2], h, type);
+      a[g + 8][2 * t + 8 + h] = half_of(f.a[3], h, type);
+      b[2 * t + h][g] = half_of(f.b[0], h, type);
+      b[2 * t + 8 + h][g] = half_of(f.b[1], h, type);
+      d[g][2 * t + h] = f.d[h];
+      d[g + 8][2 * t + h] = f.d[2 + h];
+    }
+  }
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 8; ++n) {
+      float acc = d[m][n];
+      // The product is exact in float32, so a contracted multiply-add rounds the same.
+      for (int k = 0; k < 16; ++k) acc += a[m][k] * b[k][n];
+      d[m][n] = acc;
+    }
+  for (unsigned lane = 0; lane < 32; ++lane) {
+    const mma_lane& f = *reinterpret_cast<const mma_lane*>(static_cast<std::uintptr_t>(lanes[lane].value));
+    const unsigned g = lane / 4, t = lane % 4;
+    for (int h = 0; h < 2; ++h) {
+      f.d[h] = d[g][2 * t + h];
+      f.d[2 + h] = d[g + 8][2 * t + h];
+    }
+  }
+}
+
 /// Computes every participating lane's result; called by the lane that completes the set.
 void resolve(exec_context& c, unsigned warp, const pending_collective& p) {
   sim_thread* lanes = &c.threads[warp * 32];
+  if (p.op == warp_op::mma_bf16 || p.op == warp_op::mma_f16) {
+    resolve_mma(lanes, p.op == warp_op::mma_bf16 ? mma_operands::bf16 : mma_operands::f16);
+    return;
+  }
   const unsigned width = static_cast<unsigned>(p.width);
   auto source = [&](unsigned lane, unsigned src) -> const sim_thread& {
     if (!(p.mask & (1u << src))) {
@@ -633,6 +711,8 @@ void resolve(exec_context& c, unsigned warp, const pending_collective& p) {
         break;
       }
       case warp_op::syncwarp:
+      case warp_op::mma_bf16:
+      case warp_op::mma_f16:
         break;
     }
     me.result = r;
@@ -819,6 +899,18 @@ unsigned active_mask() noexcept {
   const warp_state& w = c.warps[c.current / 32];
   return w.lanes & ~w.exited;
 }
+
+}  // namespace detail
+
+void mma_m16n8k16(mma_operands type, float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2],
+                  const char* file, int line) noexcept {
+  using namespace detail;
+  const mma_lane me{a, b, d};
+  warp_collective(type == mma_operands::bf16 ? warp_op::mma_bf16 : warp_op::mma_f16, full_warp_mask,
+                  static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(&me)), 8, 0, 32, file, line);
+}
+
+namespace detail {
 
 void* static_shared(const void* site, std::size_t bytes, std::size_t align, const char* name) noexcept {
   exec_context& c = kernel_context("a __shared__ declaration");

@@ -9,13 +9,17 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <thread>
 #include <vector>
 
 #include "cuda_sim/sim.hpp"
+#include "kvevict/cuda/detail/mma.cuh"
 #include "kvevict/cuda/detail/shared_memory.cuh"
+#include "kvevict/dtype.hpp"
 #include "sim_support.hpp"
 
 using simtest::device_vector;
@@ -148,6 +152,22 @@ int expected_shfl(int lane, int width, int which) {
       return (src & ~(width - 1)) > seg ? v : 100 + src;
     }
   }
+}
+
+/// One m16n8k16 MMA per warp; lane l's fragments are a[4l..4l+3], b[2l..2l+1], d[4l..4l+3].
+/// Warp 1 repeats warp 0's operands (d holds C twice) through the portable (shuffle) version.
+template <class T>
+__global__ void mma_kernel(const std::uint32_t* a, const std::uint32_t* b, float* d) {
+  const unsigned lane = threadIdx.x % 32;
+  const std::uint32_t fa[4] = {a[4 * lane], a[4 * lane + 1], a[4 * lane + 2], a[4 * lane + 3]};
+  const std::uint32_t fb[2] = {b[2 * lane], b[2 * lane + 1]};
+  float* mine = d + 4 * threadIdx.x;
+  float acc[4] = {mine[0], mine[1], mine[2], mine[3]};
+  if (threadIdx.x < 32)
+    kvevict::cuda::detail::mma_m16n8k16<T>(acc, fa, fb);
+  else
+    kvevict::cuda::detail::mma_m16n8k16_portable<T>(acc, fa, fb);
+  for (int i = 0; i < 4; ++i) mine[i] = acc[i];
 }
 
 }  // namespace
@@ -411,5 +431,128 @@ TEST_CASE("simulator: host threads launch concurrently", "[cuda_sim_self]") {
       for (int r = 0; r < rounds; ++r) want += ((t + r) % 128) * r;
       REQUIRE(results[static_cast<std::size_t>(i)][static_cast<std::size_t>(t)] == want);
     }
+  }
+}
+
+namespace {
+
+/// Operands of one m16n8k16 MMA as matrices, and the lane fragments PTX's ISA lays them out
+/// in ("Matrix Fragments for mma.m16n8k16 with floating point type").
+template <class T>
+struct mma_case {
+  std::uint16_t a[16][16], b[16][8];
+  float c[16][8];
+
+  std::vector<std::uint32_t> a_fragments() const {
+    std::vector<std::uint32_t> f(128);
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, t = lane % 4;
+      const int rows[4] = {g, g + 8, g, g + 8}, cols[4] = {2 * t, 2 * t, 2 * t + 8, 2 * t + 8};
+      for (int i = 0; i < 4; ++i)
+        f[static_cast<std::size_t>(4 * lane + i)] =
+            a[rows[i]][cols[i]] | static_cast<std::uint32_t>(a[rows[i]][cols[i] + 1]) << 16;
+    }
+    return f;
+  }
+  std::vector<std::uint32_t> b_fragments() const {
+    std::vector<std::uint32_t> f(64);
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, t = lane % 4;
+      for (int i = 0; i < 2; ++i)
+        f[static_cast<std::size_t>(2 * lane + i)] =
+            b[2 * t + 8 * i][g] | static_cast<std::uint32_t>(b[2 * t + 8 * i + 1][g]) << 16;
+    }
+    return f;
+  }
+  /// D's element of lane l, register i.
+  static int row_of(int lane, int i) { return lane / 4 + (i >= 2 ? 8 : 0); }
+  static int col_of(int lane, int i) { return 2 * (lane % 4) + (i % 2); }
+  std::vector<float> c_fragments() const {
+    std::vector<float> f(128);
+    for (int lane = 0; lane < 32; ++lane)
+      for (int i = 0; i < 4; ++i) f[static_cast<std::size_t>(4 * lane + i)] = c[row_of(lane, i)][col_of(lane, i)];
+    return f;
+  }
+  static float value(std::uint16_t bits) {
+    T x;
+    x.bits = bits;
+    return static_cast<float>(x);
+  }
+};
+
+template <class T>
+void check_mma(const mma_case<T>& m, bool special) {
+  device_vector<std::uint32_t> a(m.a_fragments()), b(m.b_fragments());
+  std::vector<float> c = m.c_fragments();
+  std::vector<float> c2(c);
+  c2.insert(c2.end(), c.begin(), c.end());
+  device_vector<float> d(c2);
+  REQUIRE(launch(dim3(1), dim3(64), 0, mma_kernel<T>, a.get(), b.get(), d.get()) == cudaSuccess);
+  const auto out = d.host();
+  for (int lane = 0; lane < 32; ++lane)
+    for (int i = 0; i < 4; ++i) {
+      const int row = mma_case<T>::row_of(lane, i), col = mma_case<T>::col_of(lane, i);
+      double exact = m.c[row][col], magnitude = std::fabs(exact);
+      for (int k = 0; k < 16; ++k) {
+        const double p = static_cast<double>(mma_case<T>::value(m.a[row][k])) * mma_case<T>::value(m.b[k][col]);
+        exact += p;
+        magnitude += std::fabs(p);
+      }
+      const float sim = out[static_cast<std::size_t>(4 * lane + i)];
+      const float portable = out[static_cast<std::size_t>(128 + 4 * lane + i)];
+      INFO("lane " << lane << " register " << i << " (D[" << row << "][" << col << "]) sim " << sim << " portable "
+                   << portable << " exact " << exact);
+      // The simulator and the portable version add the same exact products in the same order.
+      REQUIRE(std::memcmp(&sim, &portable, sizeof(float)) == 0);
+      if (std::isnan(exact)) {
+        REQUIRE(std::isnan(sim));
+      } else if (std::isinf(exact) || special) {
+        REQUIRE((sim == static_cast<float>(exact) || (std::isnan(sim) && std::isnan(exact))));
+      } else {
+        // 16 float32 additions of exact products: within 17 roundings of the magnitudes.
+        REQUIRE(std::fabs(sim - exact) <= 17 * 0x1p-24 * magnitude + 1e-30);
+      }
+    }
+}
+
+template <class T>
+void run_mma_cases() {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (int rep = 0; rep < 4; ++rep) {
+    mma_case<T> m;
+    for (auto& row : m.a)
+      for (auto& x : row) x = T(normal(rng)).bits;
+    for (auto& row : m.b)
+      for (auto& x : row) x = T(normal(rng)).bits;
+    for (auto& row : m.c)
+      for (auto& x : row) x = rep == 0 ? 0.0f : normal(rng);
+    check_mma(m, false);
+  }
+  // NaN and infinity propagate through their rows and columns; 0 * inf is NaN.
+  mma_case<T> m;
+  for (auto& row : m.a)
+    for (auto& x : row) x = T(1.0f).bits;
+  for (auto& row : m.b)
+    for (auto& x : row) x = T(0.5f).bits;
+  for (auto& row : m.c)
+    for (auto& x : row) x = 0.0f;
+  const std::uint16_t nan = std::is_same<T, kvevict::bf16>::value ? 0x7fc0 : 0x7e00;
+  const std::uint16_t inf = std::is_same<T, kvevict::bf16>::value ? 0x7f80 : 0x7c00;
+  m.a[3][5] = nan;
+  m.b[9][6] = inf;
+  m.a[11][9] = 0;
+  m.c[12][1] = -HUGE_VALF;
+  check_mma(m, true);
+}
+
+}  // namespace
+
+TEST_CASE("simulator: tensor-core MMA (m16n8k16) follows PTX's fragment layouts", "[cuda_sim_self]") {
+  SECTION("bf16") {
+    run_mma_cases<kvevict::bf16>();
+  }
+  SECTION("fp16") {
+    run_mma_cases<kvevict::fp16>();
   }
 }

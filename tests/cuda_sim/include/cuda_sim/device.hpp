@@ -59,7 +59,9 @@ enum class warp_op : int {
   reduce_and,
   reduce_or,
   reduce_xor,
-  syncwarp
+  syncwarp,
+  mma_bf16,
+  mma_f16
 };
 struct warp_result {
   std::uint64_t value;
@@ -195,6 +197,25 @@ CUDA_SIM_REDUCE(__reduce_and_sync, reduce_and, unsigned)
 CUDA_SIM_REDUCE(__reduce_or_sync, reduce_or, unsigned)
 CUDA_SIM_REDUCE(__reduce_xor_sync, reduce_xor, unsigned)
 #undef CUDA_SIM_REDUCE
+
+// ---- tensor cores ----------------------------------------------------------------------
+// CUDA C++ has no intrinsic for the warp-level MMA; kernels issue the PTX instruction
+// `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32`, which a host compiler
+// cannot run. Kernels built for the simulator call this function in its place (kvevict keeps
+// the instruction behind one device function, kvevict/cuda/detail/mma.cuh). It is a warp
+// collective of all 32 lanes, with PTX's fragment layouts (g = lane / 4, t = lane % 4):
+//   a[0] = A[g][2t, 2t+1]    a[1] = A[g+8][2t, 2t+1]   a[2] = A[g][2t+8, 2t+9]   a[3] = A[g+8][2t+8, 2t+9]
+//   b[0] = B[2t, 2t+1][g]    b[1] = B[2t+8, 2t+9][g]                (low 16 bits: the lower index)
+//   d[0] = D[g][2t]  d[1] = D[g][2t+1]  d[2] = D[g+8][2t]  d[3] = D[g+8][2t+1]
+// D = A (16x16) * B (16x8) + D. Products of 16-bit operands are exact in float32; the
+// simulator adds them to D in ascending k in float32. The hardware's adder tree rounds the
+// sum differently (not specified by NVIDIA), so results agree with a GPU to float32 rounding
+// of the sum, not bit for bit.
+namespace cudasim {
+enum class mma_operands : int { bf16, f16 };
+void mma_m16n8k16(mma_operands type, float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2],
+                  const char* file = __builtin_FILE(), int line = __builtin_LINE()) noexcept;
+}  // namespace cudasim
 
 // ---- atomics ---------------------------------------------------------------------------
 // CUDA's atomics are relaxed: they never race with each other and order nothing else, which
