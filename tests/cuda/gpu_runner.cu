@@ -255,6 +255,66 @@ state_result decode_observation(const kvevict::query_view<const QT>& q, host_buf
   return r;
 }
 
+template <class QT, class KT>
+plan_result decode_plan_steps(const kvevict::query_view<const QT>& q, host_buffer qbuf,
+                              const kvevict::cache_view<const KT>& k, host_buffer kbuf,
+                              const std::vector<std::int32_t>& table, const decode_step& step,
+                              const std::vector<std::int32_t>& lengths, const std::vector<float>& state, bool graph) {
+  plan_result r;
+  mirror m;
+  const auto dq = device_queries(m, q, qbuf);
+  const auto dk = device_view(m, k, kbuf, table);
+  const std::int64_t c = std::max<std::int64_t>(0, k.num_tokens - step.protected_tail);
+  float* dstate = m.alloc<float>(state.size());
+  if (!state.empty()) cudaMemcpy(dstate, state.data(), state.size() * sizeof(float), cudaMemcpyHostToDevice);
+  kvevict::cuda::decode_params p;
+  p.eta = step.eta;
+  p.gqa = step.gqa;
+  p.domain = step.domain;
+  p.protected_tail = step.protected_tail;
+  kvevict::cuda::decode_inputs din;
+  din.lse = m.put_vector(step.lse);
+  din.key_positions = m.put_vector(step.key_positions);
+  auto* length = m.alloc<std::int32_t>(1);
+  auto* steps = m.alloc<std::int32_t>(1);
+  m.fill(steps, 1, std::int32_t{0});
+  const kvevict::layer_shape shape{q.num_heads, k.num_heads, k.head_dim, k.num_tokens, 1};
+  const std::size_t bytes = kvevict::cuda::decode_observation_workspace_size(shape, p, !step.lse.empty());
+  void* ws = m.alloc_bytes(bytes);
+  const kvevict::cuda::launch_options opt = m.options();
+  kvevict::cuda::decode_plan<QT, KT> plan;
+  r.st = m.finish(plan.init(dq, dk, p, {dstate, k.num_heads, c, c}, {ws, bytes}, length, din, steps, opt));
+  if (!r.st.ok()) return r;
+  cudaGraph_t g = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  if (graph) {
+    cudaStreamBeginCapture(opt.stream, cudaStreamCaptureModeThreadLocal);
+    const kvevict::status captured = plan.run(opt.stream);
+    const cudaError_t end = cudaStreamEndCapture(opt.stream, &g);
+    if (!captured.ok() || end != cudaSuccess || cudaGraphInstantiate(&exec, g) != cudaSuccess) {
+      r.st = captured.ok() ? kvevict::status::error(kvevict::errc::device_error, "gpu_runner", "graph",
+                                                    "capture or instantiation failed")
+                           : captured;
+      if (g != nullptr) cudaGraphDestroy(g);
+      return r;
+    }
+  }
+  for (std::int32_t n : lengths) {
+    cudaMemcpy(length, &n, sizeof(n), cudaMemcpyHostToDevice);
+    const kvevict::status st =
+        graph ? kvevict::cuda::detail::cuda_status(cudaGraphLaunch(exec, opt.stream), "gpu_runner", "cudaGraphLaunch")
+              : plan.run(opt.stream);
+    r.st = m.finish(st);
+    if (!r.st.ok()) break;
+    r.states.push_back(m.get(dstate, state.size()));
+  }
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  if (g != nullptr) cudaGraphDestroy(g);
+  r.flags = m.read_flags();
+  r.steps = m.get(steps, 1)[0];
+  return r;
+}
+
 scores_result finalize_state(const std::vector<float>& state, std::int64_t kv_heads, std::int64_t tokens,
                              std::int64_t group, float scale, const kvevict::scoring_params& params) {
   scores_result r;
@@ -411,6 +471,12 @@ status select_with_small_capacity() {
                                         {3, off, idx, 20}, {ws, bytes}, m.options()));
 }
 
+status decode_plan_unplanned_run() {
+  mirror m;
+  const kvevict::cuda::decode_plan<float, float> plan;
+  return m.finish(plan.run(m.options().stream));
+}
+
 status decode_with_two_queries() {
   mirror m;
   std::vector<float> kh(2 * 8 * 16, 1.0f), qh(4 * 2 * 16, 1.0f), st(16, 0.0f);
@@ -431,7 +497,11 @@ status decode_with_two_queries() {
                                                   float, const std::vector<float>&, const obs_inputs&);             \
   template state_result decode_observation<QT, KT>(                                                                 \
       const kvevict::query_view<const QT>&, host_buffer, const kvevict::cache_view<const KT>&, host_buffer,         \
-      const std::vector<std::int32_t>&, const decode_step&, const std::vector<float>&);
+      const std::vector<std::int32_t>&, const decode_step&, const std::vector<float>&);                             \
+  template plan_result decode_plan_steps<QT, KT>(const kvevict::query_view<const QT>&, host_buffer,                 \
+                                                 const kvevict::cache_view<const KT>&, host_buffer,                 \
+                                                 const std::vector<std::int32_t>&, const decode_step&,              \
+                                                 const std::vector<std::int32_t>&, const std::vector<float>&, bool);
 KVEVICT_GPU_OBS(float, float)
 KVEVICT_GPU_OBS(kvevict::fp16, kvevict::fp16)
 KVEVICT_GPU_OBS(kvevict::bf16, kvevict::bf16)

@@ -86,6 +86,22 @@ state_result decode_observation(const kvevict::query_view<const QT>& q, host_buf
                                 const std::vector<std::int32_t>& table, const decode_step& step,
                                 const std::vector<float>& state);
 
+struct plan_result {
+  kvevict::status st;                      ///< init's status, else the first failing step's
+  std::vector<std::vector<float>> states;  ///< the state [Hkv * (capacity - P)] after each step
+  std::uint32_t flags = 0;
+  std::int32_t steps = 0;  ///< the plan's device step counter at the end
+};
+
+/// A kvevict::cuda::decode_plan at the capacity k.num_tokens, run once per entry of `lengths`
+/// (written to the plan's device-side token count before the step), directly or, with
+/// `graph`, through one captured CUDA graph replayed every step.
+template <class QT, class KT>
+plan_result decode_plan_steps(const kvevict::query_view<const QT>& q, host_buffer qbuf,
+                              const kvevict::cache_view<const KT>& k, host_buffer kbuf,
+                              const std::vector<std::int32_t>& table, const decode_step& step,
+                              const std::vector<std::int32_t>& lengths, const std::vector<float>& state, bool graph);
+
 /// finalize_state_scores of a host state [Hkv * C] into scores [Hkv * L].
 scores_result finalize_state(const std::vector<float>& state, std::int64_t kv_heads, std::int64_t tokens,
                              std::int64_t group, float scale, const kvevict::scoring_params& params);
@@ -142,5 +158,7 @@ kvevict::status observation_with_small_workspace();
 kvevict::status compact_with_aliased_kv();
 kvevict::status select_with_small_capacity();
 kvevict::status decode_with_two_queries();
+/// run() of a decode_plan whose init never succeeded.
+kvevict::status decode_plan_unplanned_run();
 
 }  // namespace gpu

@@ -616,6 +616,120 @@ TEST_CASE("GPU decode observation (DeferKV step)", "[gpu][gpu_decode]") {
 }
 
 namespace {
+/// A decode_plan over a cache of `capacity` tokens, stepped through `lengths`, directly and
+/// through a replayed CUDA graph: every valid step equals decode_observation over a view of
+/// that many tokens applied to the previous state, bit for bit, and leaves the state's
+/// columns past the step's candidates untouched; an invalid length changes nothing, is
+/// flagged and not counted.
+template <class T>
+void check_decode_plan(test::layout lay, std::int64_t hkv, std::int64_t group, std::int64_t d, std::int64_t capacity,
+                       std::int64_t tail, bool engine_lse, bool unsorted_kpos, std::uint64_t seed) {
+  const std::int64_t hq = hkv * group, c = std::max<std::int64_t>(0, capacity - tail);
+  const auto kd = test::normal(static_cast<std::size_t>(hkv * capacity * d), seed);
+  auto keys = test::make_cache<T>(lay, hkv, capacity, d, kd);
+  std::vector<std::int64_t> kpos;
+  if (unsorted_kpos)
+    for (std::int64_t j = 0; j < capacity; ++j) kpos.push_back((j * 7) % capacity);
+  auto q =
+      test::make_queries<T>(hq, 1, d, test::normal(static_cast<std::size_t>(hq * d), seed + 1, 1.5), {capacity - 40});
+  const kvevict::cache_view<const T> kv = keys.view;
+  const kvevict::query_view<const T> qv = q.view;
+  gpu::decode_step step;
+  step.eta = 0.5f;
+  step.protected_tail = tail;
+  step.key_positions = kpos;
+  if (engine_lse)
+    for (std::int64_t h = 0; h < hq; ++h) step.lse.push_back(1.5f + 0.25f * static_cast<float>(h % 5));
+  const auto normal = test::normal(static_cast<std::size_t>(hkv * c), seed + 2);
+  const std::vector<float> start(normal.begin(), normal.end());
+  const auto over = static_cast<std::int32_t>(capacity + 1);
+  const std::vector<std::int32_t> lengths = {
+      static_cast<std::int32_t>(capacity / 2), 1, over,
+      static_cast<std::int32_t>(capacity - 1), 0, static_cast<std::int32_t>(capacity)};
+  for (bool graph : {false, true}) {
+    INFO((graph ? "graph replay" : "direct runs"));
+    const auto r = gpu::decode_plan_steps(qv, gpu::buffer_of(q.buffer), kv, gpu::buffer_of(keys.buffer), keys.table,
+                                          step, lengths, start, graph);
+    INFO("status " << r.st.message());
+    REQUIRE(r.st.ok());
+    REQUIRE(r.states.size() == lengths.size());
+    REQUIRE(r.flags == kvevict::cuda::flag_length_out_of_range);
+    REQUIRE(r.steps == static_cast<std::int32_t>(lengths.size()) - 1);
+    std::vector<float> prev = start;
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+      const std::int64_t n = lengths[i];
+      INFO("step " << i << ": " << n << " tokens");
+      const std::vector<float>& got = r.states[i];
+      const std::int64_t cn = n > capacity ? 0 : std::max<std::int64_t>(0, n - tail);
+      if (cn > 0) {
+        kvevict::cache_view<const T> kn = kv;
+        kn.num_tokens = n;
+        gpu::decode_step sn = step;
+        if (!kpos.empty()) sn.key_positions.assign(kpos.begin(), kpos.begin() + n);
+        std::vector<float> compact;
+        for (std::int64_t h = 0; h < hkv; ++h)
+          compact.insert(compact.end(), prev.begin() + h * c, prev.begin() + h * c + cn);
+        const auto want = gpu::decode_observation(qv, gpu::buffer_of(q.buffer), kn, gpu::buffer_of(keys.buffer),
+                                                  keys.table, sn, compact);
+        REQUIRE(want.st.ok());
+        for (std::int64_t h = 0; h < hkv; ++h)
+          for (std::int64_t j = 0; j < cn; ++j) {
+            const float a = got[static_cast<std::size_t>(h * c + j)],
+                        b = want.state[static_cast<std::size_t>(h * cn + j)];
+            INFO("head " << h << " candidate " << j);
+            REQUIRE(std::memcmp(&a, &b, sizeof(float)) == 0);
+          }
+      }
+      for (std::int64_t h = 0; h < hkv; ++h)
+        for (std::int64_t j = cn; j < c; ++j) {
+          INFO("head " << h << " untouched candidate " << j);
+          REQUIRE(std::memcmp(&got[static_cast<std::size_t>(h * c + j)], &prev[static_cast<std::size_t>(h * c + j)],
+                              sizeof(float)) == 0);
+        }
+      prev = got;
+    }
+  }
+}
+}  // namespace
+
+TEST_CASE("GPU decode plan: graph-captured steps over a growing cache", "[gpu][gpu_decode]") {
+  // Capacities over several 256-key tiles; lengths fill some tiles partially and leave others
+  // empty, so the step's extent comes from the device.
+  check_decode_plan<bf16>(test::layout::contiguous, 2, 4, 64, 600, 0, false, false, 1300);
+  check_decode_plan<bf16>(test::layout::paged_nhd, 2, 4, 64, 600, 5, true, true, 1301);
+  check_decode_plan<fp16>(test::layout::paged_hnd, 1, 3, 36, 530, 5, false, true, 1302);
+  check_decode_plan<float>(test::layout::paged_int64, 2, 2, 32, 300, 0, true, false, 1303);
+}
+
+TEST_CASE("GPU decode plan: init validates once, run refuses an unplanned plan", "[gpu][gpu_errors]") {
+  const auto kd = test::normal(static_cast<std::size_t>(2 * 100 * 32), 1400);
+  auto keys = test::make_cache<float>(test::layout::contiguous, 2, 100, 32, kd);
+  auto q = test::make_queries<float>(4, 1, 32, test::normal(static_cast<std::size_t>(4 * 32), 1401), {90});
+  gpu::decode_step step;
+  const std::vector<float> start(2 * 100, 0.0f);
+  // A capacity that leaves no candidate: refused, naming the token count.
+  step.protected_tail = 100;
+  const auto none = gpu::decode_plan_steps(kvevict::query_view<const float>(q.view), gpu::buffer_of(q.buffer),
+                                           kvevict::cache_view<const float>(keys.view), gpu::buffer_of(keys.buffer),
+                                           keys.table, step, {50}, std::vector<float>(), false);
+  REQUIRE(none.st.code() == kvevict::errc::invalid_shape);
+  REQUIRE(std::string(none.st.message()).find("keys.num_tokens") != std::string::npos);
+  REQUIRE(none.states.empty());
+  // Host checks of decode_observation happen at init.
+  step.protected_tail = 0;
+  step.eta = 2.0f;
+  const auto bad = gpu::decode_plan_steps(kvevict::query_view<const float>(q.view), gpu::buffer_of(q.buffer),
+                                          kvevict::cache_view<const float>(keys.view), gpu::buffer_of(keys.buffer),
+                                          keys.table, step, {50}, start, false);
+  REQUIRE(bad.st.code() == kvevict::errc::invalid_argument);
+  REQUIRE(std::string(bad.st.message()).find("p.eta") != std::string::npos);
+  REQUIRE(bad.states.empty());
+  const auto st = gpu::decode_plan_unplanned_run();
+  REQUIRE(st.code() == kvevict::errc::invalid_argument);
+  REQUIRE(std::string(st.message()).find("plan") != std::string::npos);
+}
+
+namespace {
 std::vector<float> score_matrix(std::int64_t rows, std::int64_t cols, std::uint64_t seed, int kind) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);

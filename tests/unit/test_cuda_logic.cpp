@@ -805,6 +805,9 @@ TEST_CASE("device flags decode to a status naming the problem", "[cuda_logic]") 
   REQUIRE(device_flags_status(flag_invalid_row).code() == kvevict::errc::invalid_argument);
   REQUIRE(device_flags_status(flag_negative_position).code() == kvevict::errc::out_of_range);
   REQUIRE(device_flags_status(flag_invalid_weights).code() == kvevict::errc::invalid_argument);
+  const auto length = device_flags_status(flag_length_out_of_range);
+  REQUIRE(length.code() == kvevict::errc::out_of_range);
+  REQUIRE(std::string(length.message()).find("num_tokens") != std::string::npos);
   REQUIRE(device_flags_status(1u << 20).code() == kvevict::errc::device_error);
   // Several bits: the block-table problem is reported first.
   const auto s = device_flags_status(flag_invalid_row | flag_block_id_out_of_range, "kvevict::cuda::compact");

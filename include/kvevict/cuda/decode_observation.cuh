@@ -82,7 +82,7 @@ struct decode_args {
   index_ptr key_positions = nullptr;
   const float* engine_lse = nullptr;
   std::int64_t engine_lse_stride = 1;
-  float* logits = nullptr;              // [Hq, softmax_end]
+  float* logits = nullptr;              // [Hq, softmax_end] (softmax_end of the capacity)
   softmax_partial* partials = nullptr;  // [Hq, tiles]
   float* row_lse = nullptr;             // [Hq]
   float* state = nullptr;
@@ -91,8 +91,49 @@ struct decode_args {
   gqa_reduction gqa = gqa_reduction::mean;
   std::uint32_t* flags = nullptr;
   float scale = 1.0f;
+  // Host-known sizes; for a plan, those of its capacity (grids and workspace strides).
   int group = 1, dim = 1, tokens = 0, candidates = 0, softmax_end = 0, tiles = 0;
+  // A plan's per-step inputs on the device: the token count (null: `tokens` is the length)
+  // and the counter of folded steps (null: not counted).
+  const std::int32_t* device_tokens = nullptr;
+  std::int32_t* steps = nullptr;
+  int protected_tail = 0;
+  bool visible_domain = true;
 };
+
+/// The lengths one step works on: the host's, or a plan's device-side token count checked
+/// against its capacity (outside it: nothing to do, flagged once).
+struct decode_extent {
+  int tokens = 0, candidates = 0, softmax_end = 0;
+  bool valid = true;
+};
+
+template <class QT, class KT>
+__device__ __forceinline__ decode_extent step_extent(const decode_args<QT, KT>& a, bool report) {
+  decode_extent e;
+  if (a.device_tokens == nullptr) {
+    e.tokens = a.tokens;
+    e.candidates = a.candidates;
+    e.softmax_end = a.softmax_end;
+    return e;
+  }
+  const std::int32_t n = *a.device_tokens;
+  if (n < 0 || n > a.tokens) {
+    if (report) raise_flag(a.flags, flag_length_out_of_range);
+    e.valid = false;
+    return e;
+  }
+  e.tokens = n;
+  e.candidates = n > a.protected_tail ? n - a.protected_tail : 0;
+  e.softmax_end = a.visible_domain ? n : e.candidates;
+  return e;
+}
+
+/// Counts a folded step (one thread of the step's last kernel).
+template <class QT, class KT>
+__device__ __forceinline__ void count_step(const decode_args<QT, KT>& a, const decode_extent& e) {
+  if (a.steps != nullptr && e.valid && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0) atomicAdd(a.steps, 1);
+}
 
 inline std::size_t decode_shared_bytes(std::int64_t dim, std::int64_t group) noexcept {
   return static_cast<std::size_t>(group * (dim + decode_tile_keys)) * sizeof(float);
@@ -112,7 +153,9 @@ __global__ void __launch_bounds__(decode_threads) decode_logits_kernel(decode_ar
   float* ls = qs + G * d;                                 // [G][TK] masked logits
   const int tid = static_cast<int>(threadIdx.x);
   const int h = static_cast<int>(blockIdx.y);
-  const int end = OnePass ? a.candidates : a.softmax_end;
+  const bool first_block = blockIdx.x == 0 && blockIdx.y == 0;
+  const decode_extent ext = step_extent(a, tid == 0 && first_block);
+  const int end = OnePass ? ext.candidates : ext.softmax_end;
   const int j0 = static_cast<int>(blockIdx.x) * TK;
   const int nk = end - j0 < TK ? end - j0 : TK;
   const std::int64_t pos = a.q.positions[0];
@@ -176,6 +219,7 @@ __global__ void __launch_bounds__(decode_threads) decode_logits_kernel(decode_ar
       }
       update_state(a.state + h * a.state_stride + j, a.eta, v);
     }
+    count_step(a, ext);
     return;
   }
   // Two-pass: per query head, this tile's softmax partial (one warp per head) and the logits.
@@ -195,6 +239,8 @@ __global__ void __launch_bounds__(decode_threads) decode_logits_kernel(decode_ar
       a.partials[qh * a.tiles + blockIdx.x] = p;
     }
     for (int i = lane; i < nk; i += 32) a.logits[qh * a.softmax_end + j0 + i] = ls[g * TK + i];
+    // A tile past a plan's current length holds no key: its partial is (-inf, 0), which the
+    // row LSE folds exactly as if the tile did not exist.
   }
 }
 
@@ -207,8 +253,9 @@ __global__ void __launch_bounds__(decode_threads) decode_update_kernel(decode_ar
   const int h = static_cast<int>(blockIdx.y), G = a.group;
   for (int g = tid; g < G; g += decode_threads) lse[g] = a.row_lse[static_cast<std::int64_t>(h) * G + g];
   __syncthreads();
+  const decode_extent ext = step_extent(a, false);
   const int j0 = static_cast<int>(blockIdx.x) * TK;
-  const int nk = a.candidates - j0 < TK ? a.candidates - j0 : TK;
+  const int nk = ext.candidates - j0 < TK ? ext.candidates - j0 : TK;
   for (int i = tid; i < nk; i += decode_threads) {
     const std::int64_t j = static_cast<std::int64_t>(j0) + i;
     float v = 0.0f;
@@ -218,6 +265,7 @@ __global__ void __launch_bounds__(decode_threads) decode_update_kernel(decode_ar
     }
     update_state(a.state + h * a.state_stride + j, a.eta, v);
   }
+  count_step(a, ext);
 }
 
 template <class QT, class KT, int Vec>
@@ -258,26 +306,30 @@ inline std::size_t decode_observation_workspace_size(const layer_shape& shape, c
   return a.used();
 }
 
-/// Folds one decode step's attention into a layer's DeferKV running state.
-///
-///   queries: [Hq, 1, d] post-RoPE decode queries (device; positions[0] is the step's position)
-///   keys:    [Hkv, L, d] (device cache_view, any layout)
-///   p:       eta in [0, 1], GQA reduction, softmax domain, protected tail P
-///   state:   [Hkv, C] float32 device, C = max(0, L - P), updated in place
-///   ws:      device memory, >= decode_observation_workspace_size(shape, p, in.lse != null)
-///   in:      optional device key positions and engine LSE [Hq]
-///
-/// Enqueues one or two kernels on opt.stream; no synchronisation, no allocation.
-template <class QT, class KT>
-status decode_observation(query_view<QT> queries_in, cache_view<KT> keys_in, const decode_params& p, score_view state,
-                          workspace_span ws, const decode_inputs& in = {}, const launch_options& opt = {}) {
-  static constexpr const char* fn = "kvevict::cuda::decode_observation";
-  using Q = std::remove_cv_t<QT>;
-  using K = std::remove_cv_t<KT>;
-  const query_view<const Q> queries = queries_in;
-  const cache_view<const K> keys = keys_in;
-  KVEVICT_RETURN_IF_ERROR(detail::validate_device_query_view(queries, opt, fn, "queries"));
-  KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(keys, opt, fn, "keys"));
+namespace detail {
+
+/// A validated decode step: kernel arguments, pass count and vector width.
+template <class Q, class K>
+struct decode_launch {
+  decode_args<Q, K> args;
+  bool one_pass = false;
+  bool vectorised = false;
+};
+
+template <class Q, class K>
+status launch_step(const decode_launch<Q, K>& l, cudaStream_t stream, const char* fn) {
+  const unsigned hkv = static_cast<unsigned>(l.args.k.num_heads);
+  if (l.vectorised) return launch_decode<Q, K, static_cast<int>(16 / sizeof(K))>(l.args, l.one_pass, hkv, stream, fn);
+  return launch_decode<Q, K, 1>(l.args, l.one_pass, hkv, stream, fn);
+}
+
+/// Host validation of a decode step (or of a plan at its capacity) and its kernel arguments.
+template <class Q, class K>
+status decode_prepare(const query_view<const Q>& queries, const cache_view<const K>& keys, const decode_params& p,
+                      score_view state, workspace_span ws, const decode_inputs& in, const launch_options& opt,
+                      const char* fn, decode_launch<Q, K>* out) {
+  KVEVICT_RETURN_IF_ERROR(validate_device_query_view(queries, opt, fn, "queries"));
+  KVEVICT_RETURN_IF_ERROR(validate_device_cache_view(keys, opt, fn, "keys"));
   if (queries.num_queries != 1)
     return status::error(errc::invalid_shape, fn, "queries.num_queries", "expected 1 decode query per head, got %lld",
                          static_cast<long long>(queries.num_queries));
@@ -303,10 +355,10 @@ status decode_observation(query_view<QT> queries_in, cache_view<KT> keys_in, con
   scoring_params sp;
   sp.domain = p.domain;
   sp.protected_tail = p.protected_tail;
-  const detail::obs_dims dims = detail::make_obs_dims(keys.num_heads, queries.num_heads, 1, keys.num_tokens, sp);
+  const obs_dims dims = make_obs_dims(keys.num_heads, queries.num_heads, 1, keys.num_tokens, sp);
   KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_matrix_view(state, keys.num_heads, dims.candidates, fn, "state"));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(state.data, opt, fn, "state.data"));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(in.key_positions, opt, fn, "inputs.key_positions"));
+  KVEVICT_RETURN_IF_ERROR(check_device_pointer(state.data, opt, fn, "state.data"));
+  KVEVICT_RETURN_IF_ERROR(check_device_pointer(in.key_positions, opt, fn, "inputs.key_positions"));
   const std::int64_t lse_stride = in.lse_head_stride != 0 ? in.lse_head_stride : 1;
   if (in.lse != nullptr) {
     if (p.domain != softmax_domain::visible)
@@ -316,28 +368,27 @@ status decode_observation(query_view<QT> queries_in, cache_view<KT> keys_in, con
     if (lse_stride < 1)
       return status::error(errc::invalid_stride, fn, "inputs.lse_head_stride", "expected >= 1, got %lld",
                            static_cast<long long>(lse_stride));
-    KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(in.lse, opt, fn, "inputs.lse"));
+    KVEVICT_RETURN_IF_ERROR(check_device_pointer(in.lse, opt, fn, "inputs.lse"));
   }
-  if (!detail::fits_int32(dims.tokens, 2 * detail::decode_tile_keys) ||
-      !detail::fits_int32(kvevict::detail::saturating_mul(queries.num_heads, dims.softmax_end())))
+  if (!fits_int32(dims.tokens, 2 * decode_tile_keys) ||
+      !fits_int32(kvevict::detail::saturating_mul(queries.num_heads, dims.softmax_end())))
     return status::error(errc::overflow, fn, "keys.num_tokens",
                          "expected L < 2^31 - 512 and Hq * L < 2^31 on the GPU, got L = %lld",
                          static_cast<long long>(dims.tokens));
-  if (!detail::grid_fits(1, keys.num_heads))
+  if (!grid_fits(1, keys.num_heads))
     return status::error(errc::overflow, fn, "keys.num_heads", "expected Hkv <= 65535 on the GPU, got %lld",
                          static_cast<long long>(keys.num_heads));
   if (keys.head_dim > 8192)
     return status::error(errc::unsupported, fn, "keys.head_dim", "expected head_dim <= 8192 on the GPU, got %lld",
                          static_cast<long long>(keys.head_dim));
 
-  const bool one_pass = in.lse != nullptr;
+  out->one_pass = in.lse != nullptr;
   kvevict::detail::arena arena(ws);
-  detail::decode_workspace w;
-  detail::carve_decode_workspace(arena, dims, one_pass, &w);
-  if (!one_pass)
-    KVEVICT_RETURN_IF_ERROR(detail::check_workspace(arena, ws, opt, fn, "decode_observation_workspace_size"));
+  decode_workspace w;
+  carve_decode_workspace(arena, dims, out->one_pass, &w);
+  if (!out->one_pass) KVEVICT_RETURN_IF_ERROR(check_workspace(arena, ws, opt, fn, "decode_observation_workspace_size"));
 
-  detail::decode_args<Q, K> a;
+  decode_args<Q, K>& a = out->args;
   a.q = queries;
   a.k = keys;
   a.key_positions = in.key_positions;
@@ -357,15 +408,104 @@ status decode_observation(query_view<QT> queries_in, cache_view<KT> keys_in, con
   a.tokens = static_cast<int>(dims.tokens);
   a.candidates = static_cast<int>(dims.candidates);
   a.softmax_end = static_cast<int>(dims.softmax_end());
-  a.tiles = static_cast<int>(detail::decode_tiles(dims));
-  const unsigned hkv = static_cast<unsigned>(keys.num_heads);
-  const std::int64_t vec = detail::vector_width(
-      reinterpret_cast<std::uintptr_t>(keys.data), static_cast<std::int64_t>(sizeof(K)), keys.head_dim, keys.dim_stride,
-      keys.head_stride, keys.token_stride, keys.is_paged() ? keys.block_stride : 0);
-  if (vec == 16 / static_cast<std::int64_t>(sizeof(K)))
-    return detail::launch_decode<Q, K, static_cast<int>(16 / sizeof(K))>(a, one_pass, hkv, opt.stream, fn);
-  return detail::launch_decode<Q, K, 1>(a, one_pass, hkv, opt.stream, fn);
+  a.tiles = static_cast<int>(decode_tiles(dims));
+  // A tail longer than the capacity protects everything; clamped so that it fits an int.
+  a.protected_tail = static_cast<int>(p.protected_tail < dims.tokens ? p.protected_tail : dims.tokens);
+  a.visible_domain = dims.visible_domain;
+  const std::int64_t vec =
+      vector_width(reinterpret_cast<std::uintptr_t>(keys.data), static_cast<std::int64_t>(sizeof(K)), keys.head_dim,
+                   keys.dim_stride, keys.head_stride, keys.token_stride, keys.is_paged() ? keys.block_stride : 0);
+  out->vectorised = vec == 16 / static_cast<std::int64_t>(sizeof(K));
+  return status();
 }
+
+}  // namespace detail
+
+/// Folds one decode step's attention into a layer's DeferKV running state.
+///
+///   queries: [Hq, 1, d] post-RoPE decode queries (device; positions[0] is the step's position)
+///   keys:    [Hkv, L, d] (device cache_view, any layout)
+///   p:       eta in [0, 1], GQA reduction, softmax domain, protected tail P
+///   state:   [Hkv, C] float32 device, C = max(0, L - P), updated in place
+///   ws:      device memory, >= decode_observation_workspace_size(shape, p, in.lse != null)
+///   in:      optional device key positions and engine LSE [Hq]
+///
+/// Enqueues one or three kernels on opt.stream; no synchronisation, no allocation. The
+/// shapes and pointers are checked on every call: inside a captured CUDA graph, use
+/// decode_plan instead.
+template <class QT, class KT>
+status decode_observation(query_view<QT> queries_in, cache_view<KT> keys_in, const decode_params& p, score_view state,
+                          workspace_span ws, const decode_inputs& in = {}, const launch_options& opt = {}) {
+  static constexpr const char* fn = "kvevict::cuda::decode_observation";
+  using Q = std::remove_cv_t<QT>;
+  using K = std::remove_cv_t<KT>;
+  const query_view<const Q> queries = queries_in;
+  const cache_view<const K> keys = keys_in;
+  detail::decode_launch<Q, K> l;
+  KVEVICT_RETURN_IF_ERROR(detail::decode_prepare(queries, keys, p, state, ws, in, opt, fn, &l));
+  return detail::launch_step(l, opt.stream, fn);
+}
+
+/// A decode observation planned once and run every step without host checks, so that an
+/// engine can capture the step in a CUDA graph (vLLM, SGLang and TensorRT-LLM capture decode)
+/// and replay it while the cache grows.
+///
+/// `init` validates everything decode_observation would, at the plan's capacity: `keys`
+/// describes the cache with num_tokens = the most tokens any step will see (its block table,
+/// key positions, the state [Hkv, capacity - P] and the workspace sized for it). Per step the
+/// engine writes, on the device, the current token count to `*num_tokens` (in [0, capacity];
+/// outside it the step changes nothing and raises flag_length_out_of_range), the step's
+/// position to queries.positions[0], the query, the engine LSE if any, and the new keys and
+/// table entries; none of the pointers may change (a graph replays the same ones). `run`
+/// enqueues the same kernels with the same launch shapes every time (sized for the capacity;
+/// blocks past the current length return at once) and touches nothing on the host but the
+/// launches. A step folds the keys [0, n) exactly as decode_observation over a view of n
+/// tokens would, bit for bit.
+///
+/// `steps`, when given, is a device int32 incremented once per step whose token count was
+/// valid: the engine (or a later kernel) knows how many decode observations the state holds
+/// without host bookkeeping, e.g. for DeferKV's normaliser Z at finalisation.
+template <class Q, class K>
+class decode_plan {
+ public:
+  /// Validates and records the step (see the class comment). Nothing is launched. On an
+  /// error the plan is left unusable (run refuses it).
+  status init(query_view<const Q> queries, cache_view<const K> keys, const decode_params& p, score_view state,
+              workspace_span ws, const std::int32_t* num_tokens, const decode_inputs& in = {},
+              std::int32_t* steps = nullptr, const launch_options& opt = {}) {
+    static constexpr const char* fn = "kvevict::cuda::decode_plan::init";
+    ready_ = false;
+    if (num_tokens == nullptr)
+      return status::error(errc::null_pointer, fn, "num_tokens", "a plan reads the step's token count on the device");
+    KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(num_tokens, opt, fn, "num_tokens"));
+    KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(steps, opt, fn, "steps"));
+    detail::decode_launch<Q, K> l;
+    KVEVICT_RETURN_IF_ERROR(detail::decode_prepare(queries, keys, p, state, ws, in, opt, fn, &l));
+    if (l.args.candidates == 0)
+      return status::error(errc::invalid_shape, fn, "keys.num_tokens",
+                           "the capacity (%lld tokens) leaves no candidate past the protected tail (%lld)",
+                           static_cast<long long>(keys.num_tokens), static_cast<long long>(p.protected_tail));
+    l.args.device_tokens = num_tokens;
+    l.args.steps = steps;
+    launch_ = l;
+    ready_ = true;
+    return status();
+  }
+
+  /// Enqueues one step on `stream` (capturable). Fails only for a plan that init did not
+  /// accept, or when a launch fails.
+  status run(cudaStream_t stream) const {
+    static constexpr const char* fn = "kvevict::cuda::decode_plan::run";
+    if (!ready_) return status::error(errc::invalid_argument, fn, "plan", "init has not succeeded on this plan");
+    return detail::launch_step(launch_, stream, fn);
+  }
+
+  bool ready() const noexcept { return ready_; }
+
+ private:
+  detail::decode_launch<Q, K> launch_;
+  bool ready_ = false;
+};
 
 }  // namespace cuda
 KVEVICT_NAMESPACE_END

@@ -42,6 +42,9 @@ enum device_flag : std::uint32_t {
   /// Per-row budgets whose kept tokens exceed the keep-list capacity. Selection writes no
   /// row.
   flag_capacity_exceeded = 1u << 6,
+  /// A device-side token count (decode_plan's num_tokens) outside [0, the plan's capacity].
+  /// The step changes nothing and is not counted.
+  flag_length_out_of_range = 1u << 7,
 };
 
 /// A status for a device flag word read back by the caller: ok when `flags` is 0, otherwise
@@ -67,6 +70,10 @@ inline status device_flags_status(std::uint32_t flags, const char* fn = "kvevict
     return status::error(errc::invalid_argument, fn, "rows",
                          "a row descriptor out of its domain (length, budget, protected tail, mode or pointer) "
                          "(flags 0x%x)",
+                         static_cast<unsigned>(flags));
+  if (flags & flag_length_out_of_range)
+    return status::error(errc::out_of_range, fn, "num_tokens",
+                         "expected a device-side token count in [0, the plan's capacity] (flags 0x%x)",
                          static_cast<unsigned>(flags));
   if (flags & flag_negative_position)
     return status::error(errc::out_of_range, fn, "queries.positions", "expected positions >= 0 (flags 0x%x)",
