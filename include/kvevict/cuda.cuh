@@ -16,6 +16,7 @@
 // query, takes a caller-owned device workspace and a stream (launch_options), never
 // allocates and never synchronises. See docs/cuda.md.
 
+#include "kvevict/cuda/adakv.cuh"
 #include "kvevict/cuda/common.cuh"
 #include "kvevict/cuda/compact.cuh"
 #include "kvevict/cuda/decode_observation.cuh"

@@ -360,6 +360,39 @@ keep_result select(const std::vector<float>& scores, std::int64_t rows, std::int
   return r;
 }
 
+adakv_result adakv(const std::vector<float>& scores, std::int64_t rows, std::int64_t cols, std::int64_t per_head_budget,
+                   const kvevict::adakv_params& params, const kvevict::selection_params& selection,
+                   std::int64_t capacity) {
+  adakv_result r;
+  mirror m;
+  const float* dscores = m.put_vector(scores);
+  if (dscores == nullptr) dscores = m.alloc<float>(1);
+  auto* budgets = m.alloc<std::int64_t>(static_cast<std::size_t>(rows));
+  m.fill(budgets, static_cast<std::size_t>(rows), std::int64_t{-7});
+  const std::size_t bytes = kvevict::cuda::adakv_workspace_size(rows, cols);
+  void* ws = m.alloc_bytes(bytes);
+  const kvevict::const_score_view sv{dscores, rows, cols, cols};
+  const kvevict::cuda::launch_options opt = m.options();
+  kvevict::status st = kvevict::cuda::adakv_head_budgets(sv, selection.protected_tail, per_head_budget, params, budgets,
+                                                         {ws, bytes}, opt);
+  if (st.ok()) {
+    auto* offsets = m.alloc<std::int64_t>(static_cast<std::size_t>(rows + 1));
+    auto* indices = m.alloc<std::int64_t>(static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)));
+    m.fill(indices, static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)), std::int64_t{-7});
+    const std::size_t sbytes = kvevict::cuda::select_workspace_size(rows);
+    void* sws = m.alloc_bytes(sbytes);
+    const kvevict::keep_list_view out{rows, offsets, indices, capacity};
+    r.keep.st = kvevict::cuda::select(sv, budgets, selection, out, {sws, sbytes}, opt);
+    st = m.finish(r.keep.st);
+    r.keep.offsets = m.get(offsets, static_cast<std::size_t>(rows + 1));
+    r.keep.indices = m.get(indices, static_cast<std::size_t>(std::max<std::int64_t>(capacity, 0)));
+  }
+  r.st = m.finish(st);
+  r.budgets = m.get(budgets, static_cast<std::size_t>(rows));
+  r.keep.flags = m.read_flags();
+  return r;
+}
+
 rows_result select_rows(const std::vector<row_spec>& rows, std::int64_t max_length) {
   rows_result r;
   mirror m;

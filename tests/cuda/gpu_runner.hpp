@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "kvevict/budgets/adakv_params.hpp"
 #include "kvevict/cuda/device_flags.hpp"
 #include "kvevict/dtype.hpp"
 #include "kvevict/error.hpp"
@@ -116,6 +117,19 @@ struct keep_result {
 /// kvevict::cuda::select over a [rows, cols] host matrix; head_budgets empty: uniform b.
 keep_result select(const std::vector<float>& scores, std::int64_t rows, std::int64_t cols, kvevict::budget b,
                    const std::vector<std::int64_t>& head_budgets, const kvevict::selection_params& params,
+                   std::int64_t capacity);
+
+struct adakv_result {
+  kvevict::status st;
+  std::vector<std::int64_t> budgets;  ///< [rows]
+  keep_result keep;                   ///< the head-budget selection fed by those device budgets
+};
+
+/// kvevict::cuda::adakv_head_budgets over a host matrix [rows, cols], then (when it
+/// succeeded) kvevict::cuda::select with the device budgets it wrote, in the same stream, no
+/// host round trip in between; `capacity` is the keep-list's.
+adakv_result adakv(const std::vector<float>& scores, std::int64_t rows, std::int64_t cols, std::int64_t per_head_budget,
+                   const kvevict::adakv_params& params, const kvevict::selection_params& selection,
                    std::int64_t capacity);
 
 /// One ragged row for select_rows.

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "gpu_runner.hpp"
+#include "kvevict/budgets/adakv.hpp"
 #include "kvevict/detail/finalize.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/scoring/observation_scores.hpp"
@@ -821,6 +822,74 @@ TEST_CASE("GPU selection: ratios, per-row budgets, many rows", "[gpu][gpu_select
     REQUIRE((g.flags & kvevict::cuda::flag_invalid_row) != 0);
     for (std::int64_t x : g.indices) REQUIRE(x == -7);
   }
+}
+
+TEST_CASE("GPU AdaKV head budgets equal the CPU's and feed the selection without a host round trip",
+          "[gpu][gpu_select]") {
+  std::uint64_t seed = 1500;
+  struct shape_case {
+    std::int64_t rows, cols, tail;
+  };
+  const shape_case shapes[] = {{1, 37, 0}, {8, 300, 5}, {5, 1000, 32}, {4, 4500, 7}};
+  for (const shape_case& sc : shapes)
+    for (int kind : {0, 1, 2, 3})
+      for (double alpha : {0.0, 0.2, 0.5, 1.0}) {
+        const std::int64_t c = sc.cols - sc.tail;
+        for (std::int64_t b : {std::int64_t{0}, std::int64_t{1}, std::int64_t{7}, c / 3, c - 1, c, c + 5}) {
+          INFO("Hkv " << sc.rows << " L " << sc.cols << " P " << sc.tail << " kind " << kind << " alpha " << alpha
+                      << " B " << b);
+          const auto scores = score_matrix(sc.rows, sc.cols, seed++, kind);
+          const kvevict::const_score_view sv{scores.data(), sc.rows, sc.cols, sc.cols};
+          kvevict::adakv_params params;
+          params.alpha = alpha;
+          std::vector<std::int64_t> want(static_cast<std::size_t>(sc.rows));
+          kvevict::workspace ws(kvevict::adakv_workspace_size(sc.rows, sc.cols) +
+                                kvevict::select_workspace_size(sc.cols));
+          REQUIRE(kvevict::adakv_head_budgets(sv, sc.tail, b, params, want.data(), ws).ok());
+          kvevict::selection_params sel;
+          sel.protected_tail = sc.tail;
+          std::int64_t capacity = 0;
+          for (std::int64_t hb : want) capacity += kvevict::tokens_kept(hb, sc.cols, sel);
+          kvevict::keep_list cpu(sc.rows, capacity);
+          REQUIRE(kvevict::select(sv, want.data(), sel, cpu, ws).ok());
+
+          const auto g = gpu::adakv(scores, sc.rows, sc.cols, b, params, sel, capacity);
+          INFO("status " << g.st.message());
+          REQUIRE(g.st.ok());
+          REQUIRE(g.keep.flags == 0);
+          REQUIRE(g.budgets == want);
+          for (std::int64_t h = 0; h <= sc.rows; ++h)
+            REQUIRE(g.keep.offsets[static_cast<std::size_t>(h)] == cpu.view().offsets[h]);
+          for (std::int64_t i = 0; i < capacity; ++i) {
+            INFO("entry " << i);
+            REQUIRE(g.keep.indices[static_cast<std::size_t>(i)] == cpu.view().indices[i]);
+          }
+        }
+      }
+}
+
+TEST_CASE("GPU AdaKV head budgets: bad input is refused before anything runs", "[gpu][gpu_errors]") {
+  const auto scores = score_matrix(4, 100, 1600, 0);
+  kvevict::selection_params sel;
+  kvevict::adakv_params normalised;
+  normalised.normalize = true;
+  const auto n = gpu::adakv(scores, 4, 100, 10, normalised, sel, 40);
+  REQUIRE(n.st.code() == kvevict::errc::unsupported);
+  REQUIRE(std::string(n.st.message()).find("params.normalize") != std::string::npos);
+  REQUIRE(n.budgets == std::vector<std::int64_t>(4, -7));
+  kvevict::adakv_params wild;
+  wild.alpha = 1.5;
+  const auto a = gpu::adakv(scores, 4, 100, 10, wild, sel, 40);
+  REQUIRE(a.st.code() == kvevict::errc::invalid_argument);
+  REQUIRE(std::string(a.st.message()).find("params.alpha") != std::string::npos);
+  REQUIRE(a.budgets == std::vector<std::int64_t>(4, -7));
+  const auto b = gpu::adakv(scores, 4, 100, -1, kvevict::adakv_params{}, sel, 40);
+  REQUIRE(b.st.code() == kvevict::errc::invalid_argument);
+  REQUIRE(std::string(b.st.message()).find("per_head_budget") != std::string::npos);
+  sel.protected_tail = -2;
+  const auto t = gpu::adakv(scores, 4, 100, 10, kvevict::adakv_params{}, sel, 40);
+  REQUIRE(t.st.code() == kvevict::errc::invalid_argument);
+  REQUIRE(std::string(t.st.message()).find("protected_tail") != std::string::npos);
 }
 
 TEST_CASE("GPU select_rows: a ragged batch in one launch", "[gpu][gpu_select]") {

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kvevict/budgets/adakv_params.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/detail/checked.hpp"
 #include "kvevict/detail/topk.hpp"
@@ -29,11 +30,6 @@
 #include "kvevict/workspace.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
-
-struct adakv_params {
-  double alpha = 0.2;      ///< floor fraction (the AdaKV GQA script's value)
-  bool normalize = false;  ///< per-head normalisation (off in AdaKV's GQA script)
-};
 
 namespace detail {
 struct adakv_layout {
@@ -46,14 +42,6 @@ inline void carve_adakv_layout(arena& a, std::int64_t heads, std::int64_t candid
   out->flat = a.take<float>(n);
   out->picked = a.take<std::int64_t>(n);
   carve_topk_scratch(a, n, &out->topk);
-}
-inline std::int64_t round_half_even(double x) noexcept {
-  const double f = std::floor(x);
-  const double diff = x - f;
-  if (diff > 0.5) return static_cast<std::int64_t>(f) + 1;
-  if (diff < 0.5) return static_cast<std::int64_t>(f);
-  const auto fi = static_cast<std::int64_t>(f);
-  return (fi % 2 == 0) ? fi : fi + 1;
 }
 
 /// Step 1 for one head: its candidates copied to `row` [C], scaled when normalising.
@@ -72,13 +60,6 @@ inline void adakv_head_row(const const_score_view& scores, std::int64_t h, std::
   }
 }
 
-/// Step 3: a head's candidates from its `picks` of the global top Hkv*b.
-inline std::int64_t adakv_head_budget(std::int64_t picks, std::int64_t b, std::int64_t candidates,
-                                      const adakv_params& params) noexcept {
-  const double floor_budget = std::floor(params.alpha * static_cast<double>(b));
-  const std::int64_t v = round_half_even(static_cast<double>(picks) * (1.0 - params.alpha) + floor_budget);
-  return v < 0 ? 0 : (v > candidates ? candidates : v);
-}
 }  // namespace detail
 
 /// Bytes of workspace `adakv_head_budgets` needs for [num_kv_heads, num_tokens] scores.

@@ -1,0 +1,45 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_BUDGETS_ADAKV_PARAMS_HPP
+#define KVEVICT_BUDGETS_ADAKV_PARAMS_HPP
+
+// AdaKV's parameters and its per-head budget rule (step 3 of budgets/adakv.hpp), in a light
+// header of host+device functions: the CPU allocator and the CUDA one (cuda/adakv.cuh) apply
+// the same code, so their budgets agree bit for bit.
+
+#include <cmath>
+#include <cstdint>
+
+#include "kvevict/config.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+
+struct adakv_params {
+  double alpha = 0.2;      ///< floor fraction (the AdaKV GQA script's value)
+  bool normalize = false;  ///< per-head normalisation (off in AdaKV's GQA script)
+};
+
+namespace detail {
+
+KVEVICT_HOST_DEVICE inline std::int64_t round_half_even(double x) noexcept {
+  const double f = std::floor(x);
+  const double diff = x - f;
+  if (diff > 0.5) return static_cast<std::int64_t>(f) + 1;
+  if (diff < 0.5) return static_cast<std::int64_t>(f);
+  const auto fi = static_cast<std::int64_t>(f);
+  return (fi % 2 == 0) ? fi : fi + 1;
+}
+
+/// Step 3: a head's candidates from its `picks` of the global top Hkv*b (host and device:
+/// kvevict::cuda::adakv_head_budgets applies the same function).
+KVEVICT_HOST_DEVICE inline std::int64_t adakv_head_budget(std::int64_t picks, std::int64_t b, std::int64_t candidates,
+                                                          const adakv_params& params) noexcept {
+  const double floor_budget = std::floor(params.alpha * static_cast<double>(b));
+  const std::int64_t v = round_half_even(static_cast<double>(picks) * (1.0 - params.alpha) + floor_budget);
+  return v < 0 ? 0 : (v > candidates ? candidates : v);
+}
+
+}  // namespace detail
+
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_BUDGETS_ADAKV_PARAMS_HPP

@@ -1,0 +1,186 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_CUDA_ADAKV_CUH
+#define KVEVICT_CUDA_ADAKV_CUH
+
+// AdaKV head budgets computed on the device (design.md §5), so that scoring, the budgets and
+// the per-head selection (kvevict::cuda::select with device head budgets) run in one stream
+// without a copy to the host or a synchronisation. The same budgets as
+// kvevict::adakv_head_budgets, bit for bit:
+//   1. flatten: the candidates [0, C) of every head into one row [Hkv * C] (workspace);
+//   2. the global top Hkv * B of that row with the batched radix select (select_rows_kernel,
+//      one row): ties go to the lower flat index, i.e. the lower head, then the lower key,
+//      as on the CPU; NaN ranks last;
+//   3. one block counts each head's picks (the picks are ascending: a binary search per head
+//      boundary) and applies detail::adakv_head_budget, the CPU's own function.
+// Three launches, integer arithmetic after the scores: deterministic.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvevict/budgets/adakv_params.hpp"
+#include "kvevict/config.hpp"
+#include "kvevict/cuda/common.cuh"
+#include "kvevict/cuda/detail/launch.cuh"
+#include "kvevict/cuda/detail/tiling.hpp"
+#include "kvevict/cuda/select.cuh"
+#include "kvevict/cuda/select_row.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/views/matrix_view.hpp"
+#include "kvevict/workspace.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace cuda {
+namespace detail {
+
+struct adakv_workspace {
+  select_row* row = nullptr;       // the one descriptor of step 2
+  float* flat = nullptr;           // [Hkv * C]
+  std::int64_t* picked = nullptr;  // [Hkv * B], B < C
+};
+
+inline void carve_adakv_workspace(kvevict::detail::arena& a, std::int64_t heads, std::int64_t tokens,
+                                  adakv_workspace* out) noexcept {
+  const std::int64_t n = kvevict::detail::saturating_mul(heads, tokens);
+  out->row = a.take<select_row>(1);
+  out->flat = a.take<float>(n);
+  out->picked = a.take<std::int64_t>(n);
+}
+
+/// Step 1, and the descriptor of step 2 (written by thread 0 of block 0).
+template <int Unused = 0>
+__global__ void __launch_bounds__(256)
+    adakv_flatten_kernel(const_score_view scores, std::int64_t candidates, std::int64_t global, float* flat,
+                         std::int64_t* picked, select_row* row) {
+  const std::int64_t n = scores.rows * candidates;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t h = i / candidates, j = i - h * candidates;
+    flat[i] = scores.data[h * scores.row_stride + j];
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    select_row r;
+    r.scores = flat;
+    r.length = n;
+    r.budget = global;
+    r.protected_tail = 0;
+    r.mode = protected_mode::inside_budget;
+    r.out = picked;
+    *row = r;
+  }
+}
+
+/// Step 3: out[h] from the ascending picks (global of them; none when global == 0).
+template <int Unused = 0>
+__global__ void __launch_bounds__(256)
+    adakv_count_kernel(const std::int64_t* picked, std::int64_t global, std::int64_t heads, std::int64_t candidates,
+                       std::int64_t per_head_budget, adakv_params params, std::int64_t* out) {
+  for (std::int64_t h = threadIdx.x; h < heads; h += blockDim.x) {
+    // First pick at or past each boundary: picks of head h are [lower(h C), lower((h + 1) C)).
+    std::int64_t bounds[2];
+    for (int e = 0; e < 2; ++e) {
+      const std::int64_t key = (h + e) * candidates;
+      std::int64_t lo = 0, hi = global;
+      while (lo < hi) {
+        const std::int64_t mid = lo + (hi - lo) / 2;
+        if (picked[mid] < key) {
+          lo = mid + 1;
+        } else {
+          hi = mid;
+        }
+      }
+      bounds[e] = lo;
+    }
+    out[h] = kvevict::detail::adakv_head_budget(bounds[1] - bounds[0], per_head_budget, candidates, params);
+  }
+}
+
+/// Every head keeps all its candidates (B >= C).
+template <int Unused = 0>
+__global__ void __launch_bounds__(256)
+    adakv_all_kernel(std::int64_t heads, std::int64_t candidates, std::int64_t* out) {
+  for (std::int64_t h = threadIdx.x; h < heads; h += blockDim.x) out[h] = candidates;
+}
+
+}  // namespace detail
+
+/// Bytes of device workspace `adakv_head_budgets` needs for [num_kv_heads, num_tokens] scores.
+inline std::size_t adakv_workspace_size(std::int64_t num_kv_heads, std::int64_t num_tokens) noexcept {
+  kvevict::detail::arena a;
+  detail::adakv_workspace w;
+  detail::carve_adakv_workspace(a, num_kv_heads, num_tokens, &w);
+  return a.used();
+}
+
+/// AdaKV's head budgets of one layer, on the device.
+///
+///   scores:          [Hkv, L] float32 device (candidates [0, L - protected_tail))
+///   per_head_budget: B, the average number of candidates a head keeps
+///   params:          alpha in [0, 1]; normalize must be false (below)
+///   out:             [Hkv] int64 device: the candidates each head keeps, equal to
+///                    kvevict::adakv_head_budgets; feed it to kvevict::cuda::select's
+///                    head-budget overload with the same protected tail
+///   ws:              device memory, >= adakv_workspace_size(Hkv, L)
+///
+/// Enqueues up to three kernels on opt.stream; no synchronisation, no allocation. The
+/// per-head normalisation (params.normalize, off in AdaKV's GQA setting) sums scores in
+/// double in the CPU's sequential order, which a GPU would either serialise or round
+/// differently: it is refused (errc::unsupported) rather than computed with other bits.
+inline status adakv_head_budgets(const_score_view scores, std::int64_t protected_tail, std::int64_t per_head_budget,
+                                 const adakv_params& params, std::int64_t* out, workspace_span ws,
+                                 const launch_options& opt = {}) {
+  static constexpr const char* fn = "kvevict::cuda::adakv_head_budgets";
+  if (scores.rows < 1)
+    return status::error(errc::invalid_shape, fn, "scores.rows", "expected >= 1 KV head, got %lld",
+                         static_cast<long long>(scores.rows));
+  KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_matrix_view(scores, scores.rows, scores.cols, fn, "scores"));
+  if (protected_tail < 0)
+    return status::error(errc::invalid_argument, fn, "protected_tail", "expected >= 0, got %lld",
+                         static_cast<long long>(protected_tail));
+  if (per_head_budget < 0)
+    return status::error(errc::invalid_argument, fn, "per_head_budget", "expected >= 0, got %lld",
+                         static_cast<long long>(per_head_budget));
+  if (!(params.alpha >= 0.0 && params.alpha <= 1.0))
+    return status::error(errc::invalid_argument, fn, "params.alpha", "expected alpha in [0, 1], got %g", params.alpha);
+  if (params.normalize)
+    return status::error(errc::unsupported, fn, "params.normalize",
+                         "the per-head normalisation is not implemented on the GPU (its double sums would not "
+                         "match the CPU's bits); compute those budgets with kvevict::adakv_head_budgets");
+  if (out == nullptr) return status::error(errc::null_pointer, fn, "out", "expected [Hkv] device budgets");
+  const std::int64_t heads = scores.rows;
+  const std::int64_t candidates = scores.cols > protected_tail ? scores.cols - protected_tail : 0;
+  const std::int64_t flat = kvevict::detail::saturating_mul(heads, candidates);
+  if (!detail::fits_int32(flat, detail::select_tile) || heads > 65535)
+    return status::error(errc::overflow, fn, "scores",
+                         "expected fewer than 2^31 - 4096 candidates in a layer and Hkv <= 65535 on the GPU, got "
+                         "%lld x %lld",
+                         static_cast<long long>(heads), static_cast<long long>(candidates));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(scores.data, opt, fn, "scores.data"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(out, opt, fn, "out"));
+  kvevict::detail::arena a(ws);
+  detail::adakv_workspace w;
+  detail::carve_adakv_workspace(a, heads, candidates, &w);
+  KVEVICT_RETURN_IF_ERROR(detail::check_workspace(a, ws, opt, fn, "adakv_workspace_size"));
+
+  if (per_head_budget >= candidates)
+    return detail::launch(fn, "adakv_all_kernel", {dim3(1), dim3(256), 0, opt.stream}, detail::adakv_all_kernel<>,
+                          heads, candidates, out);
+  const std::int64_t global = heads * per_head_budget;
+  if (global > 0) {
+    KVEVICT_RETURN_IF_ERROR(
+        detail::launch(fn, "adakv_flatten_kernel",
+                       {dim3(static_cast<unsigned>(detail::stride_grid(flat, 256, 4096))), dim3(256), 0, opt.stream},
+                       detail::adakv_flatten_kernel<>, scores, candidates, global, w.flat, w.picked, w.row));
+    KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "select_rows_kernel",
+                                           {dim3(1), dim3(detail::select_threads), 0, opt.stream},
+                                           detail::select_rows_kernel<>, w.row, flat, nullptr, opt.device_flags));
+  }
+  return detail::launch(fn, "adakv_count_kernel", {dim3(1), dim3(256), 0, opt.stream}, detail::adakv_count_kernel<>,
+                        w.picked, global, heads, candidates, per_head_budget, params, out);
+}
+
+}  // namespace cuda
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_CUDA_ADAKV_CUH
