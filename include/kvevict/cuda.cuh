@@ -23,6 +23,7 @@
 #include "kvevict/cuda/device_flags.hpp"
 #include "kvevict/cuda/finalize.cuh"
 #include "kvevict/cuda/observation_scores.cuh"
+#include "kvevict/cuda/observation_scores_batch.cuh"
 #include "kvevict/cuda/select.cuh"
 #include "kvevict/cuda/select_row.hpp"
 #include "kvevict/views/layouts.hpp"

@@ -199,6 +199,48 @@ scores_result observation_scores(const kvevict::query_view<const QT>& q, host_bu
 }
 
 template <class QT, class KT>
+batch_result observation_scores_batch(const std::vector<batch_sequence<QT, KT>>& seqs,
+                                      const kvevict::scoring_params& params) {
+  batch_result r;
+  mirror m;
+  std::vector<kvevict::cuda::scoring_sequence<QT, KT>> ds(seqs.size());
+  std::vector<float*> outs(seqs.size());
+  kvevict::layer_shape largest{0, 0, 0, 0, 0};
+  bool lse = false;
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    const batch_sequence<QT, KT>& b = seqs[i];
+    kvevict::cuda::scoring_sequence<QT, KT>& d = ds[i];
+    d.queries = device_queries(m, b.q, b.qbuf);
+    static const std::vector<std::int32_t> no_table;
+    d.keys = device_view(m, b.k, b.kbuf, b.table != nullptr ? *b.table : no_table);
+    const std::size_t n = static_cast<std::size_t>(b.k.num_heads * b.k.num_tokens);
+    outs[i] = m.alloc<float>(n);
+    m.fill(outs[i], n, 12345.0f);
+    d.scores = {outs[i], b.k.num_heads, b.k.num_tokens, b.k.num_tokens};
+    d.inputs.key_positions = m.fresh_copy(b.in.key_positions);
+    d.inputs.weights = m.fresh_copy(b.in.weights);
+    d.inputs.lse = m.fresh_copy(b.in.lse);
+    d.inputs.lse_head_stride = b.in.lse_head_stride;
+    largest = {b.q.num_heads, b.k.num_heads, b.k.head_dim, std::max(largest.num_tokens, b.k.num_tokens),
+               std::max(largest.num_queries, b.q.num_queries)};
+    lse = lse || !b.in.lse.empty();
+  }
+  const auto n = static_cast<std::int64_t>(seqs.size());
+  const std::size_t bytes = kvevict::cuda::observation_scores_batch_workspace_size<QT, KT>(n, largest, params, lse);
+  void* ws = m.alloc_bytes(bytes);
+  const std::size_t staging_bytes = kvevict::cuda::observation_scores_batch_staging_size<QT, KT>(n);
+  void* staging = nullptr;
+  cudaMallocHost(&staging, staging_bytes == 0 ? 1 : staging_bytes);
+  r.st = m.finish(
+      kvevict::cuda::observation_scores_batch(ds.data(), n, params, {ws, bytes}, staging, staging_bytes, m.options()));
+  cudaFreeHost(staging);
+  for (std::size_t i = 0; i < seqs.size(); ++i)
+    r.scores.push_back(m.get(outs[i], static_cast<std::size_t>(seqs[i].k.num_heads * seqs[i].k.num_tokens)));
+  r.flags = m.read_flags();
+  return r;
+}
+
+template <class QT, class KT>
 state_result observation_state(const kvevict::query_view<const QT>& q, host_buffer qbuf,
                                const kvevict::cache_view<const KT>& k, host_buffer kbuf,
                                const std::vector<std::int32_t>& table, const kvevict::scoring_params& params, float eta,
@@ -521,6 +563,8 @@ status decode_with_two_queries() {
 
 // The combinations the tests use.
 #define KVEVICT_GPU_OBS(QT, KT)                                                                                     \
+  template batch_result observation_scores_batch<QT, KT>(const std::vector<batch_sequence<QT, KT>>&,                \
+                                                         const kvevict::scoring_params&);                           \
   template scores_result observation_scores<QT, KT>(                                                                \
       const kvevict::query_view<const QT>&, host_buffer, const kvevict::cache_view<const KT>&, host_buffer,         \
       const std::vector<std::int32_t>&, const kvevict::scoring_params&, const obs_inputs&);                         \

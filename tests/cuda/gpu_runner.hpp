@@ -58,6 +58,28 @@ scores_result observation_scores(const kvevict::query_view<const QT>& q, host_bu
                                  const std::vector<std::int32_t>& table, const kvevict::scoring_params& params,
                                  const obs_inputs& in = {});
 
+/// One sequence of a batched scoring call, as host buffers.
+template <class QT, class KT>
+struct batch_sequence {
+  kvevict::query_view<const QT> q;
+  host_buffer qbuf;
+  kvevict::cache_view<const KT> k;
+  host_buffer kbuf;
+  const std::vector<std::int32_t>* table = nullptr;  ///< the one k.block_table points into
+  obs_inputs in;
+};
+
+struct batch_result {
+  kvevict::status st;
+  std::vector<std::vector<float>> scores;  ///< [Hkv * L_s] per sequence
+  std::uint32_t flags = 0;
+};
+
+/// kvevict::cuda::observation_scores_batch over the sequences, with pinned staging.
+template <class QT, class KT>
+batch_result observation_scores_batch(const std::vector<batch_sequence<QT, KT>>& seqs,
+                                      const kvevict::scoring_params& params);
+
 struct state_result {
   kvevict::status st;
   std::vector<float> state;  ///< [Hkv * C]

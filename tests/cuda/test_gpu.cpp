@@ -358,6 +358,123 @@ TEST_CASE("GPU observation scores: edge shapes, positions, engine LSE, special v
   }
 }
 
+namespace {
+/// A ragged batch of one layer (Hkv = 2, G = 3, d = 40) scored in one call equals each
+/// sequence scored alone, bit for bit: L from 6 to 1000, W from 5 to 32, five layouts, key
+/// positions out of order, sequences with and without an engine LSE, one sequence whose
+/// tokens are all protected.
+template <class T>
+void check_obs_batch(const kvevict::scoring_params& params, std::uint64_t seed) {
+  struct spec {
+    test::layout lay;
+    std::int64_t tokens, window;
+    bool lse, shuffled;
+  };
+  const spec specs[] = {{test::layout::contiguous, 70, 5, false, false},
+                        {test::layout::paged_nhd, 300, 8, true, false},
+                        {test::layout::cells, 129, 30, false, true},
+                        {test::layout::paged_hnd, 1000, 32, false, false},
+                        {test::layout::paged_int64, 6, 12, false, false}};
+  const std::int64_t hkv = 2, group = 3, d = 40, hq = hkv * group;
+  std::vector<test::test_cache<T>> caches;
+  std::vector<test::test_queries<T>> queries;
+  caches.reserve(std::size(specs));
+  queries.reserve(std::size(specs));
+  std::vector<gpu::batch_sequence<T, T>> batch;
+  for (const spec& sp : specs) {
+    caches.push_back(test::make_cache<T>(sp.lay, hkv, sp.tokens, d,
+                                         test::normal(static_cast<std::size_t>(hkv * sp.tokens * d), seed++)));
+    std::vector<std::int64_t> qpos;
+    for (std::int64_t t = 0; t < sp.window; ++t) qpos.push_back(std::max<std::int64_t>(0, sp.tokens - sp.window) + t);
+    queries.push_back(test::make_queries<T>(
+        hq, sp.window, d, test::normal(static_cast<std::size_t>(hq * sp.window * d), seed++, 1.5), qpos));
+    gpu::batch_sequence<T, T> b;
+    b.q = queries.back().view;
+    b.qbuf = gpu::buffer_of(queries.back().buffer);
+    b.k = caches.back().view;
+    b.kbuf = gpu::buffer_of(caches.back().buffer);
+    b.table = &caches.back().table;
+    if (sp.shuffled)
+      for (std::int64_t j = 0; j < sp.tokens; ++j) b.in.key_positions.push_back((j * 7) % sp.tokens);
+    if (sp.lse && params.domain == softmax_domain::visible)
+      b.in.lse.assign(static_cast<std::size_t>(hq * sp.window), 2.5f);
+    batch.push_back(b);
+  }
+  const auto got = gpu::observation_scores_batch(batch, params);
+  INFO("status " << got.st.message());
+  REQUIRE(got.st.ok());
+  REQUIRE(got.flags == 0);
+  REQUIRE(got.scores.size() == batch.size());
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    INFO("seqs[" << i << "]: L " << batch[i].k.num_tokens << " W " << batch[i].q.num_queries);
+    const auto one = gpu::observation_scores(batch[i].q, batch[i].qbuf, batch[i].k, batch[i].kbuf, *batch[i].table,
+                                             params, batch[i].in);
+    REQUIRE(one.st.ok());
+    REQUIRE(one.scores.size() == got.scores[i].size());
+    for (std::size_t j = 0; j < one.scores.size(); ++j) {
+      INFO("entry " << j << ": " << got.scores[i][j] << " vs " << one.scores[j]);
+      REQUIRE(std::memcmp(&got.scores[i][j], &one.scores[j], sizeof(float)) == 0);
+    }
+  }
+}
+}  // namespace
+
+TEST_CASE("GPU observation scores of a ragged batch in one launch per kernel", "[gpu][gpu_scoring]") {
+  kvevict::scoring_params tail = make_params(softmax_domain::visible, window_aggregation::sum, gqa_reduction::max,
+                                             gqa_order::before_pooling, pooling_kind::max, 7, true, 8);
+  kvevict::scoring_params candidates =
+      make_params(softmax_domain::candidates, window_aggregation::visible_mean, gqa_reduction::mean,
+                  gqa_order::after_pooling, pooling_kind::avg, 5, false, 4);
+  SECTION("bf16 (tensor cores), kvpress") {
+    check_obs_batch<bf16>(kKvpress, 1700);
+  }
+  SECTION("bf16, protected tail, max pooling before the GQA max") {
+    check_obs_batch<bf16>(tail, 1710);
+  }
+  SECTION("fp16, candidates domain, visible mean") {
+    check_obs_batch<fp16>(candidates, 1720);
+  }
+  SECTION("float (CUDA cores)") {
+    check_obs_batch<float>(tail, 1730);
+  }
+}
+
+TEST_CASE("GPU batched scoring refuses a bad sequence by name, before anything runs", "[gpu][gpu_errors]") {
+  const std::int64_t d = 32;
+  auto k0 = test::make_cache<float>(test::layout::contiguous, 2, 50, d, test::normal(2 * 50 * d, 1800));
+  auto k1 = test::make_cache<float>(test::layout::paged_nhd, 2, 60, d, test::normal(2 * 60 * d, 1801));
+  auto k3 = test::make_cache<float>(test::layout::contiguous, 3, 60, d, test::normal(3 * 60 * d, 1802));
+  auto q0 = test::make_queries<float>(4, 4, d, test::normal(4 * 4 * d, 1803), {46, 47, 48, 49});
+  auto q2 = test::make_queries<float>(4, 4, d + 1, test::normal(4 * 4 * (d + 1), 1804), {56, 57, 58, 59});
+  auto q3 = test::make_queries<float>(6, 4, d, test::normal(6 * 4 * d, 1805), {56, 57, 58, 59});
+  auto sequence = [](const test::test_queries<float>& q, const test::test_cache<float>& k) {
+    gpu::batch_sequence<float, float> b;
+    b.q = q.view;
+    b.qbuf = gpu::buffer_of(q.buffer);
+    b.k = k.view;
+    b.kbuf = gpu::buffer_of(k.buffer);
+    b.table = &k.table;
+    return b;
+  };
+  struct bad_case {
+    std::vector<gpu::batch_sequence<float, float>> seqs;
+    kvevict::errc code;
+    const char* argument;
+  };
+  const bad_case cases[] = {
+      {{sequence(q0, k0), sequence(q2, k1)}, kvevict::errc::invalid_shape, "seqs[1].queries.head_dim"},
+      {{sequence(q0, k0), sequence(q0, k1), sequence(q3, k3)}, kvevict::errc::invalid_shape, "seqs[2].keys.num_heads"},
+  };
+  for (const bad_case& c : cases) {
+    const auto r = gpu::observation_scores_batch(c.seqs, kKvpress);
+    INFO("status " << r.st.message());
+    REQUIRE(r.st.code() == c.code);
+    REQUIRE(std::string(r.st.message()).find(c.argument) != std::string::npos);
+    for (const auto& scores : r.scores)
+      for (float x : scores) REQUIRE(x == 12345.0f);  // nothing ran
+  }
+}
+
 TEST_CASE("GPU observation scores are deterministic", "[gpu][gpu_scoring]") {
   const std::int64_t hkv = 2, hq = 8, d = 128, l = 2000, w = 32;
   auto keys = test::make_cache<bf16>(test::layout::contiguous, hkv, l, d,

@@ -41,6 +41,7 @@
 #include "kvevict/compressor/sequence.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/detail/checked.hpp"
+#include "kvevict/detail/in_sequence.hpp"
 #include "kvevict/detail/memory_ranges.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/detail/validate_eviction.hpp"
@@ -88,26 +89,6 @@ constexpr std::size_t sequence_state_offset = 64;
 inline std::size_t round_up_64(std::size_t n) noexcept {
   return n > std::numeric_limits<std::size_t>::max() - 63 ? std::numeric_limits<std::size_t>::max()
                                                           : (n + 63) / 64 * 64;
-}
-
-/// "seqs[3].keys" and the like.
-struct io_name {
-  char text[3 * status::max_argument];  // status::error truncates it to max_argument
-  io_name(std::int64_t s, const char* field) noexcept {
-    std::snprintf(text, sizeof(text), "seqs[%lld].%s", static_cast<long long>(s), field);
-  }
-  operator const char*() const noexcept { return text; }
-};
-
-/// `st` (an error about one sequence's argument) renamed to that sequence: "keys.block_table[3]"
-/// becomes "seqs[2].keys.block_table[3]", the message keeps its text.
-inline status in_sequence(const status& st, std::int64_t s, const char* fn) noexcept {
-  if (st.ok()) return st;
-  const char* text = std::strstr(st.message(), ": ");
-  text = text != nullptr ? std::strstr(text + 2, ": ") : nullptr;  // past "function: argument: "
-  char name[2 * status::max_argument];                             // status::error truncates it to max_argument
-  std::snprintf(name, sizeof(name), "seqs[%lld].%s", static_cast<long long>(s), st.argument());
-  return status::error(st.code(), fn, name, "%s", text != nullptr ? text + 2 : st.message());
 }
 
 /// A query view of the last `keep` observations of `q` (all of them when it has fewer).

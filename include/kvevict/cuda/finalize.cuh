@@ -62,10 +62,9 @@ struct finalize_args {
   std::uint32_t* flags = nullptr;
 };
 
-// Kernels are templates (here on a dummy parameter) so that every translation unit that
-// includes the header may instantiate them without multiple-definition errors.
+/// Tile blockIdx.x of head blockIdx.y: the whole block calls it (it synchronises).
 template <int Unused = 0>
-__global__ void __launch_bounds__(256) finalize_kernel(finalize_args a) {
+__device__ void finalize_tile(const finalize_args& a) {
   KVEVICT_DYNAMIC_SHARED(float, finalize_smem);
   const int tid = static_cast<int>(threadIdx.x);
   const std::int64_t h = blockIdx.y;
@@ -134,6 +133,22 @@ __global__ void __launch_bounds__(256) finalize_kernel(finalize_args a) {
   } else if (j < tile.end) {
     out_row[j] = pos_infinity();
   }
+}
+
+// Kernels are templates (here on a dummy parameter) so that every translation unit that
+// includes the header may instantiate them without multiple-definition errors.
+template <int Unused = 0>
+__global__ void __launch_bounds__(256) finalize_kernel(finalize_args a) {
+  finalize_tile(a);
+}
+
+/// A batch: sequence blockIdx.z finalises with args[blockIdx.z]; the grid covers the longest
+/// sequence, so blocks past a shorter one's tiles return (whole blocks: no barrier is split).
+template <int Unused = 0>
+__global__ void __launch_bounds__(256) finalize_batch_kernel(const finalize_args* args) {
+  const finalize_args& a = args[blockIdx.z];
+  if (static_cast<std::int64_t>(blockIdx.x) >= num_tiles(a.tokens, finalize_tile_keys)) return;
+  finalize_tile(a);
 }
 
 /// Launches the finalize kernel over [Hkv, L] (validated arguments).

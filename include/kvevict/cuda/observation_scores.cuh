@@ -76,7 +76,7 @@ struct obs_args {
   const float* engine_lse = nullptr;
   std::int64_t engine_lse_stride = 0;
   softmax_partial* partials = nullptr;  // [Hkv * R, stat_tiles]
-  const float* row_lse = nullptr;       // [Hkv * R]
+  float* row_lse = nullptr;             // [Hkv * R] (written by the row-LSE pass)
   float* acc = nullptr;                 // [Hq, C]
   std::uint32_t* flags = nullptr;
   float scale = 1.0f;
@@ -283,8 +283,10 @@ __device__ void tile_logits(std::true_type, const obs_args<QT, KT>& a, const voi
   __syncthreads();
 }
 
+/// Key tile blockIdx.x of KV head blockIdx.y, one pass (stats or accumulate); the whole
+/// block calls it (it synchronises).
 template <class QT, class KT, bool Accumulate>
-__global__ void __launch_bounds__(obs_threads) obs_tile_kernel(obs_args<QT, KT> a) {
+__device__ void obs_tile(const obs_args<QT, KT>& a) {
   constexpr int TK = static_cast<int>(obs_tile_keys);
   constexpr int RT = static_cast<int>(obs_tile_rows);
   constexpr int DC = static_cast<int>(obs_tile_dims);
@@ -412,6 +414,34 @@ __global__ void __launch_bounds__(obs_threads) obs_tile_kernel(obs_args<QT, KT> 
       if (key < nk) a.acc[(static_cast<std::int64_t>(h) * G + g) * a.candidates + j0 + key] = accs[e];
     }
   }
+}
+
+template <class QT, class KT, bool Accumulate>
+__global__ void __launch_bounds__(obs_threads) obs_tile_kernel(obs_args<QT, KT> a) {
+  obs_tile<QT, KT, Accumulate>(a);
+}
+
+/// A batch of sequences of one layer: sequence blockIdx.z with seqs[blockIdx.z]. The grid
+/// covers the longest sequence; blocks past a sequence's tiles return at once (whole blocks),
+/// as does the stats pass of a sequence with an engine LSE.
+template <class QT, class KT, bool Accumulate>
+__global__ void __launch_bounds__(obs_threads) obs_tile_batch_kernel(const obs_args<QT, KT>* seqs) {
+  const obs_args<QT, KT>& a = seqs[blockIdx.z];
+  if (!Accumulate && (a.engine_lse != nullptr || a.candidates == 0)) return;
+  const int keys = Accumulate ? a.candidates : a.softmax_end;
+  if (static_cast<std::int64_t>(blockIdx.x) >= num_tiles(keys, obs_tile_keys)) return;
+  obs_tile<QT, KT, Accumulate>(a);
+}
+
+/// The row LSEs of a batch: warp w of block x folds row 8x + w of sequence blockIdx.z.
+template <class QT, class KT>
+__global__ void __launch_bounds__(row_lse_threads)
+    obs_row_lse_batch_kernel(const obs_args<QT, KT>* seqs, std::int64_t kv_heads) {
+  const obs_args<QT, KT>& a = seqs[blockIdx.z];
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * row_lse_rows_per_block + (threadIdx.x >> 5);
+  if (a.engine_lse != nullptr || a.candidates == 0 || a.softmax_end == 0 || row >= kv_heads * a.rows)
+    return;  // whole warps
+  fold_row_lse(a.partials, a.stat_tiles, row, a.row_lse);
 }
 
 /// Shapes and 32-bit limits checked before anything is launched.
@@ -547,6 +577,36 @@ status obs_run_passes(const obs_plan<Q, K>& plan, std::int64_t dim, const launch
 
 }  // namespace detail
 
+namespace detail {
+
+/// The finalisation of observation_scores for a prepared sequence.
+template <class Q, class K>
+finalize_args scores_finalize_args(const obs_plan<Q, K>& plan, const scoring_params& params,
+                                   const observation_inputs& in, const query_view<const Q>& queries, score_view scores,
+                                   const launch_options& opt) {
+  const obs_dims& dims = plan.dims;
+  finalize_args f;
+  f.acc = plan.ws.acc;
+  f.acc_stride = dims.candidates;
+  f.rows_per_head = static_cast<int>(dims.group);
+  f.group = static_cast<int>(dims.group);
+  f.candidates = static_cast<int>(dims.candidates);
+  f.tokens = static_cast<int>(dims.tokens);
+  f.params = params;
+  f.scale = params.window == window_aggregation::mean ? 1.0f / static_cast<float>(dims.window) : 1.0f;
+  f.weights = params.window == window_aggregation::weighted ? in.weights : nullptr;
+  f.per_key = params.window == window_aggregation::visible_mean;
+  f.query_positions = queries.positions;
+  f.key_positions = in.key_positions;
+  f.window = static_cast<int>(dims.window);
+  f.scores = scores.data;
+  f.score_stride = scores.row_stride;
+  f.flags = opt.device_flags;
+  return f;
+}
+
+}  // namespace detail
+
 /// Bytes of device workspace `observation_scores` and `observation_state` need for a layer of
 /// this shape (upper bounds on L and W are fine): acc [Hq, C] floats, plus, without an engine
 /// LSE, the tile partials [Hq * W, ceil(L / 64)] and the row LSEs [Hq * W].
@@ -592,23 +652,7 @@ status observation_scores(query_view<QT> queries_in, cache_view<KT> keys_in, con
   if (dims.tokens == 0) return status();
   KVEVICT_RETURN_IF_ERROR(detail::obs_run_passes(plan, keys.head_dim, opt, fn));
 
-  detail::finalize_args f;
-  f.acc = plan.ws.acc;
-  f.acc_stride = dims.candidates;
-  f.rows_per_head = static_cast<int>(dims.group);
-  f.group = static_cast<int>(dims.group);
-  f.candidates = static_cast<int>(dims.candidates);
-  f.tokens = static_cast<int>(dims.tokens);
-  f.params = params;
-  f.scale = params.window == window_aggregation::mean ? 1.0f / static_cast<float>(dims.window) : 1.0f;
-  f.weights = params.window == window_aggregation::weighted ? in.weights : nullptr;
-  f.per_key = params.window == window_aggregation::visible_mean;
-  f.query_positions = queries.positions;
-  f.key_positions = in.key_positions;
-  f.window = static_cast<int>(dims.window);
-  f.scores = scores.data;
-  f.score_stride = scores.row_stride;
-  f.flags = opt.device_flags;
+  const detail::finalize_args f = detail::scores_finalize_args(plan, params, in, queries, scores, opt);
   return detail::launch_finalize(f, keys.num_heads, opt.stream, fn);
 }
 

@@ -26,14 +26,12 @@ namespace detail {
 constexpr int row_lse_threads = 256;
 constexpr int row_lse_rows_per_block = row_lse_threads / 32;
 
-/// One warp per row: lanes stride over the row's tiles, then a butterfly; combine is
-/// commutative, so every lane ends with the same bits and the result is deterministic.
-template <int Unused = 0>
-__global__ void __launch_bounds__(row_lse_threads)
-    row_lse_kernel(const softmax_partial* partials, int tiles, std::int64_t rows, float* row_lse) {
+/// One warp folds row `row` of partials [rows, tiles] into row_lse[row]: lanes stride over
+/// the row's tiles, then a butterfly; combine is commutative, so every lane ends with the
+/// same bits and the result is deterministic. All 32 lanes must call it.
+__device__ __forceinline__ void fold_row_lse(const softmax_partial* partials, int tiles, std::int64_t row,
+                                             float* row_lse) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * row_lse_rows_per_block + (threadIdx.x >> 5);
-  if (row >= rows) return;  // whole warps leave together
   softmax_partial p;
   for (int i = lane; i < tiles; i += 32) p = combine(p, partials[row * tiles + i]);
   for (int o = 16; o > 0; o /= 2) {
@@ -43,6 +41,15 @@ __global__ void __launch_bounds__(row_lse_threads)
     p = combine(p, other);
   }
   if (lane == 0) row_lse[row] = partial_lse(p);
+}
+
+/// One warp per row.
+template <int Unused = 0>
+__global__ void __launch_bounds__(row_lse_threads)
+    row_lse_kernel(const softmax_partial* partials, int tiles, std::int64_t rows, float* row_lse) {
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * row_lse_rows_per_block + (threadIdx.x >> 5);
+  if (row >= rows) return;  // whole warps leave together
+  fold_row_lse(partials, tiles, row, row_lse);
 }
 
 /// row_lse[r] <- LSE of partials[r * tiles .. (r + 1) * tiles) for r < rows (rows < 2^31,
