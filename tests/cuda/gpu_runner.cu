@@ -583,6 +583,8 @@ KVEVICT_GPU_OBS(float, float)
 KVEVICT_GPU_OBS(kvevict::fp16, kvevict::fp16)
 KVEVICT_GPU_OBS(kvevict::bf16, kvevict::bf16)
 KVEVICT_GPU_OBS(float, kvevict::bf16)
+KVEVICT_GPU_OBS(kvevict::bf16, kvevict::fp8_e4m3)
+KVEVICT_GPU_OBS(kvevict::fp16, kvevict::fp8_e5m2)
 #undef KVEVICT_GPU_OBS
 
 #define KVEVICT_GPU_COMPACT(KT, VT)                                                                                  \
@@ -594,6 +596,8 @@ KVEVICT_GPU_COMPACT(float, float)
 KVEVICT_GPU_COMPACT(kvevict::fp16, kvevict::fp16)
 KVEVICT_GPU_COMPACT(kvevict::bf16, kvevict::bf16)
 KVEVICT_GPU_COMPACT(kvevict::bf16, float)
+KVEVICT_GPU_COMPACT(kvevict::fp8_e4m3, kvevict::fp8_e4m3)
+KVEVICT_GPU_COMPACT(kvevict::fp8_e5m2, kvevict::bf16)
 #undef KVEVICT_GPU_COMPACT
 
 }  // namespace gpu

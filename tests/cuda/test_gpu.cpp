@@ -36,6 +36,8 @@
 
 using kvevict::bf16;
 using kvevict::fp16;
+using kvevict::fp8_e4m3;
+using kvevict::fp8_e5m2;
 using kvevict::gqa_order;
 using kvevict::gqa_reduction;
 using kvevict::pooling_kind;
@@ -734,6 +736,52 @@ TEST_CASE("GPU decode observation (DeferKV step)", "[gpu][gpu_decode]") {
 }
 
 namespace {
+/// fp8 caches with a dequantisation scale and queries in the model's 16-bit type: GPU
+/// scores against the CPU's (which the unit suite checks against the scalar double
+/// reference for fp8), and one decode step against the CPU's decode observation.
+template <class Q, class K>
+void check_fp8(test::layout lay, std::int64_t hkv, std::int64_t group, std::int64_t d, std::int64_t l, std::int64_t w,
+               float scale, const kvevict::scoring_params& params, std::uint64_t seed) {
+  const std::int64_t hq = hkv * group;
+  auto keys = test::make_cache<K>(lay, hkv, l, d, test::normal(static_cast<std::size_t>(hkv * l * d), seed, 4.0));
+  keys.view.scale = scale;
+  auto q = test::make_queries<Q>(hq, w, d, test::normal(static_cast<std::size_t>(hq * w * d), seed + 1, 1.5),
+                                 tail_positions(l, w));
+  const kvevict::query_view<const Q> qv = q.view;
+  const kvevict::cache_view<const K> kv = keys.view;
+  std::vector<float> cpu(static_cast<std::size_t>(hkv * l));
+  kvevict::workspace ws(kvevict::observation_scores_workspace_size({hq, hkv, d, l, w}, params));
+  REQUIRE(kvevict::observation_scores(qv, kv, params, {cpu.data(), hkv, l, l}, ws).ok());
+  const auto g =
+      gpu::observation_scores(qv, gpu::buffer_of(q.buffer), kv, gpu::buffer_of(keys.buffer), keys.table, params, {});
+  INFO(test::name(lay) << " scale " << scale << " status " << g.st.message());
+  REQUIRE(g.st.ok());
+  REQUIRE(g.flags == 0);
+  require_close(g.scores, cpu, hkv, l);
+
+  // One decode step (the last observation as the decode query) on a NaN-filled state.
+  auto q1 = test::make_queries<Q>(hq, 1, d, test::normal(static_cast<std::size_t>(hq * d), seed + 2, 1.5), {l + 2});
+  const kvevict::query_view<const Q> qv1 = q1.view;
+  gpu::decode_step step;
+  step.eta = 0.0f;
+  const auto s1 = gpu::decode_observation(qv1, gpu::buffer_of(q1.buffer), kv, gpu::buffer_of(keys.buffer), keys.table,
+                                          step, std::vector<float>(static_cast<std::size_t>(hkv * l), NAN));
+  REQUIRE(s1.st.ok());
+  const auto want = cpu_decode_rows(qv1, kv, gqa_reduction::mean, softmax_domain::visible, 0, {});
+  require_close(s1.state, want, hkv, l);
+}
+}  // namespace
+
+TEST_CASE("GPU scoring of fp8 caches with a dequantisation scale", "[gpu][gpu_scoring]") {
+  std::uint64_t seed = 1900;
+  for (test::layout lay : test::kAllLayouts) {
+    check_fp8<bf16, fp8_e4m3>(lay, 2, 4, 64, 150, 8, 0.0371f, kKvpress, seed++);
+    check_fp8<fp16, fp8_e5m2>(lay, 1, 3, 45, 101, 5, 1.0f, kKvpress, seed++);
+  }
+  check_fp8<bf16, fp8_e4m3>(test::layout::contiguous, 2, 2, 128, 700, 16, 3.5f, kKvpress, seed++);  // 16-byte loads
+}
+
+namespace {
 /// A decode_plan over a cache of `capacity` tokens, stepped through `lengths`, directly and
 /// through a replayed CUDA graph: every valid step equals decode_observation over a view of
 /// that many tokens applied to the previous state, bit for bit, and leaves the state's
@@ -1114,6 +1162,11 @@ TEST_CASE("GPU compaction: every layout pair against the definition", "[gpu][gpu
       check_compact<bf16, bf16>(kl, vl, 4, 300, 128, 128, seed++);
       check_compact<fp16, fp16>(kl, vl, 3, 77, 40, 24, seed++);
     }
+  // fp8: rows of 45 bytes (byte copies) and of 128 (16-byte copies).
+  for (test::layout kl : test::kAllLayouts) {
+    check_compact<fp8_e4m3, fp8_e4m3>(kl, kl, 2, 90, 45, 128, seed++);
+    check_compact<fp8_e5m2, bf16>(kl, test::layout::paged_nhd, 2, 90, 128, 64, seed++);
+  }
   check_compact<float, float>(test::layout::contiguous, test::layout::transposed, 4, 1000, 64, 64, seed++);
   check_compact<bf16, float>(test::layout::paged_nhd, test::layout::paged_hnd, 8, 2000, 128, 96, seed++);
 }

@@ -100,12 +100,10 @@ template <class T>
 status validate_device_cache_view(const cache_view<T>& v, const launch_options& opt, const char* fn,
                                   const char* arg) noexcept {
   using kvevict::detail::field_name;
-  static_assert(is_query_type<T>::value, "the CUDA path reads float, fp16 and bf16 caches (fp8: the CPU path)");
+  static_assert(is_storage_type<std::remove_const_t<T>>::value,
+                "the CUDA path reads float, fp16, bf16 and fp8 (e4m3, e5m2) caches");
+  // Includes the scale (finite, > 0): scoring folds it into the logits' factor, as the CPU.
   KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_cache_view_metadata(v, fn, arg));
-  // The kernels read unscaled elements; a scaled cache would be scored wrongly, so it is refused.
-  if (v.scale != 1.0f)
-    return status::error(errc::unsupported, fn, field_name(arg, "scale"),
-                         "the CUDA path reads unscaled caches (scale 1), got %g", static_cast<double>(v.scale));
   if (v.is_paged() && v.num_tokens > 0)
     KVEVICT_RETURN_IF_ERROR(check_device_pointer(v.block_table, opt, fn, field_name(arg, "block_table")));
   return check_device_pointer(v.data, opt, fn, field_name(arg, "data"));
@@ -151,13 +149,37 @@ __device__ __forceinline__ float load_float(const bf16* p) {
   return kvevict::detail::bf16_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(p)));
 }
 
-/// Widens the 16 bytes at p (4 floats or 8 16-bit elements) into out[0 .. 16 / sizeof(T)).
+__device__ __forceinline__ float load_float(const fp8_e4m3* p) {
+  return kvevict::detail::fp8_e4m3_bits_to_float(__ldg(reinterpret_cast<const unsigned char*>(p)));
+}
+__device__ __forceinline__ float load_float(const fp8_e5m2* p) {
+  return kvevict::detail::fp8_e5m2_bits_to_float(__ldg(reinterpret_cast<const unsigned char*>(p)));
+}
+
+/// Widens the 16 bytes at p (4 floats, 8 16-bit or 16 fp8 elements) into out[0 .. 16 / sizeof(T)).
 __device__ __forceinline__ void load_vector(const float* p, float* out) {
   const float4 v = __ldg(reinterpret_cast<const float4*>(p));
   out[0] = v.x;
   out[1] = v.y;
   out[2] = v.z;
   out[3] = v.w;
+}
+template <class T>
+__device__ __forceinline__ void load_fp8_vector(const T* p, float* out) {
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const auto b = static_cast<std::uint8_t>(words[i / 4] >> (8 * (i % 4)));
+    out[i] = std::is_same<T, fp8_e4m3>::value ? kvevict::detail::fp8_e4m3_bits_to_float(b)
+                                              : kvevict::detail::fp8_e5m2_bits_to_float(b);
+  }
+}
+__device__ __forceinline__ void load_vector(const fp8_e4m3* p, float* out) {
+  load_fp8_vector(p, out);
+}
+__device__ __forceinline__ void load_vector(const fp8_e5m2* p, float* out) {
+  load_fp8_vector(p, out);
 }
 template <class T>
 __device__ __forceinline__ void load_vector(const T* p, float* out) {

@@ -125,9 +125,12 @@ __device__ __forceinline__ void warp_copy(unsigned char* dst, const unsigned cha
       for (std::int64_t o = lane * 4; o < row_bytes; o += 32 * 4)
         *reinterpret_cast<unsigned*>(dst + o) = *reinterpret_cast<const unsigned*>(src + o);
       break;
-    default:
+    case 2:
       for (std::int64_t o = lane * 2; o < row_bytes; o += 32 * 2)
         *reinterpret_cast<unsigned short*>(dst + o) = *reinterpret_cast<const unsigned short*>(src + o);
+      break;
+    default:  // fp8 rows of odd length or alignment
+      for (std::int64_t o = lane; o < row_bytes; o += 32) dst[o] = src[o];
       break;
   }
 }
@@ -135,8 +138,10 @@ __device__ __forceinline__ void warp_copy(unsigned char* dst, const unsigned cha
 __device__ __forceinline__ void copy_element(unsigned char* dst, const unsigned char* src, std::int64_t bytes) {
   if (bytes == 4) {
     *reinterpret_cast<unsigned*>(dst) = *reinterpret_cast<const unsigned*>(src);
-  } else {
+  } else if (bytes == 2) {
     *reinterpret_cast<unsigned short*>(dst) = *reinterpret_cast<const unsigned short*>(src);
+  } else {
+    *dst = *src;
   }
 }
 

@@ -402,7 +402,7 @@ status decode_prepare(const query_view<const Q>& queries, const cache_view<const
   a.eta = p.eta;
   a.gqa = p.gqa;
   a.flags = opt.device_flags;
-  a.scale = 1.0f / std::sqrt(static_cast<float>(keys.head_dim));
+  a.scale = (1.0f / std::sqrt(static_cast<float>(keys.head_dim))) * keys.scale;  // as the CPU's logit_scale()
   a.group = static_cast<int>(dims.group);
   a.dim = static_cast<int>(keys.head_dim);
   a.tokens = static_cast<int>(dims.tokens);

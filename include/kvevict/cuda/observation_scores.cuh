@@ -540,7 +540,8 @@ status obs_prepare(const query_view<const Q>& queries, const cache_view<const K>
   a.row_lse = plan->ws.row_lse;
   a.acc = plan->ws.acc;
   a.flags = opt.device_flags;
-  a.scale = 1.0f / std::sqrt(static_cast<float>(keys.head_dim));
+  // As the CPU's logit_scale(): 1/sqrt(d), times the keys' dequantisation scale (fp8).
+  a.scale = (1.0f / std::sqrt(static_cast<float>(keys.head_dim))) * keys.scale;
   a.group = static_cast<int>(dims.group);
   a.window = static_cast<int>(dims.window);
   a.dim = static_cast<int>(keys.head_dim);

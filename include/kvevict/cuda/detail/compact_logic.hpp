@@ -94,7 +94,7 @@ struct byte_view {
   std::int64_t head_table_stride = 0;  // entries between heads' tables; 0: one table for every head
   std::int64_t num_tables = 1;         // tables to check: num_heads with per-head tables, else 1
   std::int64_t num_tokens = 0;
-  int unit = 0;  // contiguous rows: bytes per lane and copy (16, 8, 4, 2); 0: channel-strided
+  int unit = 0;  // contiguous rows: bytes per lane and copy (16, 8, 4, 2, 1); 0: channel-strided
 
   KVEVICT_HOST_DEVICE std::int64_t row_offset(std::int64_t h, std::int64_t j) const noexcept {
     if (block_table != nullptr) {
