@@ -390,6 +390,42 @@ def compact_kernels(s: Shape, g: Gpu):
     return [memset, validate, gather, scatter]
 
 
+BATCH = 8  # sequences of the benchmark's batched scoring (bench_gpu.cu "obs_batch")
+
+
+def batched(k: Kernel, n, name):
+    """A kernel of the batched entry: the single-sequence kernel's blocks for each of n
+    sequences in one grid (blockIdx.z), its per-block work unchanged."""
+    return replace(k, name=name, blocks=k.blocks * n, hbm_bytes=k.hbm_bytes * n, l2_bytes=k.l2_bytes * n,
+                   fp32_flops=k.fp32_flops * n, tensor_flops=k.tensor_flops * n, times={})
+
+
+def obs_batch_kernels(s: Shape, g: Gpu, n):
+    one = replace(s, tokens=s.tokens // n)
+    rows = one.group * one.window
+    copy = Kernel("memcpy", "descriptors to the device (cudaMemcpyAsync)", 1, 1, chain_cycles=g.hbm_latency_cycles)
+    return [copy, batched(obs_tile(one, g, False), n, "obs_tile_batch_kernel"),
+            batched(row_lse(one, g, one.hkv * rows, ceil_div(one.tokens, OBS_TK)), n, "obs_row_lse_batch_kernel"),
+            batched(obs_tile(one, g, True), n, "obs_tile_batch_kernel"),
+            batched(finalize(one, g, one.group), n, "finalize_batch_kernel")]
+
+
+def adakv_kernels(s: Shape, g: Gpu):
+    """Flatten the layer's candidates into one row, the radix select of its top Hkv*B (one
+    block: latency-bound as select's rows), then one block's per-head counts."""
+    flat = s.hkv * s.cand
+    flatten = Kernel("adakv_flatten_kernel", "candidates -> one row", min(ceil_div(flat, 256), 4096), 256,
+                     hbm_bytes=flat * 4, l2_bytes=2 * flat * 4, chain_cycles=2 * g.hbm_latency_cycles)
+    steps = ceil_div(flat, SEL_THREADS)
+    chain = 4 * (steps * (g.l2_latency_cycles + 40) + 400) + ceil_div(flat, SEL_TILE) * (g.l2_latency_cycles + 300)
+    select = Kernel("select_rows_kernel", f"radix select, 1 row of {flat}", 1, SEL_THREADS,
+                    hbm_bytes=s.hkv * s.budget * 8, l2_bytes=5 * flat * 4, chain_cycles=chain,
+                    note="one block: the whole layer's candidates in one row")
+    count = Kernel("adakv_count_kernel", "per-head picks -> budgets", 1, 256,
+                   chain_cycles=2 * math.ceil(math.log2(s.hkv * s.budget + 1)) * g.l2_latency_cycles)
+    return [flatten, select, count]
+
+
 def calls(s: Shape, g: Gpu):
     """The API calls scripts/gpu-check times, each with its kernels in stream order. Keys match
     the benchmark's (bench/cuda/bench_gpu.cu)."""
@@ -412,6 +448,15 @@ def calls(s: Shape, g: Gpu):
         "select_model": (f"select, {s.layers} layers x {s.hkv} rows, one launch",
                          select_kernels(s, g, s.layers * s.hkv)),
         "compact": ("compact K and V in place", compact_kernels(s, g)),
+        "obs_batch": (f"observation_scores_batch, {BATCH} sequences x {s.tokens // BATCH} tokens, two passes",
+                      obs_batch_kernels(s, g, BATCH)),
+        "obs_2pass_fp8": ("observation_scores, fp8 keys, bf16 queries (CUDA cores), two passes",
+                          [obs_tile(replace(s, elem=1), g, False),
+                           row_lse(s, g, s.hkv * rows, stat_tiles), obs_tile(replace(s, elem=1), g, True),
+                           finalize(s, g, s.group)]),
+        "decode_plan": ("decode_plan step (graph replay), two passes",
+                        [decode_logits(s, g, False), row_lse(s, g, s.hq, dec_tiles), decode_update(s, g)]),
+        "adakv": ("adakv_head_budgets (device)", adakv_kernels(s, g)),
     }
 
 

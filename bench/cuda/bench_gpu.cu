@@ -391,6 +391,78 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaFree(ws));
   }
 
+  // A ragged-free batch of 8 sequences of L / 8 tokens each (the same K bytes as one L-token
+  // layer): one batched call against 8 single-sequence calls.
+  {
+    constexpr std::int64_t n = 8;
+    const std::int64_t ls = L / n;
+    kvevict::scoring_params bp = params;
+    bp.protected_tail = W < ls ? W : 0;
+    std::vector<std::int64_t> bpos_h;
+    for (std::int64_t t = 0; t < W; ++t) bpos_h.push_back(ls - W + t);
+    std::int64_t* bpos = device_copy(bpos_h);
+    const auto bq = kvevict::contiguous_queries(queries, hq, W, d, bpos);
+    std::vector<kvevict::cuda::scoring_sequence<bf16, bf16>> seqs(n);
+    for (std::int64_t s = 0; s < n; ++s) {
+      seqs[static_cast<std::size_t>(s)].queries = bq;
+      seqs[static_cast<std::size_t>(s)].keys = kvevict::hf_contiguous(keys + s * hkv * ls * d, hkv, ls, d);
+      seqs[static_cast<std::size_t>(s)].scores = {scores + s * hkv * ls, hkv, ls, ls};
+    }
+    const kvevict::layer_shape shape{hq, hkv, d, ls, W};
+    const std::size_t wsb = kvevict::cuda::observation_scores_batch_workspace_size<bf16, bf16>(n, shape, bp);
+    void* ws = device_bytes(wsb);
+    const std::size_t stb = kvevict::cuda::observation_scores_batch_staging_size<bf16, bf16>(n);
+    void* staging = nullptr;
+    BENCH_CHECK(cudaMallocHost(&staging, stb));
+    const auto run_batch = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::observation_scores_batch(seqs.data(), n, bp, {ws, wsb}, staging, stb, o));
+    };
+    const double us = median_us([&] { run_batch(opt); }, reps);
+    time_each_kernel(
+        "obs_batch", capture_stream, [&] { run_batch(capture_opt); }, reps);
+    const std::size_t one = kvevict::cuda::observation_scores_workspace_size(shape, bp);
+    const auto run_loop = [&](const kvevict::cuda::launch_options& o) {
+      for (std::int64_t s = 0; s < n; ++s)
+        require_ok(kvevict::cuda::observation_scores(seqs[static_cast<std::size_t>(s)].queries,
+                                                     seqs[static_cast<std::size_t>(s)].keys, bp,
+                                                     seqs[static_cast<std::size_t>(s)].scores, {ws, one}, {}, o));
+    };
+    const double us_loop = median_us([&] { run_loop(opt); }, reps);
+    std::printf(
+        "| observation_scores_batch, %lld sequences x %lld tokens (one call) | %.1f | %.2fx the %lld single calls "
+        "(%.1f us) | K-read bound %.1f us (x%.1f) |\n",
+        static_cast<long long>(n), static_cast<long long>(ls), us, us_loop / us, static_cast<long long>(n), us_loop,
+        k_bound_us, us / k_bound_us);
+    result("obs_batch_us", us);
+    result("obs_batch_loop_us", us_loop);
+    BENCH_CHECK(cudaFreeHost(staging));
+    BENCH_CHECK(cudaFree(ws));
+    BENCH_CHECK(cudaFree(bpos));
+  }
+
+  // fp8 (e4m3) keys with bf16 queries (CUDA cores): half the K bytes of bf16.
+  {
+    using kvevict::fp8_e4m3;
+    fp8_e4m3* k8 = device_random<fp8_e4m3>(k_elems, 11, 8.0f);
+    auto k8view = kvevict::hf_contiguous(k8, hkv, L, d);
+    k8view.scale = 0.125f;
+    const kvevict::layer_shape shape{hq, hkv, d, L, W};
+    const std::size_t wsb = kvevict::cuda::observation_scores_workspace_size(shape, params);
+    void* ws = device_bytes(wsb);
+    const auto run = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::observation_scores(qview, k8view, params, sview, {ws, wsb}, {}, o));
+    };
+    const double us = median_us([&] { run(opt); }, reps);
+    time_each_kernel(
+        "obs_2pass_fp8", capture_stream, [&] { run(capture_opt); }, reps);
+    std::printf(
+        "| observation_scores, fp8 e4m3 keys (scale 0.125), bf16 queries, 2 passes | %.1f | %.0f GB/s of K | |\n", us,
+        k_bytes / (us * 1e-6) / 1e9);
+    result("obs_2pass_fp8_us", us);
+    BENCH_CHECK(cudaFree(ws));
+    BENCH_CHECK(cudaFree(k8));
+  }
+
   // DeferKV decode step (W = 1): bandwidth-bound.
   {
     std::vector<std::int64_t> dpos_h{L + 1};
@@ -432,6 +504,27 @@ int main(int argc, char** argv) {
                 us1, k_bytes / (us1 * 1e-6) / 1e9, k_bound_us, us1 / k_bound_us);
     result("decode_1pass_us", us1);
     result("decode_1pass_k_gbs", k_bytes / (us1 * 1e-6) / 1e9);
+    // The same step planned once (decode_plan) and replayed from a captured graph, the
+    // token count read on the device.
+    std::int32_t* dlen = device_copy(std::vector<std::int32_t>{static_cast<std::int32_t>(L)});
+    kvevict::cuda::decode_plan<bf16, bf16> plan;
+    require_ok(plan.init(dq, kview, dp, st, {ws, wsb}, dlen, {}, nullptr, opt));
+    cudaGraph_t graph = nullptr;
+    BENCH_CHECK(cudaStreamBeginCapture(capture_stream, cudaStreamCaptureModeRelaxed));
+    require_ok(plan.run(capture_stream));
+    BENCH_CHECK(cudaStreamEndCapture(capture_stream, &graph));
+    cudaGraphExec_t exec = nullptr;
+    BENCH_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const double us_plan = median_us([&] { BENCH_CHECK(cudaGraphLaunch(exec, nullptr)); }, reps);
+    time_each_kernel(
+        "decode_plan", capture_stream, [&] { require_ok(plan.run(capture_stream)); }, reps);
+    std::printf(
+        "| decode_plan step, replayed CUDA graph, 2 passes | %.1f | %.0f GB/s of K | decode_observation %.1f us |\n",
+        us_plan, k_bytes / (us_plan * 1e-6) / 1e9, us);
+    result("decode_plan_us", us_plan);
+    BENCH_CHECK(cudaGraphExecDestroy(exec));
+    BENCH_CHECK(cudaGraphDestroy(graph));
+    BENCH_CHECK(cudaFree(dlen));
     BENCH_CHECK(cudaFree(lse));
     BENCH_CHECK(cudaFree(ws));
     BENCH_CHECK(cudaFree(state));
@@ -463,6 +556,28 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaFree(ws));
     BENCH_CHECK(cudaFree(indices));
     BENCH_CHECK(cudaFree(offsets));
+    BENCH_CHECK(cudaFree(s));
+  }
+
+  // AdaKV: the layer's head budgets on the device, then the per-head selection they feed.
+  {
+    float* s = device_random<float>(hkv * L, 9);
+    std::int64_t* budgets = nullptr;
+    BENCH_CHECK(cudaMalloc(&budgets, static_cast<std::size_t>(hkv) * sizeof(std::int64_t)));
+    const std::size_t wsb = kvevict::cuda::adakv_workspace_size(hkv, L);
+    void* ws = device_bytes(wsb);
+    const auto run = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(
+          kvevict::cuda::adakv_head_budgets({s, hkv, L, L}, W, B, kvevict::adakv_params{}, budgets, {ws, wsb}, o));
+    };
+    const double us = median_us([&] { run(opt); }, reps);
+    time_each_kernel(
+        "adakv", capture_stream, [&] { run(capture_opt); }, reps);
+    std::printf("| adakv_head_budgets, %lld heads x %lld (global top-%lld on the device) | %.1f | | |\n",
+                static_cast<long long>(hkv), static_cast<long long>(L), static_cast<long long>(hkv * B), us);
+    result("adakv_us", us);
+    BENCH_CHECK(cudaFree(ws));
+    BENCH_CHECK(cudaFree(budgets));
     BENCH_CHECK(cudaFree(s));
   }
 
