@@ -191,8 +191,9 @@ OBS_TK, OBS_RT, OBS_DC, DEC_TK, FIN_TK, SEL_THREADS, SEL_TILE = 64, 64, 32, 256,
 
 
 def tensor_cores(s: Shape):
-    """bf16/fp16 keys with queries of the same type score on tensor cores; float32 on FP32 cores."""
-    return s.elem == 2
+    """bf16/fp16 keys with queries of the same type, and fp8 keys (widened to the 16-bit query
+    type in shared memory) score on tensor cores; float32 on FP32 cores."""
+    return s.elem in (1, 2)
 
 
 def mma_key_words(d):
@@ -450,7 +451,7 @@ def calls(s: Shape, g: Gpu):
         "compact": ("compact K and V in place", compact_kernels(s, g)),
         "obs_batch": (f"observation_scores_batch, {BATCH} sequences x {s.tokens // BATCH} tokens, two passes",
                       obs_batch_kernels(s, g, BATCH)),
-        "obs_2pass_fp8": ("observation_scores, fp8 keys, bf16 queries (CUDA cores), two passes",
+        "obs_2pass_fp8": ("observation_scores, fp8 keys, bf16 queries (tensor cores), two passes",
                           [obs_tile(replace(s, elem=1), g, False),
                            row_lse(s, g, s.hkv * rows, stat_tiles), obs_tile(replace(s, elem=1), g, True),
                            finalize(s, g, s.group)]),

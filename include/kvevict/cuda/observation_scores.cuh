@@ -85,10 +85,20 @@ struct obs_args {
   bool max_window = false;
 };
 
-/// Tensor cores score when queries and keys are both bf16 or both fp16; float32 and mixed
-/// types stay on the CUDA cores.
+/// Tensor cores score when the queries are bf16 or fp16 and the keys are of the same type, or
+/// fp8 (widened to the query type in shared memory: every e4m3 and e5m2 value is exact in
+/// bf16 and in fp16); float32 and other mixes stay on the CUDA cores.
 template <class QT, class KT>
-struct uses_tensor_cores : std::integral_constant<bool, std::is_same<QT, KT>::value && is_mma_operand<KT>::value> {};
+struct uses_tensor_cores : std::integral_constant<bool, is_mma_operand<QT>::value &&
+                                                            (std::is_same<QT, KT>::value || is_fp8_type<KT>::value)> {};
+
+/// A key element as the MMA's operand type Q: the stored bits, or an fp8 value widened.
+template <class Q, class K>
+__device__ __forceinline__ std::uint32_t operand_bits(const K* p) {
+  if (std::is_same<Q, K>::value) return __ldg(reinterpret_cast<const unsigned short*>(p));
+  const float v = load_float(p);
+  return std::is_same<Q, bf16>::value ? kvevict::detail::float_to_bf16_bits(v) : kvevict::detail::float_to_fp16_bits(v);
+}
 
 /// Channels of the query tile staged per step (the whole head_dim is held for the keys).
 constexpr int obs_mma_chunk = 64;
@@ -150,13 +160,13 @@ __device__ __forceinline__ std::uint32_t load_bits(const T* p) {
   return __ldg(reinterpret_cast<const unsigned short*>(p));
 }
 
-/// Tensor cores: the stored 16-bit keys, two channels per word, [64][mma_key_words(d)];
-/// channels past d are zero.
+/// Tensor cores: the keys as 16-bit operands of the query type, two channels per word,
+/// [64][mma_key_words(d)]; channels past d are zero.
 template <class QT, class KT>
 __device__ void stage_key_tile(std::true_type, const obs_args<QT, KT>& a, void* tile, const std::int64_t* rowoff,
                                int nk, int tid) {
   constexpr int TK = static_cast<int>(obs_tile_keys);
-  constexpr std::uint32_t nan_bits = std::is_same<KT, bf16>::value ? 0x7fc0u : 0x7e00u;
+  constexpr std::uint32_t nan_bits = std::is_same<QT, bf16>::value ? 0x7fc0u : 0x7e00u;
   const int d = a.dim, kw = mma_key_words(d), pairs = (d + 1) / 2;
   std::uint32_t* ks = static_cast<std::uint32_t*>(tile);
   for (int e = tid; e < TK * kw; e += obs_threads) {
@@ -165,8 +175,9 @@ __device__ void stage_key_tile(std::true_type, const obs_args<QT, KT>& a, void* 
     if (i < nk && w < pairs) {
       const std::int64_t off = rowoff[i];
       const KT* row = a.k.data + off;
-      const std::uint32_t lo = off < 0 ? nan_bits : load_bits(row + c * a.k.dim_stride);
-      const std::uint32_t hi = c + 1 >= d ? 0u : (off < 0 ? nan_bits : load_bits(row + (c + 1) * a.k.dim_stride));
+      const std::uint32_t lo = off < 0 ? nan_bits : operand_bits<QT>(row + c * a.k.dim_stride);
+      const std::uint32_t hi =
+          c + 1 >= d ? 0u : (off < 0 ? nan_bits : operand_bits<QT>(row + (c + 1) * a.k.dim_stride));
       v = lo | hi << 16;
     }
     ks[i * kw + w] = v;
@@ -261,7 +272,7 @@ __device__ void tile_logits(std::true_type, const obs_args<QT, KT>& a, const voi
       for (int n = 0; n < 4; ++n) {
         const int key = n0 + 8 * n + g;
         const std::uint32_t fb[2] = {ks[key * kw + kword], ks[key * kw + kword + 4]};
-        mma_m16n8k16<KT>(acc[n], fa, fb);
+        mma_m16n8k16<QT>(acc[n], fa, fb);
       }
     }
     __syncthreads();
