@@ -496,6 +496,46 @@ compact_result compact(const kvevict::cache_view<KT>& k, host_buffer kbuf, const
   return r;
 }
 
+template <class KT, class VT>
+compact_into_result compact_into(const side<KT>& src_k, const side<VT>& src_v, const side<KT>& dst_k,
+                                 const side<VT>& dst_v, const std::vector<std::int64_t>& offsets,
+                                 const std::vector<std::int64_t>& indices, std::int64_t capacity,
+                                 const std::vector<std::int64_t>& key_positions) {
+  compact_into_result r;
+  mirror m;
+  static const std::vector<std::int32_t> no_table;
+  const auto table = [](const auto& s) -> const std::vector<std::int32_t>& {
+    return s.table != nullptr ? *s.table : no_table;
+  };
+  const kvevict::cache_view<const KT> sk = device_view(m, src_k.view, src_k.buf, table(src_k));
+  const kvevict::cache_view<const VT> sv = device_view(m, src_v.view, src_v.buf, table(src_v));
+  const auto dk = device_view(m, dst_k.view, dst_k.buf, table(dst_k));
+  const auto dv = device_view(m, dst_v.view, dst_v.buf, table(dst_v));
+  auto* doff = m.put_vector(offsets);
+  std::vector<std::int64_t> idx = indices;
+  idx.resize(static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)), 0);
+  auto* didx = m.put_vector(idx);
+  auto* lengths = m.alloc<std::int64_t>(static_cast<std::size_t>(src_k.view.num_heads));
+  auto* positions = m.alloc<std::int64_t>(idx.size());
+  m.fill(lengths, static_cast<std::size_t>(src_k.view.num_heads), std::int64_t{-7});
+  m.fill(positions, idx.size(), std::int64_t{-7});
+  kvevict::cuda::compact_outputs out;
+  out.head_lengths = lengths;
+  out.positions = positions;
+  out.key_positions = m.put_vector(key_positions);
+  const std::size_t bytes = kvevict::cuda::compact_into_workspace_size(sk, sv, dk, dv);
+  void* ws = m.alloc_bytes(bytes);
+  const kvevict::const_keep_list_view keep{src_k.view.num_heads, doff, didx, capacity};
+  r.st = m.finish(kvevict::cuda::compact_into(sk, sv, dk, dv, keep, {ws, bytes}, out, m.options()));
+  std::vector<unsigned char>* outs[4] = {&r.src_keys, &r.src_values, &r.dst_keys, &r.dst_values};
+  const host_buffer bufs[4] = {src_k.buf, src_v.buf, dst_k.buf, dst_v.buf};
+  for (int i = 0; i < 4; ++i) *outs[i] = m.get(static_cast<const unsigned char*>(m.put(bufs[i])), bufs[i].bytes);
+  r.head_lengths = m.get(lengths, static_cast<std::size_t>(src_k.view.num_heads));
+  r.positions = m.get(positions, idx.size());
+  r.flags = m.read_flags();
+  return r;
+}
+
 status observation_with_host_keys() {
   mirror m;
   std::vector<float> host_keys(2 * 8 * 16, 1.0f);
@@ -588,6 +628,9 @@ KVEVICT_GPU_OBS(kvevict::fp16, kvevict::fp8_e5m2)
 #undef KVEVICT_GPU_OBS
 
 #define KVEVICT_GPU_COMPACT(KT, VT)                                                                                  \
+  template compact_into_result compact_into<KT, VT>(                                                                 \
+      const side<KT>&, const side<VT>&, const side<KT>&, const side<VT>&, const std::vector<std::int64_t>&,          \
+      const std::vector<std::int64_t>&, std::int64_t, const std::vector<std::int64_t>&);                             \
   template compact_result compact<KT, VT>(                                                                           \
       const kvevict::cache_view<KT>&, host_buffer, const std::vector<std::int32_t>&, const kvevict::cache_view<VT>&, \
       host_buffer, const std::vector<std::int32_t>&, const std::vector<std::int64_t>&,                               \

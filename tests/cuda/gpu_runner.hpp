@@ -179,6 +179,29 @@ struct compact_result {
   std::uint32_t flags = 0;
 };
 
+struct compact_into_result {
+  kvevict::status st;
+  std::vector<unsigned char> src_keys, src_values, dst_keys, dst_values;  ///< the buffers afterwards
+  std::vector<std::int64_t> head_lengths, positions;
+  std::uint32_t flags = 0;
+};
+
+/// One side of compact_into: a view, its host buffer and the host table it points into.
+template <class T>
+struct side {
+  kvevict::cache_view<T> view;
+  host_buffer buf;
+  const std::vector<std::int32_t>* table = nullptr;
+};
+
+/// kvevict::cuda::compact_into on device copies; buffers given by the same host pointer
+/// become one device buffer (a destination in the source's pool).
+template <class KT, class VT>
+compact_into_result compact_into(const side<KT>& src_k, const side<VT>& src_v, const side<KT>& dst_k,
+                                 const side<VT>& dst_v, const std::vector<std::int64_t>& offsets,
+                                 const std::vector<std::int64_t>& indices, std::int64_t capacity,
+                                 const std::vector<std::int64_t>& key_positions);
+
 /// kvevict::cuda::compact on device copies. K and V buffers (and tables) given by the same
 /// host pointer become one device buffer (shared pools, shared tables).
 template <class KT, class VT>

@@ -1153,7 +1153,142 @@ void check_compact(test::layout klay, test::layout vlay, std::int64_t heads, std
   REQUIRE(g.positions[indices.size()] == -7);
 }
 
+template <class T>
+gpu::side<T> side_of(test::test_cache<T>& c) {
+  return {c.view, gpu::buffer_of(c.buffer), &c.table};
+}
+
+/// compact_into from a cache in `slay` into fresh caches in `dlay`: destination row (h, i) is
+/// source row (h, keep[i]), the rest of the destination and the whole source unchanged.
+template <class KT, class VT>
+void check_compact_into(test::layout slay, test::layout dlay, std::int64_t heads, std::int64_t tokens, std::int64_t dk,
+                        std::int64_t dv, std::uint64_t seed) {
+  auto k =
+      test::make_cache<KT>(slay, heads, tokens, dk, test::normal(static_cast<std::size_t>(heads * tokens * dk), seed));
+  auto v = test::make_cache<VT>(slay, heads, tokens, dv,
+                                test::normal(static_cast<std::size_t>(heads * tokens * dv), seed + 1), 16, seed + 2);
+  std::vector<std::int64_t> offsets, indices, kpos;
+  random_keep(heads, tokens, seed + 3, &offsets, &indices);
+  std::int64_t longest = 0;
+  for (std::int64_t h = 0; h < heads; ++h)
+    longest = std::max(longest, offsets[static_cast<std::size_t>(h + 1)] - offsets[static_cast<std::size_t>(h)]);
+  for (std::int64_t j = 0; j < tokens; ++j) kpos.push_back(500 + 2 * j);
+  auto fk = test::make_cache<KT>(dlay, heads, longest, dk,
+                                 test::normal(static_cast<std::size_t>(heads * longest * dk), seed + 4), 16, seed + 5);
+  auto fv = test::make_cache<VT>(dlay, heads, longest, dv,
+                                 test::normal(static_cast<std::size_t>(heads * longest * dv), seed + 6), 16, seed + 7);
+  const auto g = gpu::compact_into(side_of(k), side_of(v), side_of(fk), side_of(fv), offsets, indices,
+                                   static_cast<std::int64_t>(indices.size()), kpos);
+  INFO(test::name(slay) << " -> " << test::name(dlay) << " status " << g.st.message());
+  REQUIRE(g.st.ok());
+  REQUIRE(g.flags == 0);
+  const auto expect = [&](const auto& src, auto dst) {
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t i = 0; i < offsets[static_cast<std::size_t>(h + 1)] - offsets[static_cast<std::size_t>(h)]; ++i)
+        for (std::int64_t ch = 0; ch < src.dim; ++ch)
+          dst.buffer[static_cast<std::size_t>(dst.offset(h, i, ch))] = src.buffer[static_cast<std::size_t>(
+              src.offset(h, indices[static_cast<std::size_t>(offsets[static_cast<std::size_t>(h)] + i)], ch))];
+    return dst.buffer;
+  };
+  require_bytes(g.dst_keys, expect(k, fk));
+  require_bytes(g.dst_values, expect(v, fv));
+  require_bytes(g.src_keys, k.buffer);
+  require_bytes(g.src_values, v.buffer);
+  for (std::int64_t h = 0; h < heads; ++h)
+    REQUIRE(g.head_lengths[static_cast<std::size_t>(h)] ==
+            offsets[static_cast<std::size_t>(h + 1)] - offsets[static_cast<std::size_t>(h)]);
+  for (std::size_t e = 0; e < indices.size(); ++e)
+    REQUIRE(g.positions[e] == kpos[static_cast<std::size_t>(indices[e])]);
+}
+
 }  // namespace
+
+TEST_CASE("GPU compaction into fresh memory: every layout pair", "[gpu][gpu_compact]") {
+  std::uint64_t seed = 3500;
+  for (test::layout sl : test::kAllLayouts)
+    for (test::layout dl : {test::layout::contiguous, test::layout::paged_nhd, test::layout::transposed, sl}) {
+      check_compact_into<bf16, bf16>(sl, dl, 3, 90, 64, 64, seed++);
+      check_compact_into<fp8_e4m3, fp8_e4m3>(sl, dl, 2, 70, 45, 24, seed++);
+    }
+}
+
+TEST_CASE("GPU compaction into fresh blocks of the source's pool (prefix-shared blocks stay intact)",
+          "[gpu][gpu_compact]") {
+  const std::int64_t heads = 2, tokens = 90, d = 32;
+  auto k = test::make_cache<bf16>(test::layout::paged_nhd, heads, tokens, d, test::normal(heads * tokens * d, 3600));
+  auto v = test::make_cache<bf16>(test::layout::paged_nhd, heads, tokens, d, test::normal(heads * tokens * d, 3601));
+  // The pool's spare blocks (3 of 16 tokens) are the fresh ones.
+  const auto spare = [](const test::test_cache<bf16>& c) {
+    std::vector<std::int32_t> ids;
+    for (std::int32_t id = 0; id < static_cast<std::int32_t>(c.pool_blocks); ++id)
+      if (std::find(c.table.begin(), c.table.end(), id) == c.table.end()) ids.push_back(id);
+    return ids;
+  };
+  std::vector<std::int32_t> kfresh = spare(k), vfresh = spare(v);
+  REQUIRE(kfresh.size() == 3);
+  std::vector<std::int64_t> offsets{0, 40, 48}, indices;
+  for (std::int64_t j = 0; j < 40; ++j) indices.push_back(2 * j + 1);
+  for (std::int64_t j = 0; j < 8; ++j) indices.push_back(80 + j);
+  const auto into = [&](const std::vector<std::int32_t>& kt, const std::vector<std::int32_t>& vt) {
+    gpu::side<bf16> dk = side_of(k), dv = side_of(v);
+    dk.view.block_table = kt.data();
+    dk.view.num_tokens = 48;
+    dk.table = &kt;
+    dv.view.block_table = vt.data();
+    dv.view.num_tokens = 48;
+    dv.table = &vt;
+    return gpu::compact_into(side_of(k), side_of(v), dk, dv, offsets, indices, 48, {});
+  };
+  const auto g = into(kfresh, vfresh);
+  INFO("status " << g.st.message());
+  REQUIRE(g.st.ok());
+  REQUIRE(g.flags == 0);
+  // Every source row is intact (its blocks are untouched); the fresh blocks hold the kept rows.
+  auto want = k.buffer;
+  for (std::int64_t h = 0; h < heads; ++h)
+    for (std::int64_t i = 0; i < offsets[static_cast<std::size_t>(h + 1)] - offsets[static_cast<std::size_t>(h)]; ++i)
+      for (std::int64_t c = 0; c < d; ++c) {
+        const std::int64_t blk = kfresh[static_cast<std::size_t>(i / 16)];
+        want[static_cast<std::size_t>(((blk * 16 + i % 16) * heads + h) * d + c)] =
+            k.at(h, indices[static_cast<std::size_t>(offsets[static_cast<std::size_t>(h)] + i)], c);
+      }
+  require_bytes(g.src_keys, want);
+  for (std::int64_t h = 0; h < heads; ++h)
+    for (std::int64_t j = 0; j < tokens; ++j)
+      for (std::int64_t c = 0; c < d; ++c) {
+        bf16 x;
+        std::memcpy(&x, g.src_keys.data() + k.offset(h, j, c) * 2, 2);
+        REQUIRE(x.bits == k.at(h, j, c).bits);
+      }
+  // A destination naming a block the source uses (a prefix-shared block), a block named twice,
+  // or a head keeping more rows than the destination holds: flagged, nothing written.
+  std::vector<std::int32_t> shared = kfresh, twice = kfresh;
+  shared[1] = k.table[0];
+  twice[2] = twice[0];
+  for (const auto* t : {&shared, &twice}) {
+    const auto bad = into(*t, vfresh);
+    REQUIRE(bad.st.ok());
+    REQUIRE(bad.flags == kvevict::cuda::flag_duplicate_block);
+    require_bytes(bad.src_keys, k.buffer);
+    require_bytes(bad.src_values, v.buffer);
+    REQUIRE(bad.head_lengths == std::vector<std::int64_t>(2, -7));
+  }
+  offsets = {0, 40, 49};
+  indices.push_back(89);
+  const auto over = [&] {
+    gpu::side<bf16> dk = side_of(k), dv = side_of(v);
+    dk.view.block_table = kfresh.data();
+    dk.view.num_tokens = 39;
+    dk.table = &kfresh;
+    dv.view.block_table = vfresh.data();
+    dv.view.num_tokens = 39;
+    dv.table = &vfresh;
+    return gpu::compact_into(side_of(k), side_of(v), dk, dv, offsets, indices, 49, {});
+  }();
+  REQUIRE(over.st.ok());
+  REQUIRE(over.flags == kvevict::cuda::flag_capacity_exceeded);
+  require_bytes(over.src_keys, k.buffer);
+}
 
 TEST_CASE("GPU compaction: every layout pair against the definition", "[gpu][gpu_compact]") {
   std::uint64_t seed = 3000;

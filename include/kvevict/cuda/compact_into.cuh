@@ -1,0 +1,323 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_CUDA_COMPACT_INTO_CUH
+#define KVEVICT_CUDA_COMPACT_INTO_CUH
+
+// Out-of-place compaction on the GPU (kvevict::evict_into's device counterpart): the kept rows
+// of one layer's K and V copied into fresh memory the engine supplies (paged caches: fresh
+// blocks through destination block tables), the source left exactly as it was. This is how a
+// sequence whose first blocks are shared by prefix caching is compressed on the device: the
+// shared blocks keep their content (and their prefix-cache hashes), the sequence switches to
+// the destination tables. Afterwards head h's destination rows [0, keep.size(h)) hold its kept
+// tokens in ascending order.
+//
+// Kernels, in stream order (after clearing a status word and the block bitmaps):
+//   1. validate the source: keep-list structure (as compact), source block ids in range, and
+//      each source block marked in its pool's bitmap (a block the source reaches twice is
+//      fine: it is only read);
+//   2. validate the destination: block ids in range, each head's kept count within the
+//      destination's tokens, and no destination block that the source uses or that another
+//      destination row of this call reaches (when source and destination share a pool);
+//   3. copy, if the status word is clear: destination row (h, i) <- source row (h, keep[e]);
+//      head lengths and positions out.
+// No staging (source and destination are disjoint), so one pass moves the rows.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "kvevict/config.hpp"
+#include "kvevict/cuda/common.cuh"
+#include "kvevict/cuda/compact.cuh"
+#include "kvevict/cuda/detail/compact_logic.hpp"
+#include "kvevict/cuda/detail/tiling.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/selection/keep_list.hpp"
+#include "kvevict/views/cache_view.hpp"
+#include "kvevict/workspace.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace cuda {
+namespace detail {
+
+/// One source-destination pair of views (K, or V) and the bitmap of the destination's pool.
+struct copy_pair {
+  byte_view src, dst;
+  std::uint32_t* bitmap = nullptr;  // null: not paged, or V through K's tables
+  bool source_in_pool = false;      // the source's blocks are in that pool: mark them first
+};
+
+struct compact_into_args {
+  copy_pair k, v;
+  const std::int64_t* offsets = nullptr;
+  const std::int64_t* indices = nullptr;
+  std::int64_t num_heads = 0;
+  std::int64_t capacity = 0;
+  std::uint32_t* status = nullptr;
+  compact_outputs out;
+  std::uint32_t* flags = nullptr;
+};
+
+__device__ __forceinline__ void compact_into_fail(const compact_into_args& a, std::uint32_t bits) {
+  atomicOr(a.status, bits);
+  raise_flag(a.flags, bits);
+}
+
+/// Ids of the table entries covering v's num_tokens (every head's table), each in range, and
+/// recorded in `bitmap` when given; for the destination (source == false) an id already
+/// recorded is a block the source uses or that another destination entry reaches.
+__device__ __forceinline__ void check_ids(const compact_into_args& a, const byte_view& v, std::uint32_t* bitmap,
+                                          bool source, std::int64_t gtid, std::int64_t nthreads) {
+  if (v.block_table == nullptr || v.num_tokens == 0) return;
+  const std::int64_t used = ceil_div(v.num_tokens, v.block_size);
+  for (std::int64_t e = gtid; e < v.num_tables * used; e += nthreads) {
+    const std::int64_t id = v.block_table[(e / used) * v.head_table_stride + e % used];
+    if (id < 0 || id >= v.num_pool_blocks) {
+      compact_into_fail(a, flag_block_id_out_of_range);
+      continue;
+    }
+    if (bitmap == nullptr) continue;
+    const std::uint32_t bit = bitmap_bit(id);
+    const std::uint32_t before = atomicOr(bitmap + bitmap_word(id), bit);
+    if (!source && (before & bit)) compact_into_fail(a, flag_duplicate_block);
+  }
+}
+
+template <int Unused = 0>
+__global__ void __launch_bounds__(compact_threads) compact_into_validate_kernel(compact_into_args a, bool source) {
+  const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  if (source) {
+    for (std::int64_t h = gtid; h < a.num_heads; h += nthreads)
+      if (!offsets_ok(a.offsets, h, a.capacity)) compact_into_fail(a, flag_invalid_keep_list);
+    std::int64_t total = a.offsets[a.num_heads];
+    total = total < 0 ? 0 : (total > a.capacity ? a.capacity : total);
+    for (std::int64_t e = gtid; e < total; e += nthreads) {
+      const std::int64_t h = head_of_entry(a.offsets, a.num_heads, e);
+      const bool first = entry_starts_head(a.offsets, h, e);
+      if (!entry_ok(a.indices[e], first ? -1 : a.indices[e - 1], first, a.k.src.num_tokens))
+        compact_into_fail(a, flag_invalid_keep_list);
+    }
+    check_ids(a, a.k.src, a.k.source_in_pool ? a.k.bitmap : nullptr, true, gtid, nthreads);
+    check_ids(a, a.v.src, a.v.source_in_pool ? a.v.bitmap : nullptr, true, gtid, nthreads);
+    return;
+  }
+  // A head keeping more rows than the destination holds (offsets are valid when this runs
+  // after a clean source pass; otherwise the copy is cancelled anyway).
+  for (std::int64_t h = gtid; h < a.num_heads; h += nthreads)
+    if (a.offsets[h + 1] - a.offsets[h] > a.k.dst.num_tokens) compact_into_fail(a, flag_capacity_exceeded);
+  check_ids(a, a.k.dst, a.k.bitmap, false, gtid, nthreads);
+  check_ids(a, a.v.dst, a.v.bitmap, false, gtid, nthreads);
+}
+
+/// Copies one pair's kept rows: a warp per entry for contiguous rows (the narrower unit of the
+/// two views), a thread per (channel, entry) otherwise.
+__device__ __forceinline__ void copy_pair_rows(const compact_into_args& a, const copy_pair& p, std::int64_t total) {
+  const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  if (p.src.unit != 0 && p.dst.unit != 0) {
+    const int unit = p.src.unit < p.dst.unit ? p.src.unit : p.dst.unit;
+    const int lane = static_cast<int>(threadIdx.x) & 31;
+    for (std::int64_t e = gtid >> 5; e < total; e += nthreads >> 5) {
+      const std::int64_t h = head_of_entry(a.offsets, a.num_heads, e);
+      const std::int64_t i = e - a.offsets[h];
+      warp_copy(p.dst.data + p.dst.row_offset(h, i), p.src.data + p.src.row_offset(h, a.indices[e]), p.src.row_bytes,
+                unit, lane);
+    }
+    return;
+  }
+  const auto t32 = static_cast<unsigned>(total);
+  for (std::int64_t x = gtid; x < total * p.src.head_dim; x += nthreads) {
+    const auto c = static_cast<unsigned>(x) / t32, e = static_cast<unsigned>(x) % t32;
+    const std::int64_t h = head_of_entry(a.offsets, a.num_heads, e);
+    const std::int64_t i = e - a.offsets[h];
+    copy_element(p.dst.data + p.dst.row_offset(h, i) + c * p.dst.dim_stride,
+                 p.src.data + p.src.row_offset(h, a.indices[e]) + c * p.src.dim_stride, p.src.element_bytes);
+  }
+}
+
+template <int Unused = 0>
+__global__ void __launch_bounds__(compact_threads) compact_into_copy_kernel(compact_into_args a) {
+  if (*a.status != 0) return;
+  const std::int64_t total = a.offsets[a.num_heads];
+  copy_pair_rows(a, a.k, total);
+  copy_pair_rows(a, a.v, total);
+  const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  if (a.out.head_lengths != nullptr)
+    for (std::int64_t h = gtid; h < a.num_heads; h += nthreads) a.out.head_lengths[h] = a.offsets[h + 1] - a.offsets[h];
+  if (a.out.positions != nullptr)
+    for (std::int64_t e = gtid; e < total; e += nthreads)
+      a.out.positions[e] = a.out.key_positions != nullptr ? a.out.key_positions[a.indices[e]] : a.indices[e];
+}
+
+/// Whether two paged views index one pool (same base, block geometry): their ids share a
+/// bitmap.
+template <class A, class B>
+bool same_pool(const cache_view<A>& x, const cache_view<B>& y) noexcept {
+  return x.is_paged() && y.is_paged() && sizeof(A) == sizeof(B) &&
+         static_cast<const void*>(x.data) == static_cast<const void*>(y.data) && x.block_stride == y.block_stride;
+}
+
+struct compact_into_plan {
+  std::int64_t key_bits = 0, value_bits = 0;  // bitmap sizes (block ids), 0: none
+  bool value_shares_key_bitmap = false;
+  bool key_source_in_pool = false, value_source_in_pool = false;
+};
+
+/// A bitmap per destination pool catches a destination block reached twice; where the source
+/// lives in the same pool, its blocks are marked first, so a destination block the source
+/// uses is caught too.
+template <class SK, class SV, class DK, class DV>
+compact_into_plan plan_bitmaps(const cache_view<SK>& sk, const cache_view<SV>& sv, const cache_view<DK>& dk,
+                               const cache_view<DV>& dv) noexcept {
+  compact_into_plan p;
+  if (dk.is_paged()) p.key_bits = dk.num_pool_blocks;
+  p.key_source_in_pool = same_pool(sk, dk);
+  // V reached through K's tables on both sides (vLLM) repeats K's ids: K's check covers it.
+  const bool v_through_k = sv.block_table == sk.block_table && dv.block_table == dk.block_table &&
+                           sv.block_size == sk.block_size && dv.block_size == dk.block_size;
+  if (dv.is_paged() && !v_through_k) {
+    if (same_pool(dk, dv)) {
+      p.value_shares_key_bitmap = true;  // TensorRT-LLM: K and V blocks in one pool
+    } else {
+      p.value_bits = dv.num_pool_blocks;
+    }
+    p.value_source_in_pool = same_pool(sv, dv);
+  }
+  return p;
+}
+
+}  // namespace detail
+
+/// Bytes of device workspace `compact_into` needs: a status word and a bitmap of each paged
+/// destination pool's blocks.
+template <class SK, class SV, class DK, class DV>
+std::size_t compact_into_workspace_size(const cache_view<SK>& src_keys, const cache_view<SV>& src_values,
+                                        const cache_view<DK>& dst_keys, const cache_view<DV>& dst_values) noexcept {
+  const detail::compact_into_plan p = detail::plan_bitmaps(src_keys, src_values, dst_keys, dst_values);
+  kvevict::detail::arena a;
+  (void)a.take<std::uint32_t>(1);
+  if (p.key_bits > 0) (void)a.take<std::uint32_t>(detail::bitmap_words(p.key_bits));
+  if (p.value_bits > 0) (void)a.take<std::uint32_t>(detail::bitmap_words(p.value_bits));
+  return a.used();
+}
+
+/// Copies the kept rows of one layer's K and V into destination views on the GPU, leaving the
+/// source as it was.
+///
+///   src_keys, src_values: [Hkv, L, dk] / [Hkv, L, dv] device views of the layer (read only)
+///   dst_keys, dst_values: [Hkv, L', dk] / [Hkv, L', dv] device views of fresh memory, same
+///                         element types and head_dims, L' >= every head's kept count (checked
+///                         on the device); paged: tables of fresh blocks, in the source's pool
+///                         or another
+///   keep:                 CSR keep-list over the source's L tokens (device), as for compact
+///   ws:                   device memory, >= compact_into_workspace_size(...)
+///   out:                  optional device head lengths [Hkv], positions [capacity]
+///
+/// Enqueues up to three memsets and three kernels on opt.stream. A bad keep-list, a block id
+/// out of range, a destination block the source uses or that two destination rows reach, or a
+/// head keeping more rows than the destination holds sets the matching device flag and writes
+/// nothing (destination and outputs untouched); the source is never written.
+template <class SK, class SV, class DK, class DV>
+status compact_into(cache_view<SK> src_keys, cache_view<SV> src_values, cache_view<DK> dst_keys,
+                    cache_view<DV> dst_values, const_keep_list_view keep, workspace_span ws,
+                    const compact_outputs& out = {}, const launch_options& opt = {}) {
+  static_assert(!std::is_const<DK>::value && !std::is_const<DV>::value,
+                "kvevict::cuda::compact_into writes the destination: pass views of mutable elements");
+  static_assert(std::is_same<std::remove_const_t<SK>, DK>::value && std::is_same<std::remove_const_t<SV>, DV>::value,
+                "kvevict::cuda::compact_into copies elements: destination and source have the same element types");
+  static constexpr const char* fn = "kvevict::cuda::compact_into";
+  KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(src_keys, opt, fn, "src_keys"));
+  KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(src_values, opt, fn, "src_values"));
+  KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(dst_keys, opt, fn, "dst_keys"));
+  KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(dst_values, opt, fn, "dst_values"));
+  if (src_values.num_heads != src_keys.num_heads || src_values.num_tokens != src_keys.num_tokens)
+    return status::error(errc::invalid_shape, fn, "src_values", "expected src_keys' [%lld heads, %lld tokens]",
+                         static_cast<long long>(src_keys.num_heads), static_cast<long long>(src_keys.num_tokens));
+  if (dst_keys.num_heads != src_keys.num_heads || dst_keys.head_dim != src_keys.head_dim)
+    return status::error(errc::invalid_shape, fn, "dst_keys", "expected the source's [%lld heads, d = %lld]",
+                         static_cast<long long>(src_keys.num_heads), static_cast<long long>(src_keys.head_dim));
+  if (dst_values.num_heads != src_values.num_heads || dst_values.head_dim != src_values.head_dim ||
+      dst_values.num_tokens != dst_keys.num_tokens)
+    return status::error(errc::invalid_shape, fn, "dst_values",
+                         "expected the source's [%lld heads, d = %lld] and dst_keys' %lld tokens",
+                         static_cast<long long>(src_values.num_heads), static_cast<long long>(src_values.head_dim),
+                         static_cast<long long>(dst_keys.num_tokens));
+  if ((!dst_keys.is_paged() && static_cast<const void*>(dst_keys.data) == static_cast<const void*>(src_keys.data)) ||
+      (!dst_values.is_paged() &&
+       static_cast<const void*>(dst_values.data) == static_cast<const void*>(src_values.data)))
+    return status::error(errc::invalid_argument, fn, "dst_keys.data",
+                         "expected fresh memory, got the source's base pointer (use compact for in place)");
+  if (keep.num_heads != src_keys.num_heads)
+    return status::error(errc::invalid_shape, fn, "keep.num_heads", "expected %lld, got %lld",
+                         static_cast<long long>(src_keys.num_heads), static_cast<long long>(keep.num_heads));
+  if (keep.offsets == nullptr) return status::error(errc::null_pointer, fn, "keep.offsets", "expected non-null");
+  if (keep.capacity < 0)
+    return status::error(errc::invalid_shape, fn, "keep.capacity", "expected >= 0, got %lld",
+                         static_cast<long long>(keep.capacity));
+  if (keep.capacity > 0 && keep.indices == nullptr)
+    return status::error(errc::null_pointer, fn, "keep.indices", "expected non-null");
+  const std::int64_t widest = src_keys.head_dim > src_values.head_dim ? src_keys.head_dim : src_values.head_dim;
+  if (!detail::fits_int32(src_keys.num_tokens) || keep.capacity > detail::int32_limit / widest - 1)
+    return status::error(errc::overflow, fn, "keep.capacity",
+                         "expected capacity * head_dim < 2^31 on the GPU, got %lld * %lld",
+                         static_cast<long long>(keep.capacity), static_cast<long long>(widest));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(keep.offsets, opt, fn, "keep.offsets"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(keep.indices, opt, fn, "keep.indices"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(out.head_lengths, opt, fn, "out.head_lengths"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(out.positions, opt, fn, "out.positions"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(out.key_positions, opt, fn, "out.key_positions"));
+
+  const detail::compact_into_plan plan = detail::plan_bitmaps(src_keys, src_values, dst_keys, dst_values);
+  kvevict::detail::arena arena(ws);
+  detail::compact_into_args a;
+  a.status = arena.take<std::uint32_t>(1);
+  std::uint32_t* key_bitmap =
+      plan.key_bits > 0 ? arena.take<std::uint32_t>(detail::bitmap_words(plan.key_bits)) : nullptr;
+  std::uint32_t* value_bitmap =
+      plan.value_bits > 0 ? arena.take<std::uint32_t>(detail::bitmap_words(plan.value_bits)) : nullptr;
+  KVEVICT_RETURN_IF_ERROR(detail::check_workspace(arena, ws, opt, fn, "compact_into_workspace_size"));
+  a.k.src = detail::make_byte_view(src_keys);
+  a.k.dst = detail::make_byte_view(dst_keys);
+  a.k.bitmap = key_bitmap;
+  a.k.source_in_pool = plan.key_source_in_pool;
+  a.v.src = detail::make_byte_view(src_values);
+  a.v.dst = detail::make_byte_view(dst_values);
+  a.v.bitmap = plan.value_shares_key_bitmap ? key_bitmap : value_bitmap;
+  a.v.source_in_pool = plan.value_source_in_pool;
+  a.offsets = keep.offsets;
+  a.indices = keep.indices;
+  a.num_heads = keep.num_heads;
+  a.capacity = keep.capacity;
+  a.out = out;
+  a.flags = opt.device_flags;
+
+  KVEVICT_RETURN_IF_ERROR(
+      detail::cuda_status(cudaMemsetAsync(a.status, 0, sizeof(std::uint32_t), opt.stream), fn, "cudaMemsetAsync"));
+  if (key_bitmap != nullptr)
+    KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
+        cudaMemsetAsync(key_bitmap, 0, static_cast<std::size_t>(detail::bitmap_words(plan.key_bits)) * 4, opt.stream),
+        fn, "cudaMemsetAsync"));
+  if (value_bitmap != nullptr)
+    KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
+        cudaMemsetAsync(value_bitmap, 0, static_cast<std::size_t>(detail::bitmap_words(plan.value_bits)) * 4,
+                        opt.stream),
+        fn, "cudaMemsetAsync"));
+  const std::int64_t blocks_needed = detail::stride_grid(
+      keep.capacity * (widest > 32 ? widest : 32) + src_keys.num_heads + src_keys.num_tokens + dst_keys.num_tokens,
+      detail::compact_threads, 8192);
+  const detail::launch_config cfg{dim3(static_cast<unsigned>(blocks_needed)), dim3(detail::compact_threads), 0,
+                                  opt.stream};
+  KVEVICT_RETURN_IF_ERROR(
+      detail::launch(fn, "compact_into_validate_kernel<source>", cfg, detail::compact_into_validate_kernel<>, a, true));
+  KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "compact_into_validate_kernel<destination>", cfg,
+                                         detail::compact_into_validate_kernel<>, a, false));
+  return detail::launch(fn, "compact_into_copy_kernel", cfg, detail::compact_into_copy_kernel<>, a);
+}
+
+}  // namespace cuda
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_CUDA_COMPACT_INTO_CUH
