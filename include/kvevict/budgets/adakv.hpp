@@ -76,19 +76,7 @@ inline std::size_t adakv_workspace_size(std::int64_t num_kv_heads, std::int64_t 
 inline status adakv_head_budgets(const_score_view scores, std::int64_t protected_tail, std::int64_t per_head_budget,
                                  const adakv_params& params, std::int64_t* out, workspace_span ws) {
   static constexpr const char* fn = "kvevict::adakv_head_budgets";
-  if (scores.rows < 1)
-    return status::error(errc::invalid_shape, fn, "scores.rows", "expected >= 1 KV head, got %lld",
-                         static_cast<long long>(scores.rows));
-  KVEVICT_RETURN_IF_ERROR(detail::validate_matrix_view(scores, scores.rows, scores.cols, fn, "scores"));
-  if (protected_tail < 0)
-    return status::error(errc::invalid_argument, fn, "protected_tail", "expected >= 0, got %lld",
-                         static_cast<long long>(protected_tail));
-  if (per_head_budget < 0)
-    return status::error(errc::invalid_argument, fn, "per_head_budget", "expected >= 0, got %lld",
-                         static_cast<long long>(per_head_budget));
-  if (!(params.alpha >= 0.0 && params.alpha <= 1.0))
-    return status::error(errc::invalid_argument, fn, "params.alpha", "expected alpha in [0, 1], got %g", params.alpha);
-  if (out == nullptr) return status::error(errc::null_pointer, fn, "out", "expected [Hkv] budgets");
+  KVEVICT_RETURN_IF_ERROR(detail::validate_adakv_inputs(scores, protected_tail, per_head_budget, params, out, fn));
   const std::int64_t heads = scores.rows;
   const std::int64_t candidates = scores.cols > protected_tail ? scores.cols - protected_tail : 0;
   std::int64_t layer_candidates = 0;

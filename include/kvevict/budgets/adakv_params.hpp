@@ -10,6 +10,9 @@
 #include <cstdint>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/validate.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/views/matrix_view.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
 
@@ -36,6 +39,27 @@ KVEVICT_HOST_DEVICE inline std::int64_t adakv_head_budget(std::int64_t picks, st
   const double floor_budget = std::floor(params.alpha * static_cast<double>(b));
   const std::int64_t v = round_half_even(static_cast<double>(picks) * (1.0 - params.alpha) + floor_budget);
   return v < 0 ? 0 : (v > candidates ? candidates : v);
+}
+
+/// The argument checks of adakv_head_budgets, on the CPU and on the GPU: scores [Hkv >= 1, L],
+/// a tail and a budget >= 0, alpha in [0, 1], somewhere to write.
+inline status validate_adakv_inputs(const const_score_view& scores, std::int64_t protected_tail,
+                                    std::int64_t per_head_budget, const adakv_params& params, const void* out,
+                                    const char* fn) noexcept {
+  if (scores.rows < 1)
+    return status::error(errc::invalid_shape, fn, "scores.rows", "expected >= 1 KV head, got %lld",
+                         static_cast<long long>(scores.rows));
+  KVEVICT_RETURN_IF_ERROR(validate_matrix_view(scores, scores.rows, scores.cols, fn, "scores"));
+  if (protected_tail < 0)
+    return status::error(errc::invalid_argument, fn, "protected_tail", "expected >= 0, got %lld",
+                         static_cast<long long>(protected_tail));
+  if (per_head_budget < 0)
+    return status::error(errc::invalid_argument, fn, "per_head_budget", "expected >= 0, got %lld",
+                         static_cast<long long>(per_head_budget));
+  if (!(params.alpha >= 0.0 && params.alpha <= 1.0))
+    return status::error(errc::invalid_argument, fn, "params.alpha", "expected alpha in [0, 1], got %g", params.alpha);
+  if (out == nullptr) return status::error(errc::null_pointer, fn, "out", "expected [Hkv] budgets");
+  return status();
 }
 
 }  // namespace detail

@@ -131,23 +131,12 @@ inline status adakv_head_budgets(const_score_view scores, std::int64_t protected
                                  const adakv_params& params, std::int64_t* out, workspace_span ws,
                                  const launch_options& opt = {}) {
   static constexpr const char* fn = "kvevict::cuda::adakv_head_budgets";
-  if (scores.rows < 1)
-    return status::error(errc::invalid_shape, fn, "scores.rows", "expected >= 1 KV head, got %lld",
-                         static_cast<long long>(scores.rows));
-  KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_matrix_view(scores, scores.rows, scores.cols, fn, "scores"));
-  if (protected_tail < 0)
-    return status::error(errc::invalid_argument, fn, "protected_tail", "expected >= 0, got %lld",
-                         static_cast<long long>(protected_tail));
-  if (per_head_budget < 0)
-    return status::error(errc::invalid_argument, fn, "per_head_budget", "expected >= 0, got %lld",
-                         static_cast<long long>(per_head_budget));
-  if (!(params.alpha >= 0.0 && params.alpha <= 1.0))
-    return status::error(errc::invalid_argument, fn, "params.alpha", "expected alpha in [0, 1], got %g", params.alpha);
+  KVEVICT_RETURN_IF_ERROR(
+      kvevict::detail::validate_adakv_inputs(scores, protected_tail, per_head_budget, params, out, fn));
   if (params.normalize)
     return status::error(errc::unsupported, fn, "params.normalize",
                          "the per-head normalisation is not implemented on the GPU (its double sums would not "
                          "match the CPU's bits); compute those budgets with kvevict::adakv_head_budgets");
-  if (out == nullptr) return status::error(errc::null_pointer, fn, "out", "expected [Hkv] device budgets");
   const std::int64_t heads = scores.rows;
   const std::int64_t candidates = scores.cols > protected_tail ? scores.cols - protected_tail : 0;
   const std::int64_t flat = kvevict::detail::saturating_mul(heads, candidates);

@@ -65,9 +65,33 @@ struct compact_args {
   std::uint32_t* flags = nullptr;
 };
 
+/// Records a device-detected problem in the call's private status word (which cancels the
+/// moves) and in the caller's flag word.
+__device__ __forceinline__ void fail_call(std::uint32_t* status, std::uint32_t* flags, std::uint32_t bits) {
+  atomicOr(status, bits);
+  raise_flag(flags, bits);
+}
+
 __device__ __forceinline__ void compact_fail(const compact_args& a, std::uint32_t bits) {
-  atomicOr(a.ws.status, bits);
-  raise_flag(a.flags, bits);
+  fail_call(a.ws.status, a.flags, bits);
+}
+
+/// The keep-list's structure (CSR offsets within capacity, indices strictly ascending in
+/// [0, num_tokens) per head), checked by a grid-stride loop.
+__device__ __forceinline__ void check_keep_list(const std::int64_t* offsets, const std::int64_t* indices,
+                                                std::int64_t num_heads, std::int64_t capacity, std::int64_t num_tokens,
+                                                std::uint32_t* status, std::uint32_t* flags, std::int64_t gtid,
+                                                std::int64_t nthreads) {
+  for (std::int64_t h = gtid; h < num_heads; h += nthreads)
+    if (!offsets_ok(offsets, h, capacity)) fail_call(status, flags, flag_invalid_keep_list);
+  std::int64_t total = offsets[num_heads];
+  total = total < 0 ? 0 : (total > capacity ? capacity : total);
+  for (std::int64_t e = gtid; e < total; e += nthreads) {
+    const std::int64_t h = head_of_entry(offsets, num_heads, e);
+    const bool first = entry_starts_head(offsets, h, e);
+    if (!entry_ok(indices[e], first ? -1 : indices[e - 1], first, num_tokens))
+      fail_call(status, flags, flag_invalid_keep_list);
+  }
 }
 
 /// Every id of v's table must lie in v's own pool; with a bitmap, an id seen before (by this
@@ -92,16 +116,7 @@ template <int Unused = 0>
 __global__ void __launch_bounds__(compact_threads) compact_validate_kernel(compact_args a) {
   const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t h = gtid; h < a.num_heads; h += nthreads)
-    if (!offsets_ok(a.offsets, h, a.capacity)) compact_fail(a, flag_invalid_keep_list);
-  std::int64_t total = a.offsets[a.num_heads];
-  total = total < 0 ? 0 : (total > a.capacity ? a.capacity : total);
-  for (std::int64_t e = gtid; e < total; e += nthreads) {
-    const std::int64_t h = head_of_entry(a.offsets, a.num_heads, e);
-    const bool first = entry_starts_head(a.offsets, h, e);
-    if (!entry_ok(a.indices[e], first ? -1 : a.indices[e - 1], first, a.k.num_tokens))
-      compact_fail(a, flag_invalid_keep_list);
-  }
+  check_keep_list(a.offsets, a.indices, a.num_heads, a.capacity, a.k.num_tokens, a.ws.status, a.flags, gtid, nthreads);
   check_table(a, a.k, a.ws.key_bitmap, gtid, nthreads);
   // V through K's table (vLLM) repeats K's ids, whose duplicates K's pass has caught; the ids
   // must still lie in V's pool, which may be smaller than K's.
@@ -201,6 +216,49 @@ __global__ void __launch_bounds__(compact_threads) compact_move_kernel(compact_a
       a.out.positions[e] = a.out.key_positions != nullptr ? a.out.key_positions[a.indices[e]] : a.indices[e];
 }
 
+/// Host checks of a compaction's keep-list (shape, pointers, 32-bit limits; its contents are
+/// checked on the device) and optional outputs.
+inline status validate_keep_and_outputs(const const_keep_list_view& keep, std::int64_t num_heads,
+                                        std::int64_t num_tokens, std::int64_t widest_head_dim,
+                                        const compact_outputs& out, const launch_options& opt, const char* fn) {
+  if (keep.num_heads != num_heads)
+    return status::error(errc::invalid_shape, fn, "keep.num_heads", "expected %lld, got %lld",
+                         static_cast<long long>(num_heads), static_cast<long long>(keep.num_heads));
+  if (keep.offsets == nullptr) return status::error(errc::null_pointer, fn, "keep.offsets", "expected non-null");
+  if (keep.capacity < 0)
+    return status::error(errc::invalid_shape, fn, "keep.capacity", "expected >= 0, got %lld",
+                         static_cast<long long>(keep.capacity));
+  if (keep.capacity > 0 && keep.indices == nullptr)
+    return status::error(errc::null_pointer, fn, "keep.indices", "expected non-null");
+  if (!fits_int32(num_tokens) || keep.capacity > int32_limit / widest_head_dim - 1)
+    return status::error(errc::overflow, fn, "keep.capacity",
+                         "expected capacity * head_dim < 2^31 on the GPU, got %lld * %lld",
+                         static_cast<long long>(keep.capacity), static_cast<long long>(widest_head_dim));
+  KVEVICT_RETURN_IF_ERROR(check_device_pointer(keep.offsets, opt, fn, "keep.offsets"));
+  KVEVICT_RETURN_IF_ERROR(check_device_pointer(keep.indices, opt, fn, "keep.indices"));
+  KVEVICT_RETURN_IF_ERROR(check_device_pointer(out.head_lengths, opt, fn, "out.head_lengths"));
+  KVEVICT_RETURN_IF_ERROR(check_device_pointer(out.positions, opt, fn, "out.positions"));
+  return check_device_pointer(out.key_positions, opt, fn, "out.key_positions");
+}
+
+/// Clears a status word and up to two block bitmaps on the stream (the start of every
+/// compaction).
+inline status clear_compaction_words(std::uint32_t* status_word, std::uint32_t* bitmap_a, std::int64_t ids_a,
+                                     std::uint32_t* bitmap_b, std::int64_t ids_b, cudaStream_t stream,
+                                     const char* fn) noexcept {
+  KVEVICT_RETURN_IF_ERROR(
+      cuda_status(cudaMemsetAsync(status_word, 0, sizeof(std::uint32_t), stream), fn, "cudaMemsetAsync"));
+  if (bitmap_a != nullptr)
+    KVEVICT_RETURN_IF_ERROR(
+        cuda_status(cudaMemsetAsync(bitmap_a, 0, static_cast<std::size_t>(bitmap_words(ids_a)) * 4, stream), fn,
+                    "cudaMemsetAsync"));
+  if (bitmap_b != nullptr)
+    KVEVICT_RETURN_IF_ERROR(
+        cuda_status(cudaMemsetAsync(bitmap_b, 0, static_cast<std::size_t>(bitmap_words(ids_b)) * 4, stream), fn,
+                    "cudaMemsetAsync"));
+  return status();
+}
+
 }  // namespace detail
 
 /// Bytes of device workspace `compact` needs: the staged rows of keep_capacity entries of K
@@ -247,25 +305,9 @@ status compact(cache_view<KT> keys, cache_view<VT> values, const_keep_list_view 
       static_cast<const void*>(keys.data) == static_cast<const void*>(values.data))
     return status::error(errc::invalid_argument, fn, "values.data",
                          "expected a V cache distinct from the K cache, got the same base pointer");
-  if (keep.num_heads != keys.num_heads)
-    return status::error(errc::invalid_shape, fn, "keep.num_heads", "expected %lld, got %lld",
-                         static_cast<long long>(keys.num_heads), static_cast<long long>(keep.num_heads));
-  if (keep.offsets == nullptr) return status::error(errc::null_pointer, fn, "keep.offsets", "expected non-null");
-  if (keep.capacity < 0)
-    return status::error(errc::invalid_shape, fn, "keep.capacity", "expected >= 0, got %lld",
-                         static_cast<long long>(keep.capacity));
-  if (keep.capacity > 0 && keep.indices == nullptr)
-    return status::error(errc::null_pointer, fn, "keep.indices", "expected non-null");
   const std::int64_t widest = keys.head_dim > values.head_dim ? keys.head_dim : values.head_dim;
-  if (!detail::fits_int32(keys.num_tokens) || keep.capacity > detail::int32_limit / widest - 1)
-    return status::error(errc::overflow, fn, "keep.capacity",
-                         "expected capacity * head_dim < 2^31 on the GPU, got %lld * %lld",
-                         static_cast<long long>(keep.capacity), static_cast<long long>(widest));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(keep.offsets, opt, fn, "keep.offsets"));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(keep.indices, opt, fn, "keep.indices"));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(out.head_lengths, opt, fn, "out.head_lengths"));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(out.positions, opt, fn, "out.positions"));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(out.key_positions, opt, fn, "out.key_positions"));
+  KVEVICT_RETURN_IF_ERROR(
+      detail::validate_keep_and_outputs(keep, keys.num_heads, keys.num_tokens, widest, out, opt, fn));
 
   const detail::compact_dims dims = detail::make_compact_dims(keys, values, keep.capacity);
   kvevict::detail::arena arena(ws);
@@ -285,18 +327,8 @@ status compact(cache_view<KT> keys, cache_view<VT> values, const_keep_list_view 
   a.flags = opt.device_flags;
 
   // Clear the status word and the bitmaps (the staged rows need no clearing).
-  KVEVICT_RETURN_IF_ERROR(
-      detail::cuda_status(cudaMemsetAsync(a.ws.status, 0, sizeof(std::uint32_t), opt.stream), fn, "cudaMemsetAsync"));
-  if (a.ws.key_bitmap != nullptr)
-    KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
-        cudaMemsetAsync(a.ws.key_bitmap, 0, static_cast<std::size_t>(detail::bitmap_words(dims.key_bitmap_ids)) * 4,
-                        opt.stream),
-        fn, "cudaMemsetAsync"));
-  if (a.ws.value_bitmap != nullptr)
-    KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
-        cudaMemsetAsync(a.ws.value_bitmap, 0, static_cast<std::size_t>(detail::bitmap_words(dims.value_bitmap_ids)) * 4,
-                        opt.stream),
-        fn, "cudaMemsetAsync"));
+  KVEVICT_RETURN_IF_ERROR(detail::clear_compaction_words(a.ws.status, a.ws.key_bitmap, dims.key_bitmap_ids,
+                                                         a.ws.value_bitmap, dims.value_bitmap_ids, opt.stream, fn));
 
   const std::int64_t blocks_needed = detail::stride_grid(
       keep.capacity * (widest > 32 ? widest : 32) + keys.num_heads + keys.num_tokens, detail::compact_threads, 8192);

@@ -60,8 +60,7 @@ struct compact_into_args {
 };
 
 __device__ __forceinline__ void compact_into_fail(const compact_into_args& a, std::uint32_t bits) {
-  atomicOr(a.status, bits);
-  raise_flag(a.flags, bits);
+  fail_call(a.status, a.flags, bits);
 }
 
 /// Ids of the table entries covering v's num_tokens (every head's table), each in range, and
@@ -89,16 +88,8 @@ __global__ void __launch_bounds__(compact_threads) compact_into_validate_kernel(
   const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   if (source) {
-    for (std::int64_t h = gtid; h < a.num_heads; h += nthreads)
-      if (!offsets_ok(a.offsets, h, a.capacity)) compact_into_fail(a, flag_invalid_keep_list);
-    std::int64_t total = a.offsets[a.num_heads];
-    total = total < 0 ? 0 : (total > a.capacity ? a.capacity : total);
-    for (std::int64_t e = gtid; e < total; e += nthreads) {
-      const std::int64_t h = head_of_entry(a.offsets, a.num_heads, e);
-      const bool first = entry_starts_head(a.offsets, h, e);
-      if (!entry_ok(a.indices[e], first ? -1 : a.indices[e - 1], first, a.k.src.num_tokens))
-        compact_into_fail(a, flag_invalid_keep_list);
-    }
+    check_keep_list(a.offsets, a.indices, a.num_heads, a.capacity, a.k.src.num_tokens, a.status, a.flags, gtid,
+                    nthreads);
     check_ids(a, a.k.src, a.k.source_in_pool ? a.k.bitmap : nullptr, true, gtid, nthreads);
     check_ids(a, a.v.src, a.v.source_in_pool ? a.v.bitmap : nullptr, true, gtid, nthreads);
     return;
@@ -250,25 +241,9 @@ status compact_into(cache_view<SK> src_keys, cache_view<SV> src_values, cache_vi
        static_cast<const void*>(dst_values.data) == static_cast<const void*>(src_values.data)))
     return status::error(errc::invalid_argument, fn, "dst_keys.data",
                          "expected fresh memory, got the source's base pointer (use compact for in place)");
-  if (keep.num_heads != src_keys.num_heads)
-    return status::error(errc::invalid_shape, fn, "keep.num_heads", "expected %lld, got %lld",
-                         static_cast<long long>(src_keys.num_heads), static_cast<long long>(keep.num_heads));
-  if (keep.offsets == nullptr) return status::error(errc::null_pointer, fn, "keep.offsets", "expected non-null");
-  if (keep.capacity < 0)
-    return status::error(errc::invalid_shape, fn, "keep.capacity", "expected >= 0, got %lld",
-                         static_cast<long long>(keep.capacity));
-  if (keep.capacity > 0 && keep.indices == nullptr)
-    return status::error(errc::null_pointer, fn, "keep.indices", "expected non-null");
   const std::int64_t widest = src_keys.head_dim > src_values.head_dim ? src_keys.head_dim : src_values.head_dim;
-  if (!detail::fits_int32(src_keys.num_tokens) || keep.capacity > detail::int32_limit / widest - 1)
-    return status::error(errc::overflow, fn, "keep.capacity",
-                         "expected capacity * head_dim < 2^31 on the GPU, got %lld * %lld",
-                         static_cast<long long>(keep.capacity), static_cast<long long>(widest));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(keep.offsets, opt, fn, "keep.offsets"));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(keep.indices, opt, fn, "keep.indices"));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(out.head_lengths, opt, fn, "out.head_lengths"));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(out.positions, opt, fn, "out.positions"));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(out.key_positions, opt, fn, "out.key_positions"));
+  KVEVICT_RETURN_IF_ERROR(
+      detail::validate_keep_and_outputs(keep, src_keys.num_heads, src_keys.num_tokens, widest, out, opt, fn));
 
   const detail::compact_into_plan plan = detail::plan_bitmaps(src_keys, src_values, dst_keys, dst_values);
   kvevict::detail::arena arena(ws);
@@ -294,17 +269,8 @@ status compact_into(cache_view<SK> src_keys, cache_view<SV> src_values, cache_vi
   a.out = out;
   a.flags = opt.device_flags;
 
-  KVEVICT_RETURN_IF_ERROR(
-      detail::cuda_status(cudaMemsetAsync(a.status, 0, sizeof(std::uint32_t), opt.stream), fn, "cudaMemsetAsync"));
-  if (key_bitmap != nullptr)
-    KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
-        cudaMemsetAsync(key_bitmap, 0, static_cast<std::size_t>(detail::bitmap_words(plan.key_bits)) * 4, opt.stream),
-        fn, "cudaMemsetAsync"));
-  if (value_bitmap != nullptr)
-    KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
-        cudaMemsetAsync(value_bitmap, 0, static_cast<std::size_t>(detail::bitmap_words(plan.value_bits)) * 4,
-                        opt.stream),
-        fn, "cudaMemsetAsync"));
+  KVEVICT_RETURN_IF_ERROR(detail::clear_compaction_words(a.status, key_bitmap, plan.key_bits, value_bitmap,
+                                                         plan.value_bits, opt.stream, fn));
   const std::int64_t blocks_needed = detail::stride_grid(
       keep.capacity * (widest > 32 ? widest : 32) + src_keys.num_heads + src_keys.num_tokens + dst_keys.num_tokens,
       detail::compact_threads, 8192);
