@@ -200,6 +200,18 @@ __device__ __forceinline__ void move_view(const compact_args& a, const byte_view
   }
 }
 
+/// Head lengths and the kept tokens' original positions (grid-stride), once rows have moved.
+__device__ __forceinline__ void write_outputs(const compact_outputs& out, const std::int64_t* offsets,
+                                              const std::int64_t* indices, std::int64_t num_heads, std::int64_t total) {
+  const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  if (out.head_lengths != nullptr)
+    for (std::int64_t h = gtid; h < num_heads; h += nthreads) out.head_lengths[h] = offsets[h + 1] - offsets[h];
+  if (out.positions != nullptr)
+    for (std::int64_t e = gtid; e < total; e += nthreads)
+      out.positions[e] = out.key_positions != nullptr ? out.key_positions[indices[e]] : indices[e];
+}
+
 template <int Unused = 0>
 __global__ void __launch_bounds__(compact_threads) compact_move_kernel(compact_args a, bool gather) {
   if (*a.ws.status != 0) return;
@@ -207,13 +219,7 @@ __global__ void __launch_bounds__(compact_threads) compact_move_kernel(compact_a
   move_view(a, a.k, a.ws.staged_keys, total, gather);
   move_view(a, a.v, a.ws.staged_values, total, gather);
   if (gather) return;
-  const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  if (a.out.head_lengths != nullptr)
-    for (std::int64_t h = gtid; h < a.num_heads; h += nthreads) a.out.head_lengths[h] = a.offsets[h + 1] - a.offsets[h];
-  if (a.out.positions != nullptr)
-    for (std::int64_t e = gtid; e < total; e += nthreads)
-      a.out.positions[e] = a.out.key_positions != nullptr ? a.out.key_positions[a.indices[e]] : a.indices[e];
+  write_outputs(a.out, a.offsets, a.indices, a.num_heads, total);
 }
 
 /// Host checks of a compaction's keep-list (shape, pointers, 32-bit limits; its contents are

@@ -134,13 +134,7 @@ __global__ void __launch_bounds__(compact_threads) compact_into_copy_kernel(comp
   const std::int64_t total = a.offsets[a.num_heads];
   copy_pair_rows(a, a.k, total);
   copy_pair_rows(a, a.v, total);
-  const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  if (a.out.head_lengths != nullptr)
-    for (std::int64_t h = gtid; h < a.num_heads; h += nthreads) a.out.head_lengths[h] = a.offsets[h + 1] - a.offsets[h];
-  if (a.out.positions != nullptr)
-    for (std::int64_t e = gtid; e < total; e += nthreads)
-      a.out.positions[e] = a.out.key_positions != nullptr ? a.out.key_positions[a.indices[e]] : a.indices[e];
+  write_outputs(a.out, a.offsets, a.indices, a.num_heads, total);
 }
 
 /// Whether two paged views index one pool (same base, block geometry): their ids share a
