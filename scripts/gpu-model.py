@@ -427,6 +427,40 @@ def adakv_kernels(s: Shape, g: Gpu):
     return [flatten, select, count]
 
 
+SCOPE_CHUNK = 4096  # keys per block of magnitude_bins_kernel (cuda/scope.cuh)
+
+
+def scope_kernels(s: Shape, g: Gpu, rows):
+    """combine_head_scores with a normalised rule over rows [rows, L]: clear the bins, exact
+    magnitude bins (shared-memory integer atomics), one thread per row converts them, then one
+    thread per token folds the rows."""
+    cand = s.cand
+    bins = rows * 255 * 8
+    memset = Kernel("memset", "clear the magnitude bins (cudaMemsetAsync)", 1, 1, chain_cycles=g.hbm_latency_cycles)
+    per_thread = ceil_div(min(cand, SCOPE_CHUNK), 256)
+    binner = Kernel("magnitude_bins_kernel", f"exact |score| sums, {rows} rows", ceil_div(cand, SCOPE_CHUNK) * rows,
+                    256, hbm_bytes=rows * cand * 4, l2_bytes=bins,
+                    # One shared atomic per key; attention scores crowd a few exponents, so a
+                    # warp's 32 atomics mostly hit a handful of addresses and serialise (assumed
+                    # 8-way on average).
+                    chain_cycles=per_thread * 8 * 40 + 255 * 2 + g.hbm_latency_cycles,
+                    note="shared-memory atomics on a few hot bins")
+    scales = Kernel("row_scales_kernel", "bins -> 1 / exact sum per row", ceil_div(rows, 256), 256,
+                    l2_bytes=bins, chain_cycles=255 * 20 + 3000 + g.l2_latency_cycles,
+                    note="one thread per row: 255 bins into a 320-bit integer")
+    combine = Kernel("combine_rows_kernel", "fold rows per token, in order", ceil_div(s.tokens, 256), 256,
+                     hbm_bytes=rows * s.tokens * 4 + s.tokens * 4, chain_cycles=rows * g.hbm_latency_cycles / 4)
+    return [memset, binner, scales, combine]
+
+
+def select_shared_kernels(s: Shape, g: Gpu):
+    """select over the one combined row, then its keep set copied to every head."""
+    prep, sel = select_kernels(s, g, 1)
+    cast = Kernel("broadcast_keep_kernel", f"one keep set -> {s.hkv} heads", (s.hkv - 1) * ceil_div(s.budget, 256),
+                  256, hbm_bytes=s.hkv * s.budget * 8, l2_bytes=s.budget * 8, chain_cycles=g.hbm_latency_cycles)
+    return [prep, sel, cast]
+
+
 def calls(s: Shape, g: Gpu):
     """The API calls scripts/gpu-check times, each with its kernels in stream order. Keys match
     the benchmark's (bench/cuda/bench_gpu.cu)."""
@@ -458,6 +492,8 @@ def calls(s: Shape, g: Gpu):
         "decode_plan": ("decode_plan step (graph replay), two passes",
                         [decode_logits(s, g, False), row_lse(s, g, s.hq, dec_tiles), decode_update(s, g)]),
         "adakv": ("adakv_head_budgets (device)", adakv_kernels(s, g)),
+        "scope_layer": ("one keep set per layer: combine_head_scores (normalised max) + select_shared",
+                        scope_kernels(s, g, s.hkv) + select_shared_kernels(s, g)),
     }
 
 

@@ -581,6 +581,41 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaFree(s));
   }
 
+  // One keep set per layer: the heads' scores combined (normalised max, exact normalisers),
+  // then one selection copied to every head.
+  {
+    float* s = device_random<float>(hkv * L, 10);
+    float* row = nullptr;
+    std::int64_t *offsets = nullptr, *indices = nullptr;
+    const kvevict::selection_params sp{W, kvevict::protected_mode::inside_budget};
+    const std::int64_t cap = hkv * kvevict::tokens_kept(B, L, sp);
+    BENCH_CHECK(cudaMalloc(&row, static_cast<std::size_t>(L) * sizeof(float)));
+    BENCH_CHECK(cudaMalloc(&offsets, static_cast<std::size_t>(hkv + 1) * sizeof(std::int64_t)));
+    BENCH_CHECK(cudaMalloc(&indices, static_cast<std::size_t>(cap) * sizeof(std::int64_t)));
+    const std::size_t cwb = kvevict::cuda::combine_head_scores_workspace_size(hkv);
+    const std::size_t swb = kvevict::cuda::select_shared_workspace_size();
+    void* cws = device_bytes(cwb);
+    void* sws = device_bytes(swb);
+    const auto run = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::combine_head_scores({s, hkv, L, L}, W, kvevict::scope_combine::normalized_max, row,
+                                                    {cws, cwb}, o));
+      require_ok(kvevict::cuda::select_shared({row, 1, L, L}, kvevict::budget::tokens(B), sp,
+                                              {hkv, offsets, indices, cap}, {sws, swb}, o));
+    };
+    const double us = median_us([&] { run(opt); }, reps);
+    time_each_kernel(
+        "scope_layer", capture_stream, [&] { run(capture_opt); }, reps);
+    std::printf("| one keep set per layer (combine %lld heads x %lld, normalised max; select_shared) | %.1f | | |\n",
+                static_cast<long long>(hkv), static_cast<long long>(L), us);
+    result("scope_layer_us", us);
+    BENCH_CHECK(cudaFree(sws));
+    BENCH_CHECK(cudaFree(cws));
+    BENCH_CHECK(cudaFree(indices));
+    BENCH_CHECK(cudaFree(offsets));
+    BENCH_CHECK(cudaFree(row));
+    BENCH_CHECK(cudaFree(s));
+  }
+
   // Compaction of K and V by a keep-list of B tokens per head (random, ascending).
   {
     std::mt19937_64 rng(5);

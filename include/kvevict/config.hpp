@@ -59,6 +59,22 @@
 #define KVEVICT_NOINLINE inline
 #endif
 
+// No FMA contraction in a function whose products and sums another implementation repeats
+// operation by operation (the GPU's __fmul_rn/__fadd_rn, design.md §14): GCC's default
+// (-ffp-contract=fast) would otherwise fuse a scale-and-add under -march flags with FMA.
+// KVEVICT_FP_CONTRACT_OFF goes on the declaration, KVEVICT_FP_CONTRACT_OFF_BODY first in the
+// body (clang's form).
+#if defined(__clang__)
+#define KVEVICT_FP_CONTRACT_OFF
+#define KVEVICT_FP_CONTRACT_OFF_BODY _Pragma("clang fp contract(off)")
+#elif defined(__GNUC__)
+#define KVEVICT_FP_CONTRACT_OFF __attribute__((optimize("fp-contract=off")))
+#define KVEVICT_FP_CONTRACT_OFF_BODY
+#else
+#define KVEVICT_FP_CONTRACT_OFF
+#define KVEVICT_FP_CONTRACT_OFF_BODY
+#endif
+
 #include <type_traits>
 
 KVEVICT_NAMESPACE_BEGIN

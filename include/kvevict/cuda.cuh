@@ -25,6 +25,7 @@
 #include "kvevict/cuda/finalize.cuh"
 #include "kvevict/cuda/observation_scores.cuh"
 #include "kvevict/cuda/observation_scores_batch.cuh"
+#include "kvevict/cuda/scope.cuh"
 #include "kvevict/cuda/select.cuh"
 #include "kvevict/cuda/select_row.hpp"
 #include "kvevict/views/layouts.hpp"

@@ -435,6 +435,97 @@ adakv_result adakv(const std::vector<float>& scores, std::int64_t rows, std::int
   return r;
 }
 
+row_result combine_head_scores(const std::vector<float>& scores, std::int64_t rows, std::int64_t cols,
+                               std::int64_t row_stride, std::int64_t protected_tail, kvevict::scope_combine rule,
+                               std::size_t workspace_bytes) {
+  row_result r;
+  mirror m;
+  const float* dscores = m.put_vector(scores);
+  if (dscores == nullptr) dscores = m.alloc<float>(1);
+  const std::size_t n = static_cast<std::size_t>(std::max<std::int64_t>(cols, 1));
+  auto* out = m.alloc<float>(n);
+  m.fill(out, n, -7.0f);
+  const std::size_t need = kvevict::cuda::combine_head_scores_workspace_size(std::max<std::int64_t>(rows, 0));
+  const std::size_t bytes = workspace_bytes == SIZE_MAX ? need : workspace_bytes;
+  void* ws = m.alloc_bytes(bytes);
+  r.st = m.finish(kvevict::cuda::combine_head_scores({dscores, rows, cols, row_stride}, protected_tail, rule, out,
+                                                     {ws, bytes}, m.options()));
+  r.row = m.get(out, static_cast<std::size_t>(std::max<std::int64_t>(cols, 0)));
+  r.flags = m.read_flags();
+  return r;
+}
+
+sequence_result sequence_scope(const std::vector<std::vector<float>>& layers, std::int64_t rows, std::int64_t cols,
+                               std::int64_t protected_tail, kvevict::scope_combine rule, kvevict::budget b,
+                               const kvevict::selection_params& params, std::int64_t heads, std::int64_t capacity) {
+  sequence_result r;
+  mirror m;
+  const std::size_t n = static_cast<std::size_t>(std::max<std::int64_t>(cols, 1));
+  auto* layer_row = m.alloc<float>(n);
+  auto* sequence_row = m.alloc<float>(n);
+  m.fill(sequence_row, n, -7.0f);
+  const std::size_t bytes = kvevict::cuda::combine_head_scores_workspace_size(rows);
+  void* ws = m.alloc_bytes(bytes);
+  const auto num_layers = static_cast<std::int64_t>(layers.size());
+  status st;
+  for (std::int64_t l = 0; l < num_layers && st.ok(); ++l) {
+    const float* d = m.fresh_copy(layers[static_cast<std::size_t>(l)]);
+    st = kvevict::cuda::combine_head_scores({d, rows, cols, cols}, protected_tail, rule, layer_row, {ws, bytes},
+                                            m.options());
+    if (st.ok())
+      st = kvevict::cuda::fold_layer_scores(layer_row, sequence_row, cols, protected_tail, rule, l, num_layers,
+                                            m.options());
+  }
+  r.combined.st = m.finish(st);
+  r.combined.row = m.get(sequence_row, static_cast<std::size_t>(cols));
+  if (!st.ok()) return r;
+  auto* offsets = m.alloc<std::int64_t>(static_cast<std::size_t>(heads + 1));
+  const std::size_t cap = static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1));
+  auto* indices = m.alloc<std::int64_t>(cap);
+  m.fill(offsets, static_cast<std::size_t>(heads + 1), std::int64_t{-7});
+  m.fill(indices, cap, std::int64_t{-7});
+  const std::size_t sbytes = kvevict::cuda::select_shared_workspace_size();
+  void* sws = m.alloc_bytes(sbytes);
+  r.keep.st = m.finish(kvevict::cuda::select_shared({sequence_row, 1, cols, cols}, b, params,
+                                                    {heads, offsets, indices, capacity}, {sws, sbytes}, m.options()));
+  r.keep.offsets = m.get(offsets, static_cast<std::size_t>(heads + 1));
+  r.keep.indices = m.get(indices, static_cast<std::size_t>(std::max<std::int64_t>(capacity, 0)));
+  r.keep.flags = m.read_flags();
+  return r;
+}
+
+status fold_layer_scores_call(std::int64_t tokens, std::int64_t protected_tail, kvevict::scope_combine rule,
+                              std::int64_t layer, std::int64_t num_layers, bool null_rows) {
+  mirror m;
+  const std::size_t n = static_cast<std::size_t>(std::max<std::int64_t>(tokens, 1));
+  float* a = null_rows ? nullptr : m.alloc<float>(n);
+  float* b = null_rows ? nullptr : m.alloc<float>(n);
+  return m.finish(kvevict::cuda::fold_layer_scores(a, b, tokens, protected_tail, rule, layer, num_layers, m.options()));
+}
+
+keep_result select_shared(const std::vector<float>& row, std::int64_t rows, kvevict::budget b,
+                          const kvevict::selection_params& params, std::int64_t heads, std::int64_t capacity) {
+  keep_result r;
+  mirror m;
+  const float* drow = m.put_vector(row);
+  if (drow == nullptr) drow = m.alloc<float>(1);
+  const auto cols = static_cast<std::int64_t>(row.size());
+  const std::size_t h1 = static_cast<std::size_t>(std::max<std::int64_t>(heads + 1, 1));
+  auto* offsets = m.alloc<std::int64_t>(h1);
+  const std::size_t cap = static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1));
+  auto* indices = m.alloc<std::int64_t>(cap);
+  m.fill(offsets, h1, std::int64_t{-7});
+  m.fill(indices, cap, std::int64_t{-7});
+  const std::size_t bytes = kvevict::cuda::select_shared_workspace_size();
+  void* ws = m.alloc_bytes(bytes);
+  r.st = m.finish(kvevict::cuda::select_shared({drow, rows, cols, cols}, b, params, {heads, offsets, indices, capacity},
+                                               {ws, bytes}, m.options()));
+  r.offsets = m.get(offsets, h1);
+  r.indices = m.get(indices, static_cast<std::size_t>(std::max<std::int64_t>(capacity, 0)));
+  r.flags = m.read_flags();
+  return r;
+}
+
 rows_result select_rows(const std::vector<row_spec>& rows, std::int64_t max_length) {
   rows_result r;
   mirror m;

@@ -15,6 +15,7 @@
 #include "kvevict/error.hpp"
 #include "kvevict/scoring/params.hpp"
 #include "kvevict/selection/budget.hpp"
+#include "kvevict/selection/scope.hpp"
 #include "kvevict/views/cache_view.hpp"
 #include "kvevict/views/query_view.hpp"
 
@@ -153,6 +154,37 @@ struct adakv_result {
 adakv_result adakv(const std::vector<float>& scores, std::int64_t rows, std::int64_t cols, std::int64_t per_head_budget,
                    const kvevict::adakv_params& params, const kvevict::selection_params& selection,
                    std::int64_t capacity);
+
+/// kvevict::cuda::combine_head_scores over a host matrix [rows, cols] with row_stride
+/// elements between rows, into a row [cols] (untouched entries hold -7).
+struct row_result {
+  kvevict::status st;
+  std::vector<float> row;
+  std::uint32_t flags = 0;
+};
+row_result combine_head_scores(const std::vector<float>& scores, std::int64_t rows, std::int64_t cols,
+                               std::int64_t row_stride, std::int64_t protected_tail, kvevict::scope_combine rule,
+                               std::size_t workspace_bytes = SIZE_MAX);
+
+/// The sequence scope on the device: each layer's [rows, cols] matrix combined by `rule`
+/// (combine_head_scores) and folded into one row (fold_layer_scores), then that row's keep
+/// set given to `heads` heads (select_shared); `keep.st` is select_shared's status.
+struct sequence_result {
+  row_result combined;
+  keep_result keep;
+};
+sequence_result sequence_scope(const std::vector<std::vector<float>>& layers, std::int64_t rows, std::int64_t cols,
+                               std::int64_t protected_tail, kvevict::scope_combine rule, kvevict::budget b,
+                               const kvevict::selection_params& params, std::int64_t heads, std::int64_t capacity);
+
+/// kvevict::cuda::fold_layer_scores with the given arguments (device rows of `tokens` each, or
+/// null ones when `null_rows`), for the argument checks.
+kvevict::status fold_layer_scores_call(std::int64_t tokens, std::int64_t protected_tail, kvevict::scope_combine rule,
+                                       std::int64_t layer, std::int64_t num_layers, bool null_rows);
+
+/// kvevict::cuda::select_shared over a host row [1, cols] viewed with `rows` rows.
+keep_result select_shared(const std::vector<float>& row, std::int64_t rows, kvevict::budget b,
+                          const kvevict::selection_params& params, std::int64_t heads, std::int64_t capacity);
 
 /// One ragged row for select_rows.
 struct row_spec {

@@ -26,9 +26,11 @@
 
 #include "gpu_runner.hpp"
 #include "kvevict/budgets/adakv.hpp"
+#include "kvevict/budgets/layer_budget.hpp"
 #include "kvevict/detail/finalize.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/scoring/observation_scores.hpp"
+#include "kvevict/selection/scope.hpp"
 #include "kvevict/selection/select.hpp"
 #include "kvevict/views/layouts.hpp"
 #include "reference/reference.hpp"
@@ -1455,4 +1457,197 @@ TEST_CASE("GPU compaction: K and V in one pool (TensorRT-LLM block offsets)", "[
     REQUIRE((g.flags & kvevict::cuda::flag_duplicate_block) != 0);
     require_bytes(g.keys, pool);
   }
+}
+
+// ---- shared selection scopes on the device ------------------------------------------------
+
+namespace {
+
+/// Scores with every float class the combining rule meets: attention-like mass spread over
+/// a wide exponent range (so the exact normaliser differs from a naive float sum), negative
+/// values (|x| is summed), zeros, subnormals, NaN, +inf in the candidates, +inf in the tail.
+std::vector<float> scope_matrix(std::int64_t rows, std::int64_t cols, std::int64_t stride, std::int64_t tail,
+                                std::uint64_t seed, bool specials) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  std::uniform_int_distribution<int> e(-60, 20);
+  std::vector<float> v(static_cast<std::size_t>(rows * stride), 12345.0f);  // padding past cols
+  for (std::int64_t h = 0; h < rows; ++h)
+    for (std::int64_t j = 0; j < cols; ++j) {
+      float x = std::ldexp(u(rng), e(rng)) * static_cast<float>(h + 1);
+      if (specials) {
+        const auto r = rng() % 64;
+        if (r == 0) x = std::numeric_limits<float>::quiet_NaN();
+        if (r == 1) x = kInf;
+        if (r == 2) x = -x;
+        if (r == 3) x = 0.0f;
+        if (r == 4) x = std::numeric_limits<float>::denorm_min() * static_cast<float>(rng() % 1000);
+      }
+      if (j >= cols - tail) x = kInf;
+      v[static_cast<std::size_t>(h * stride + j)] = x;
+    }
+  return v;
+}
+
+/// Bit equality that also accepts any NaN for a NaN.
+bool same_float(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);
+  std::uint32_t x = 0, y = 0;
+  std::memcpy(&x, &a, 4);
+  std::memcpy(&y, &b, 4);
+  return x == y;
+}
+
+constexpr kvevict::scope_combine kRules[] = {kvevict::scope_combine::normalized_max,
+                                             kvevict::scope_combine::normalized_mean, kvevict::scope_combine::max,
+                                             kvevict::scope_combine::mean};
+
+}  // namespace
+
+TEST_CASE("GPU combine_head_scores equals the CPU's bit for bit", "[gpu][gpu_select][gpu_scope]") {
+  std::uint64_t seed = 2100;
+  struct shape_case {
+    std::int64_t rows, cols, stride, tail;
+  };
+  // One and several chunks of the bins kernel (4096 keys), a strided view, an all-tail row.
+  const shape_case shapes[] = {{1, 1, 1, 0}, {3, 17, 20, 3}, {8, 300, 300, 60}, {2, 9000, 9001, 5}, {4, 40, 40, 40}};
+  for (const shape_case& sc : shapes)
+    for (bool specials : {false, true})
+      for (auto rule : kRules) {
+        INFO("rows " << sc.rows << " cols " << sc.cols << " tail " << sc.tail << " specials " << specials << " "
+                     << kvevict::to_string(rule));
+        const auto s = scope_matrix(sc.rows, sc.cols, sc.stride, sc.tail, seed++, specials);
+        std::vector<float> want(static_cast<std::size_t>(sc.cols));
+        REQUIRE(kvevict::combine_head_scores({s.data(), sc.rows, sc.cols, sc.stride}, sc.tail, rule, want.data()).ok());
+        const auto g = gpu::combine_head_scores(s, sc.rows, sc.cols, sc.stride, sc.tail, rule);
+        INFO("status " << g.st.message());
+        REQUIRE(g.st.ok());
+        REQUIRE(g.flags == 0);
+        for (std::int64_t j = 0; j < sc.cols; ++j) {
+          INFO("j " << j << " cpu " << want[static_cast<std::size_t>(j)] << " gpu "
+                    << g.row[static_cast<std::size_t>(j)]);
+          REQUIRE(same_float(g.row[static_cast<std::size_t>(j)], want[static_cast<std::size_t>(j)]));
+        }
+      }
+}
+
+TEST_CASE("GPU layer and sequence scopes select the CPU's keep sets", "[gpu][gpu_select][gpu_scope]") {
+  std::uint64_t seed = 2300;
+  SECTION("one keep set per layer: kvevict::select_layer's") {
+    for (auto rule : kRules)
+      for (std::int64_t b : {std::int64_t{0}, std::int64_t{40}, std::int64_t{700}})
+        for (auto mode : {kvevict::protected_mode::inside_budget, kvevict::protected_mode::on_top_of_budget}) {
+          const std::int64_t rows = 4, cols = 513, tail = 16;
+          INFO(kvevict::to_string(rule) << " B " << b << " mode " << int(mode));
+          const auto s = scope_matrix(rows, cols, cols, tail, seed++, true);
+          const kvevict::selection_params sel{tail, mode};
+          kvevict::layer_budget lb;
+          lb.per_head = kvevict::budget::tokens(b);
+          lb.scope = kvevict::selection_scope::per_layer;
+          lb.combine = rule;
+          const std::int64_t capacity = kvevict::select_layer_capacity(rows, cols, sel, lb);
+          kvevict::keep_list cpu(rows, capacity);
+          kvevict::workspace ws(kvevict::select_layer_workspace_size(rows, cols, lb));
+          REQUIRE(kvevict::select_layer({s.data(), rows, cols, cols}, sel, lb, cpu, ws).ok());
+          // On the device: combine, then one set for the layer's heads.
+          const auto combined = gpu::combine_head_scores(s, rows, cols, cols, tail, rule);
+          REQUIRE(combined.st.ok());
+          const auto g = gpu::select_shared(combined.row, 1, kvevict::budget::tokens(b), sel, rows, capacity);
+          INFO("status " << g.st.message());
+          REQUIRE(g.st.ok());
+          REQUIRE(g.flags == 0);
+          for (std::int64_t h = 0; h <= rows; ++h)
+            REQUIRE(g.offsets[static_cast<std::size_t>(h)] == cpu.view().offsets[h]);
+          for (std::int64_t e = 0; e < cpu.view().offsets[rows]; ++e)
+            REQUIRE(g.indices[static_cast<std::size_t>(e)] == cpu.view().indices[e]);
+        }
+  }
+  SECTION("one keep set per sequence: the compressor's fold over layers") {
+    for (auto rule : kRules) {
+      const std::int64_t layers = 3, rows = 2, cols = 4200, tail = 9, heads = 2;
+      INFO(kvevict::to_string(rule));
+      std::vector<std::vector<float>> scores;
+      for (std::int64_t l = 0; l < layers; ++l) scores.push_back(scope_matrix(rows, cols, cols, tail, seed++, l == 1));
+      // The CPU: compressor::run's sequence scope, step by step.
+      const auto across =
+          kvevict::detail::combines_by_max(rule) ? kvevict::scope_combine::max : kvevict::scope_combine::mean;
+      std::vector<float> layer_row(static_cast<std::size_t>(cols)), want(static_cast<std::size_t>(cols));
+      for (std::int64_t l = 0; l < layers; ++l) {
+        REQUIRE(kvevict::combine_head_scores({scores[static_cast<std::size_t>(l)].data(), rows, cols, cols}, tail, rule,
+                                             layer_row.data())
+                    .ok());
+        kvevict::detail::fold_row(want.data(), layer_row.data(), cols, cols - tail, across, l == 0);
+      }
+      kvevict::detail::finish_mean(want.data(), cols - tail, layers, across);
+      const kvevict::selection_params sel{tail, kvevict::protected_mode::inside_budget};
+      kvevict::layer_budget lb;
+      lb.per_head = kvevict::budget::ratio(0.25);
+      const std::int64_t capacity = kvevict::select_layer_capacity(heads, cols, sel, lb);
+      kvevict::keep_list cpu(heads, capacity);
+      std::vector<std::int64_t> scratch(static_cast<std::size_t>(cols + 2));
+      kvevict::workspace ws(kvevict::select_workspace_size(cols));
+      REQUIRE(kvevict::select_shared({want.data(), 1, cols, cols}, sel, lb, cpu, scratch.data(), ws).ok());
+
+      const auto g = gpu::sequence_scope(scores, rows, cols, tail, rule, lb.per_head, sel, heads, capacity);
+      INFO("status " << g.combined.st.message() << " / " << g.keep.st.message());
+      REQUIRE(g.combined.st.ok());
+      for (std::int64_t j = 0; j < cols; ++j) {
+        INFO("j " << j);
+        REQUIRE(same_float(g.combined.row[static_cast<std::size_t>(j)], want[static_cast<std::size_t>(j)]));
+      }
+      REQUIRE(g.keep.st.ok());
+      REQUIRE(g.keep.flags == 0);
+      for (std::int64_t h = 0; h <= heads; ++h)
+        REQUIRE(g.keep.offsets[static_cast<std::size_t>(h)] == cpu.view().offsets[h]);
+      for (std::int64_t e = 0; e < cpu.view().offsets[heads]; ++e)
+        REQUIRE(g.keep.indices[static_cast<std::size_t>(e)] == cpu.view().indices[e]);
+    }
+  }
+}
+
+TEST_CASE("GPU selection scopes refuse bad arguments by name and write nothing", "[gpu][gpu_errors][gpu_scope]") {
+  using kvevict::errc;
+  const auto s = scope_matrix(2, 50, 50, 0, 1, false);
+  const auto rule = kvevict::scope_combine::normalized_max;
+  struct expect {
+    const char* what;
+    kvevict::status st;
+    errc code;
+    const char* arg;
+  };
+  const kvevict::selection_params sel{0, kvevict::protected_mode::inside_budget};
+  const std::vector<float> row(s.begin(), s.begin() + 50);
+  const expect cases[] = {
+      {"no rows", gpu::combine_head_scores(s, 0, 50, 50, 0, rule).st, errc::invalid_shape, "scores.rows"},
+      {"row stride below L", gpu::combine_head_scores(s, 2, 50, 40, 0, rule).st, errc::invalid_stride,
+       "scores.row_stride"},
+      {"negative tail", gpu::combine_head_scores(s, 2, 50, 50, -1, rule).st, errc::invalid_argument, "protected_tail"},
+      {"unknown rule", gpu::combine_head_scores(s, 2, 50, 50, 0, static_cast<kvevict::scope_combine>(7)).st,
+       errc::invalid_argument, "rule"},
+      {"workspace too small", gpu::combine_head_scores(s, 2, 50, 50, 0, rule, 16).st, errc::workspace_too_small, "ws"},
+      {"fold: layer past the count", gpu::fold_layer_scores_call(50, 0, rule, 3, 3, false), errc::invalid_argument,
+       "layer"},
+      {"fold: no layers", gpu::fold_layer_scores_call(50, 0, rule, 0, 0, false), errc::invalid_argument, "num_layers"},
+      {"fold: null rows", gpu::fold_layer_scores_call(50, 0, rule, 0, 2, true), errc::null_pointer, "layer_row"},
+      {"fold: negative tokens", gpu::fold_layer_scores_call(-1, 0, rule, 0, 2, false), errc::invalid_shape, "tokens"},
+      {"shared: two rows", gpu::select_shared(s, 2, kvevict::budget::tokens(5), sel, 4, 100).st, errc::invalid_shape,
+       "row.rows"},
+      {"shared: capacity for one head", gpu::select_shared(row, 1, kvevict::budget::tokens(5), sel, 4, 5).st,
+       errc::invalid_keep_list, "out.capacity"},
+      {"shared: bad ratio", gpu::select_shared(row, 1, kvevict::budget::ratio(1.5), sel, 4, 100).st,
+       errc::invalid_argument, "budget"},
+      {"shared: no heads", gpu::select_shared(row, 1, kvevict::budget::tokens(5), sel, 0, 100).st, errc::invalid_shape,
+       "out.num_heads"},
+  };
+  for (const expect& c : cases) {
+    INFO(c.what << ": " << c.st.message());
+    REQUIRE(c.st.code() == c.code);
+    REQUIRE(std::string(c.st.argument()) == c.arg);
+  }
+  // A refused call enqueues nothing: the output keeps its fill.
+  const auto g = gpu::select_shared(row, 1, kvevict::budget::tokens(5), sel, 4, 5);
+  for (std::int64_t x : g.indices) REQUIRE(x == -7);
+  for (std::int64_t x : g.offsets) REQUIRE(x == -7);
+  const auto c = gpu::combine_head_scores(s, 2, 50, 50, 0, rule, 16);
+  for (float x : c.row) REQUIRE(x == -7.0f);
 }

@@ -89,6 +89,59 @@ TEST_CASE("combine_head_scores equals its definition for every rule", "[contract
       }
 }
 
+namespace {
+
+__extension__ using u128 = unsigned __int128;  // GCC and clang; the test's exact reference
+
+/// The exact sum of |x| rounded to double by the library's bins (detail/exact_sum.hpp).
+double exact_magnitude_sum(const std::vector<float>& x) {
+  std::vector<std::uint64_t> bins(kvevict::detail::magnitude_bins, 0);
+  for (float v : x) {
+    int bin = 0;
+    std::uint64_t s = 0;
+    if (kvevict::detail::magnitude_parts(v, &bin, &s)) bins[static_cast<std::size_t>(bin)] += s;
+  }
+  return kvevict::detail::bins_to_double(bins.data());
+}
+
+}  // namespace
+
+TEST_CASE("the scope normaliser's sum is exact, rounded once, whatever the order", "[contracts]") {
+  const float one = 1.0f, h53 = std::ldexp(1.0f, -53), h80 = std::ldexp(1.0f, -80);
+  // Ties to even, and a tie broken by a bit far below (a sequential double sum loses it).
+  REQUIRE(exact_magnitude_sum({one, h53}) == 1.0);
+  REQUIRE(exact_magnitude_sum({h80, one, h53}) == 1.0 + std::ldexp(1.0, -52));
+  REQUIRE(exact_magnitude_sum({1.0f + std::ldexp(1.0f, -23), -h53}) == 1.0 + std::ldexp(1.0, -23));
+  REQUIRE(exact_magnitude_sum({1.0f + std::ldexp(1.0f, -23), h53, std::ldexp(1.0f, -100)}) ==
+          1.0 + std::ldexp(1.0, -23) + std::ldexp(1.0, -52));
+  // Subnormals, the largest float, and what is not summed (inf, NaN).
+  const float tiny = std::numeric_limits<float>::denorm_min(), big = std::numeric_limits<float>::max();
+  REQUIRE(exact_magnitude_sum({tiny, tiny, -tiny}) == 3.0 * static_cast<double>(tiny));
+  REQUIRE(exact_magnitude_sum(std::vector<float>(1000, big)) == 1000.0 * static_cast<double>(big));
+  REQUIRE(exact_magnitude_sum({kInf, std::numeric_limits<float>::quiet_NaN(), 2.0f}) == 2.0);
+  REQUIRE(exact_magnitude_sum({0.0f, -0.0f}) == 0.0);
+  // Against 128-bit integer sums: x = k * 2^(s - 40), k < 2^24, s in [0, 60]; the sum of
+  // k << s is exact in 128 bits and converts to double with one rounding.
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 3000);
+    const int spread = 1 + static_cast<int>(rng() % 61);
+    std::vector<float> x(static_cast<std::size_t>(n));
+    u128 sum = 0;
+    for (float& v : x) {
+      const std::uint64_t k = rng() & 0xffffffu;
+      const int sh = static_cast<int>(rng() % static_cast<std::uint64_t>(spread));
+      v = std::ldexp(static_cast<float>(k), sh - 40);
+      sum += static_cast<u128>(k) << sh;
+    }
+    const double want = std::ldexp(static_cast<double>(sum), -40);
+    REQUIRE(exact_magnitude_sum(x) == want);
+    std::shuffle(x.begin(), x.end(), rng);
+    REQUIRE(exact_magnitude_sum(x) == want);
+    REQUIRE(kvevict::detail::normaliser_of(x.data(), n) == (want > 0.0 ? static_cast<float>(1.0 / want) : 1.0f));
+  }
+}
+
 TEST_CASE("normalised combining gives every head the same weight", "[contracts]") {
   // Head 1 has 50 times head 0's mass: raw max follows head 1 alone; normalised max keeps
   // head 0's favourite too.

@@ -10,15 +10,16 @@
 // The combining rule (design.md §14): each head's candidate scores are first divided by
 // their total magnitude, so that every head weighs the same whatever its scale (attention
 // mass sums to about 1 per observation, but a head that spreads it thin has small scores
-// everywhere), then heads (and, for a sequence scope, layers) combine by max -- a token one
-// head depends on is kept, as in the union of per-head sets -- or by mean. The protected
-// tail stays +inf, NaN stays NaN (ranked last), and the shared keep set goes to every head.
+// everywhere; the total is exact, so every device and rank agrees on it), then heads (and, for a sequence scope,
+// layers) combine by max -- a token one head depends on is kept, as in the union of per-head sets -- or by mean. The
+// protected tail stays +inf, NaN stays NaN (ranked last), and the shared keep set goes to every head.
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 
 #include "kvevict/config.hpp"
+#include "kvevict/detail/exact_sum.hpp"
 #include "kvevict/detail/pooling.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/views/matrix_view.hpp"
@@ -75,21 +76,27 @@ inline bool combines_by_max(scope_combine c) noexcept {
   return c == scope_combine::normalized_max || c == scope_combine::max;
 }
 
-/// 1 / (sum of |x| over the finite entries of x[0, n)), or 1 when that sum is 0 or not finite
-/// (a head with no usable mass keeps its scores as they are). Summed in double, in order.
+/// 1 / (sum of |x| over the finite entries of x[0, n)), or 1 when that sum is 0 (a head with
+/// no usable mass keeps its scores as they are). The sum is exact, rounded once to double
+/// (detail/exact_sum.hpp): any order of additions -- the GPU's, another rank's -- gives it.
 inline float normaliser_of(const float* x, std::int64_t n) noexcept {
-  double sum = 0.0;
-  for (std::int64_t j = 0; j < n; ++j)
-    if (std::isfinite(x[j])) sum += std::fabs(static_cast<double>(x[j]));
-  return (sum > 0.0 && std::isfinite(sum)) ? static_cast<float>(1.0 / sum) : 1.0f;
+  std::uint64_t bins[magnitude_bins] = {};
+  for (std::int64_t j = 0; j < n; ++j) {
+    int bin = 0;
+    std::uint64_t significand = 0;
+    if (magnitude_parts(x[j], &bin, &significand)) bins[bin] += significand;
+  }
+  return reciprocal_of_sum(bins_to_double(bins));
 }
 
 /// Folds one row into a combined row: the first row is copied (normalised), later rows
 /// combine by nan_max or by sum. Candidates are [0, candidates); the tail is copied as is.
 /// Out of line: the tensor-parallel mean (parallel/sharded_scope.hpp) calls it on the same rows
 /// in the same order and must get the same bits, FMA contraction or not.
-KVEVICT_NOINLINE void fold_row(float* acc, const float* row, std::int64_t tokens, std::int64_t candidates,
-                               scope_combine c, bool first) noexcept {
+/// Products and sums are not contracted: cuda/scope.cuh repeats them with __fmul_rn/__fadd_rn.
+KVEVICT_NOINLINE KVEVICT_FP_CONTRACT_OFF void fold_row(float* acc, const float* row, std::int64_t tokens,
+                                                       std::int64_t candidates, scope_combine c, bool first) noexcept {
+  KVEVICT_FP_CONTRACT_OFF_BODY
   const float scale = normalizes(c) ? normaliser_of(row, candidates) : 1.0f;
   for (std::int64_t j = 0; j < tokens; ++j) {
     const float v = j < candidates ? row[j] * scale : row[j];
