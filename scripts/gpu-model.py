@@ -427,6 +427,17 @@ def adakv_kernels(s: Shape, g: Gpu):
     return [flatten, select, count]
 
 
+def compact_batch_kernels(s: Shape, g: Gpu, n):
+    """compact_batch: n sequences of L/n tokens keeping B/n per head; compact's kernels with
+    the sequence as blockIdx.y (each block's work that of one sequence's call), after one
+    memset and one descriptor copy."""
+    one = replace(s, tokens=s.tokens // n, budget=s.budget // n)
+    memset, validate, gather, scatter = compact_kernels(one, g)
+    copy = Kernel("memcpy", "descriptors to the device (cudaMemcpyAsync)", 1, 1, chain_cycles=g.hbm_latency_cycles)
+    return [memset, copy, batched(validate, n, "compact_validate_batch_kernel"),
+            batched(gather, n, "compact_move_batch_kernel"), batched(scatter, n, "compact_move_batch_kernel")]
+
+
 SCOPE_CHUNK = 4096  # keys per block of magnitude_bins_kernel (cuda/scope.cuh)
 
 
@@ -492,6 +503,8 @@ def calls(s: Shape, g: Gpu):
         "decode_plan": ("decode_plan step (graph replay), two passes",
                         [decode_logits(s, g, False), row_lse(s, g, s.hq, dec_tiles), decode_update(s, g)]),
         "adakv": ("adakv_head_budgets (device)", adakv_kernels(s, g)),
+        "compact_batch": (f"compact_batch, {BATCH} sequences x {s.tokens // BATCH} tokens, one call",
+                          compact_batch_kernels(s, g, BATCH)),
         "scope_layer": ("one keep set per layer: combine_head_scores (normalised max) + select_shared",
                         scope_kernels(s, g, s.hkv) + select_shared_kernels(s, g)),
     }

@@ -652,6 +652,55 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaFree(didx));
     BENCH_CHECK(cudaFree(doff));
   }
+  // Batched compaction: 8 sequences of L/8 tokens (slices of the same caches, so the bytes
+  // moved equal the single call's), each keeping B/8 per head, in one call.
+  {
+    constexpr std::int64_t batch = 8;
+    const std::int64_t ls = L / batch, bs = B / batch;
+    std::mt19937_64 rng(6);
+    std::vector<kvevict::cuda::compaction_sequence<bf16, bf16>> seqs(static_cast<std::size_t>(batch));
+    std::vector<std::int64_t*> owned;
+    std::int64_t max_cap = 0;
+    for (std::int64_t s = 0; s < batch; ++s) {
+      std::vector<std::int64_t> off{0}, idx;
+      for (std::int64_t h = 0; h < hkv; ++h) {
+        std::vector<std::int64_t> all(static_cast<std::size_t>(ls));
+        for (std::int64_t j = 0; j < ls; ++j) all[static_cast<std::size_t>(j)] = j;
+        std::shuffle(all.begin(), all.end(), rng);
+        all.resize(static_cast<std::size_t>(bs));
+        std::sort(all.begin(), all.end());
+        idx.insert(idx.end(), all.begin(), all.end());
+        off.push_back(static_cast<std::int64_t>(idx.size()));
+      }
+      owned.push_back(device_copy(off));
+      owned.push_back(device_copy(idx));
+      auto& q = seqs[static_cast<std::size_t>(s)];
+      q.keys = kview;
+      q.values = vview;
+      q.keys.data += s * ls * d;  // tokens [s * ls, (s + 1) * ls) of every head
+      q.values.data += s * ls * d;
+      q.keys.num_tokens = q.values.num_tokens = ls;
+      q.keep = {hkv, owned[owned.size() - 2], owned.back(), static_cast<std::int64_t>(idx.size())};
+      max_cap = std::max<std::int64_t>(max_cap, static_cast<std::int64_t>(idx.size()));
+    }
+    const std::size_t wsb = kvevict::cuda::compact_batch_workspace_size(seqs[0].keys, seqs[0].values, batch, max_cap);
+    void* ws = device_bytes(wsb);
+    const std::size_t stb = kvevict::cuda::compact_batch_staging_size(batch);
+    void* staging = nullptr;
+    BENCH_CHECK(cudaMallocHost(&staging, stb));
+    const auto run = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::compact_batch(seqs.data(), batch, {ws, wsb}, staging, stb, o));
+    };
+    const double us = median_us([&] { run(opt); }, reps);
+    time_each_kernel(
+        "compact_batch", capture_stream, [&] { run(capture_opt); }, reps);
+    std::printf("| compact_batch, %lld sequences x %lld tokens keeping %lld per head (one call) | %.1f | | |\n",
+                static_cast<long long>(batch), static_cast<long long>(ls), static_cast<long long>(bs), us);
+    result("compact_batch_us", us);
+    BENCH_CHECK(cudaFreeHost(staging));
+    BENCH_CHECK(cudaFree(ws));
+    for (std::int64_t* p : owned) BENCH_CHECK(cudaFree(p));
+  }
   std::printf("\nK-read lower bound: %.1f MiB of K read once at the measured copy bandwidth.\n",
               k_bytes / (1024.0 * 1024.0));
   std::printf(

@@ -19,6 +19,7 @@
 #include "kvevict/cuda/adakv.cuh"
 #include "kvevict/cuda/common.cuh"
 #include "kvevict/cuda/compact.cuh"
+#include "kvevict/cuda/compact_batch.cuh"
 #include "kvevict/cuda/compact_into.cuh"
 #include "kvevict/cuda/decode_observation.cuh"
 #include "kvevict/cuda/device_flags.hpp"

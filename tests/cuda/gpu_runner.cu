@@ -588,6 +588,58 @@ compact_result compact(const kvevict::cache_view<KT>& k, host_buffer kbuf, const
 }
 
 template <class KT, class VT>
+compact_batch_result compact_batch(const std::vector<batch_compaction<KT, VT>>& seqs, std::size_t workspace_bytes) {
+  compact_batch_result r;
+  mirror m;
+  static const std::vector<std::int32_t> no_table;
+  const auto table = [](const auto& s) -> const std::vector<std::int32_t>& {
+    return s.table != nullptr ? *s.table : no_table;
+  };
+  const auto n = static_cast<std::int64_t>(seqs.size());
+  std::vector<kvevict::cuda::compaction_sequence<KT, VT>> desc(seqs.size());
+  std::vector<std::int64_t*> lengths(seqs.size()), positions(seqs.size());
+  std::int64_t max_capacity = 0;
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    const batch_compaction<KT, VT>& b = seqs[i];
+    kvevict::cuda::compaction_sequence<KT, VT>& d = desc[i];
+    d.keys = device_view(m, b.k.view, b.k.buf, table(b.k));
+    d.values = device_view(m, b.v.view, b.v.buf, table(b.v));
+    std::vector<std::int64_t> idx = b.indices;
+    idx.resize(static_cast<std::size_t>(std::max<std::int64_t>(b.capacity, 1)), 0);
+    d.keep = {b.k.view.num_heads, m.fresh_copy(b.offsets), m.fresh_copy(idx), b.capacity};
+    lengths[i] = m.alloc<std::int64_t>(static_cast<std::size_t>(b.k.view.num_heads));
+    positions[i] = m.alloc<std::int64_t>(idx.size());
+    m.fill(lengths[i], static_cast<std::size_t>(b.k.view.num_heads), std::int64_t{-7});
+    m.fill(positions[i], idx.size(), std::int64_t{-7});
+    d.out.head_lengths = lengths[i];
+    d.out.positions = positions[i];
+    d.out.key_positions = m.fresh_copy(b.key_positions);
+    max_capacity = std::max(max_capacity, b.capacity);
+  }
+  const std::size_t need =
+      n > 0 ? kvevict::cuda::compact_batch_workspace_size(desc[0].keys, desc[0].values, n, max_capacity) : 0;
+  const std::size_t bytes = workspace_bytes == SIZE_MAX ? need : workspace_bytes;
+  void* ws = m.alloc_bytes(bytes);
+  const std::size_t staging_bytes = kvevict::cuda::compact_batch_staging_size(n);
+  void* staging = nullptr;
+  if (cudaMallocHost(&staging, std::max<std::size_t>(staging_bytes, 1)) != cudaSuccess) {
+    r.st = kvevict::status::error(errc::unsupported, "gpu::compact_batch", "staging", "cudaMallocHost failed");
+    return r;
+  }
+  r.st = m.finish(kvevict::cuda::compact_batch(desc.data(), n, {ws, bytes}, staging, staging_bytes, m.options()));
+  cudaFreeHost(staging);
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    const batch_compaction<KT, VT>& b = seqs[i];
+    r.keys.push_back(m.get(static_cast<const unsigned char*>(m.put(b.k.buf)), b.k.buf.bytes));
+    r.values.push_back(m.get(static_cast<const unsigned char*>(m.put(b.v.buf)), b.v.buf.bytes));
+    r.head_lengths.push_back(m.get(lengths[i], static_cast<std::size_t>(b.k.view.num_heads)));
+    r.positions.push_back(m.get(positions[i], static_cast<std::size_t>(std::max<std::int64_t>(b.capacity, 1))));
+  }
+  r.flags = m.read_flags();
+  return r;
+}
+
+template <class KT, class VT>
 compact_into_result compact_into(const side<KT>& src_k, const side<VT>& src_v, const side<KT>& dst_k,
                                  const side<VT>& dst_v, const std::vector<std::int64_t>& offsets,
                                  const std::vector<std::int64_t>& indices, std::int64_t capacity,
@@ -727,6 +779,10 @@ KVEVICT_GPU_OBS(kvevict::fp16, kvevict::fp8_e5m2)
       host_buffer, const std::vector<std::int32_t>&, const std::vector<std::int64_t>&,                               \
       const std::vector<std::int64_t>&, std::int64_t, const std::vector<std::int64_t>&);
 KVEVICT_GPU_COMPACT(float, float)
+template compact_batch_result compact_batch<kvevict::bf16, kvevict::bf16>(
+    const std::vector<batch_compaction<kvevict::bf16, kvevict::bf16>>&, std::size_t);
+template compact_batch_result compact_batch<float, kvevict::fp8_e4m3>(
+    const std::vector<batch_compaction<float, kvevict::fp8_e4m3>>&, std::size_t);
 KVEVICT_GPU_COMPACT(kvevict::fp16, kvevict::fp16)
 KVEVICT_GPU_COMPACT(kvevict::bf16, kvevict::bf16)
 KVEVICT_GPU_COMPACT(kvevict::bf16, float)

@@ -242,6 +242,33 @@ compact_result compact(const kvevict::cache_view<KT>& k, host_buffer kbuf, const
                        const std::vector<std::int64_t>& offsets, const std::vector<std::int64_t>& indices,
                        std::int64_t capacity, const std::vector<std::int64_t>& key_positions = {});
 
+/// One sequence of a batched compaction: its K and V sides (views may point into a pool
+/// shared with other sequences: buffers and tables given by the same host pointer become one
+/// device buffer) and its keep-list.
+template <class KT, class VT>
+struct batch_compaction {
+  side<KT> k;
+  side<VT> v;
+  std::vector<std::int64_t> offsets, indices;
+  std::int64_t capacity = 0;
+  std::vector<std::int64_t> key_positions;
+};
+
+struct compact_batch_result {
+  kvevict::status st;
+  /// Per sequence: its K and V buffers afterwards (a shared pool appears in each), head
+  /// lengths and positions (-7 where untouched).
+  std::vector<std::vector<unsigned char>> keys, values;
+  std::vector<std::vector<std::int64_t>> head_lengths, positions;
+  std::uint32_t flags = 0;
+};
+
+/// kvevict::cuda::compact_batch over device copies, with pinned staging; `workspace_bytes`
+/// overrides the workspace size (SIZE_MAX: compact_batch_workspace_size's).
+template <class KT, class VT>
+compact_batch_result compact_batch(const std::vector<batch_compaction<KT, VT>>& seqs,
+                                   std::size_t workspace_bytes = SIZE_MAX);
+
 /// Host-side validation cases that need real device memory: each returns the status of one
 /// call expected to fail (name says which).
 kvevict::status observation_with_host_keys();

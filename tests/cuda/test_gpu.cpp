@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
@@ -1650,4 +1651,195 @@ TEST_CASE("GPU selection scopes refuse bad arguments by name and write nothing",
   for (std::int64_t x : g.offsets) REQUIRE(x == -7);
   const auto c = gpu::combine_head_scores(s, 2, 50, 50, 0, rule, 16);
   for (float x : c.row) REQUIRE(x == -7.0f);
+}
+
+// ---- batched compaction ---------------------------------------------------------------------
+
+namespace {
+
+/// A layer's paged pool shared by several sequences: sequence s owns the table entries
+/// [first[s], first[s] + ceil(L_s / 16)), so its token j is the pool's token 16 * first[s] + j.
+template <class T>
+struct shared_pool {
+  test::test_cache<T> pool;
+  std::vector<std::int64_t> first;
+
+  shared_pool(test::layout lay, std::int64_t heads, const std::vector<std::int64_t>& lengths, std::int64_t dim,
+              std::uint64_t seed) {
+    std::int64_t blocks = 0;
+    for (std::int64_t l : lengths) {
+      first.push_back(blocks);
+      blocks += (l + 15) / 16;
+    }
+    pool = test::make_cache<T>(lay, heads, blocks * 16, dim,
+                               test::normal(static_cast<std::size_t>(heads * blocks * 16 * dim), seed), 16, seed + 1);
+  }
+  gpu::side<T> side(std::size_t s, std::int64_t tokens) {
+    gpu::side<T> out{pool.view, gpu::buffer_of(pool.buffer), &pool.table};
+    out.view.num_tokens = tokens;
+    out.view.block_table = pool.table.data() + first[s];
+    return out;
+  }
+  /// The pool after compacting sequence s by (offsets, indices), applied to `buf`.
+  void apply(std::vector<T>* buf, std::size_t s, const std::vector<std::int64_t>& offsets,
+             const std::vector<std::int64_t>& indices) const {
+    const std::int64_t base = 16 * first[s];
+    for (std::int64_t h = 0; h < pool.heads; ++h)
+      for (std::int64_t i = 0; i < offsets[static_cast<std::size_t>(h + 1)] - offsets[static_cast<std::size_t>(h)]; ++i)
+        for (std::int64_t c = 0; c < pool.dim; ++c) {
+          const std::int64_t src = indices[static_cast<std::size_t>(offsets[static_cast<std::size_t>(h)] + i)];
+          (*buf)[static_cast<std::size_t>(pool.offset(h, base + i, c))] =
+              pool.buffer[static_cast<std::size_t>(pool.offset(h, base + src, c))];
+        }
+  }
+};
+
+/// A batch of five sequences of one layer: four in the shared K and V pools (ragged lengths,
+/// one of a single token), one with caches of its own (contiguous K, transposed V).
+template <class KT, class VT>
+struct compaction_batch {
+  static constexpr std::int64_t heads = 3;
+  std::vector<std::int64_t> lengths{100, 37, 16, 1};
+  shared_pool<KT> kpool;
+  shared_pool<VT> vpool;
+  test::test_cache<KT> own_k;
+  test::test_cache<VT> own_v;
+  std::vector<gpu::batch_compaction<KT, VT>> seqs;
+
+  compaction_batch(std::int64_t dk, std::int64_t dv, std::uint64_t seed)
+      : kpool(test::layout::paged_nhd, heads, lengths, dk, seed),
+        vpool(test::layout::paged_hnd, heads, lengths, dv, seed + 10),
+        own_k(test::make_cache<KT>(test::layout::contiguous, heads, 64, dk,
+                                   test::normal(static_cast<std::size_t>(heads * 64 * dk), seed + 20))),
+        own_v(test::make_cache<VT>(test::layout::transposed, heads, 64, dv,
+                                   test::normal(static_cast<std::size_t>(heads * 64 * dv), seed + 21))) {
+    for (std::size_t s = 0; s <= lengths.size(); ++s) {
+      gpu::batch_compaction<KT, VT> b;
+      const bool own = s == lengths.size();
+      const std::int64_t l = own ? 64 : lengths[s];
+      b.k = own ? gpu::side<KT>{own_k.view, gpu::buffer_of(own_k.buffer), &own_k.table} : kpool.side(s, l);
+      b.v = own ? gpu::side<VT>{own_v.view, gpu::buffer_of(own_v.buffer), &own_v.table} : vpool.side(s, l);
+      random_keep(heads, l, seed + 30 + s, &b.offsets, &b.indices);
+      b.capacity = static_cast<std::int64_t>(b.indices.size()) + 2;
+      for (std::int64_t j = 0; j < l; ++j) b.key_positions.push_back(7 * j + static_cast<std::int64_t>(s));
+      seqs.push_back(b);
+    }
+  }
+
+  /// Every buffer as it was (sequence `other`'s K aside: a test gave it another cache).
+  void require_untouched(const gpu::compact_batch_result& g, std::size_t other = SIZE_MAX) const {
+    for (std::size_t s = 0; s < seqs.size(); ++s) {
+      if (s == other) continue;
+      const bool own = s == lengths.size();
+      if (own) {
+        require_bytes(g.keys[s], own_k.buffer);
+        require_bytes(g.values[s], own_v.buffer);
+      } else {
+        require_bytes(g.keys[s], kpool.pool.buffer);
+        require_bytes(g.values[s], vpool.pool.buffer);
+      }
+      for (std::int64_t x : g.head_lengths[s]) REQUIRE(x == -7);
+      for (std::int64_t x : g.positions[s]) REQUIRE(x == -7);
+    }
+  }
+};
+
+template <class KT, class VT>
+void check_compact_batch(std::int64_t dk, std::int64_t dv, std::uint64_t seed) {
+  compaction_batch<KT, VT> b(dk, dv, seed);
+  const auto g = gpu::compact_batch(b.seqs);
+  INFO("status " << g.st.message());
+  REQUIRE(g.st.ok());
+  REQUIRE(g.flags == 0);
+  std::vector<KT> kwant = b.kpool.pool.buffer;
+  std::vector<VT> vwant = b.vpool.pool.buffer;
+  for (std::size_t s = 0; s < b.lengths.size(); ++s) {
+    b.kpool.apply(&kwant, s, b.seqs[s].offsets, b.seqs[s].indices);
+    b.vpool.apply(&vwant, s, b.seqs[s].offsets, b.seqs[s].indices);
+  }
+  for (std::size_t s = 0; s < b.seqs.size(); ++s) {
+    INFO("sequence " << s);
+    const auto& q = b.seqs[s];
+    if (s == b.lengths.size()) {
+      require_bytes(g.keys[s], expected_compaction(b.own_k, q.offsets, q.indices));
+      require_bytes(g.values[s], expected_compaction(b.own_v, q.offsets, q.indices));
+    } else {
+      require_bytes(g.keys[s], kwant);
+      require_bytes(g.values[s], vwant);
+    }
+    for (std::int64_t h = 0; h < b.heads; ++h)
+      REQUIRE(g.head_lengths[s][static_cast<std::size_t>(h)] ==
+              q.offsets[static_cast<std::size_t>(h + 1)] - q.offsets[static_cast<std::size_t>(h)]);
+    for (std::size_t e = 0; e < q.indices.size(); ++e)
+      REQUIRE(g.positions[s][e] == q.key_positions[static_cast<std::size_t>(q.indices[e])]);
+    REQUIRE(g.positions[s][q.indices.size()] == -7);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("GPU batched compaction: every sequence of a layer in one launch per kernel", "[gpu][gpu_compact]") {
+  check_compact_batch<bf16, bf16>(128, 128, 4100);     // 16-byte rows in the pools, channel-strided V of its own
+  check_compact_batch<float, fp8_e4m3>(36, 45, 4200);  // 16-byte K rows, byte-copied fp8 V rows
+}
+
+TEST_CASE("GPU batched compaction: a problem in one sequence moves nothing in any", "[gpu][gpu_compact]") {
+  compaction_batch<bf16, bf16> b(64, 64, 4300);
+  SECTION("a descending keep-list in sequence 1") {
+    std::swap(b.seqs[1].indices[0], b.seqs[1].indices[1]);
+    const auto g = gpu::compact_batch(b.seqs);
+    REQUIRE(g.st.ok());
+    REQUIRE(g.flags == kvevict::cuda::flag_invalid_keep_list);
+    b.require_untouched(g);
+  }
+  SECTION("a block shared by sequences 0 and 2 (prefix caching: compact_into's case)") {
+    b.kpool.pool.table[static_cast<std::size_t>(b.kpool.first[2])] =
+        b.kpool.pool.table[static_cast<std::size_t>(b.kpool.first[0])];
+    const auto g = gpu::compact_batch(b.seqs);
+    REQUIRE(g.st.ok());
+    REQUIRE(g.flags == kvevict::cuda::flag_duplicate_block);
+    b.require_untouched(g);
+  }
+  SECTION("a block id outside the V pool in the last pooled sequence") {
+    b.vpool.pool.table[static_cast<std::size_t>(b.vpool.first[3])] = 1 << 20;
+    const auto g = gpu::compact_batch(b.seqs);
+    REQUIRE(g.st.ok());
+    REQUIRE((g.flags & kvevict::cuda::flag_block_id_out_of_range) != 0);
+    b.require_untouched(g);
+  }
+}
+
+TEST_CASE("GPU batched compaction refuses bad batches on the host, naming the sequence", "[gpu][gpu_errors]") {
+  using kvevict::errc;
+  compaction_batch<bf16, bf16> b(64, 64, 4400);
+  auto other = test::make_cache<bf16>(test::layout::paged_nhd, 3, 37, 64, test::normal(3 * 37 * 64, 1));
+  struct expect {
+    const char* what;
+    std::function<void(std::vector<gpu::batch_compaction<bf16, bf16>>&)> change;
+    errc code;
+    const char* arg;
+    std::size_t workspace = SIZE_MAX;
+    std::size_t replaced = SIZE_MAX;  ///< the sequence whose K cache the change replaced
+  };
+  const expect cases[] = {
+      {"a sequence in another K pool",
+       [&](auto& s) {
+         s[1].k = {other.view, gpu::buffer_of(other.buffer), &other.table};
+       },
+       errc::invalid_argument, "seqs[1].keys.data", SIZE_MAX, 1},
+      {"two sequences on one contiguous buffer", [&](auto& s) { s.push_back(s.back()); }, errc::invalid_argument,
+       "seqs[5].keys.data"},
+      {"another head_dim", [&](auto& s) { s[2].v.view.head_dim = 32; }, errc::invalid_shape, "seqs[2].values.head_dim"},
+      {"a negative keep capacity", [&](auto& s) { s[0].capacity = -1; }, errc::invalid_shape, "seqs[0].keep.capacity"},
+      {"a workspace too small", [](auto&) {}, errc::workspace_too_small, "ws", 64},
+  };
+  for (const expect& c : cases) {
+    auto seqs = b.seqs;
+    c.change(seqs);
+    const auto g = gpu::compact_batch(seqs, c.workspace);
+    INFO(c.what << ": " << g.st.message());
+    REQUIRE(g.st.code() == c.code);
+    REQUIRE(std::string(g.st.argument()) == c.arg);
+    b.require_untouched(g, c.replaced);
+  }
 }

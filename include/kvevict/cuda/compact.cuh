@@ -112,8 +112,7 @@ __device__ __forceinline__ void check_table(const compact_args& a, const byte_vi
   }
 }
 
-template <int Unused = 0>
-__global__ void __launch_bounds__(compact_threads) compact_validate_kernel(compact_args a) {
+__device__ __forceinline__ void compact_validate(const compact_args& a) {
   const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   check_keep_list(a.offsets, a.indices, a.num_heads, a.capacity, a.k.num_tokens, a.ws.status, a.flags, gtid, nthreads);
@@ -122,6 +121,17 @@ __global__ void __launch_bounds__(compact_threads) compact_validate_kernel(compa
   // must still lie in V's pool, which may be smaller than K's.
   std::uint32_t* v_bitmap = a.v_same_table ? nullptr : (a.shared_pool ? a.ws.key_bitmap : a.ws.value_bitmap);
   check_table(a, a.v, v_bitmap, gtid, nthreads);
+}
+
+template <int Unused = 0>
+__global__ void __launch_bounds__(compact_threads) compact_validate_kernel(compact_args a) {
+  compact_validate(a);
+}
+
+/// The batch: sequence blockIdx.y's descriptor (compact_batch).
+template <int Unused = 0>
+__global__ void __launch_bounds__(compact_threads) compact_validate_batch_kernel(const compact_args* seqs) {
+  compact_validate(seqs[blockIdx.y]);
 }
 
 /// Copies row_bytes bytes from src to dst with one warp, `unit` bytes per lane and copy.
@@ -212,14 +222,25 @@ __device__ __forceinline__ void write_outputs(const compact_outputs& out, const 
       out.positions[e] = out.key_positions != nullptr ? out.key_positions[indices[e]] : indices[e];
 }
 
-template <int Unused = 0>
-__global__ void __launch_bounds__(compact_threads) compact_move_kernel(compact_args a, bool gather) {
+__device__ __forceinline__ void compact_move(const compact_args& a, bool gather) {
   if (*a.ws.status != 0) return;
   const std::int64_t total = a.offsets[a.num_heads];
   move_view(a, a.k, a.ws.staged_keys, total, gather);
   move_view(a, a.v, a.ws.staged_values, total, gather);
   if (gather) return;
   write_outputs(a.out, a.offsets, a.indices, a.num_heads, total);
+}
+
+template <int Unused = 0>
+__global__ void __launch_bounds__(compact_threads) compact_move_kernel(compact_args a, bool gather) {
+  compact_move(a, gather);
+}
+
+/// The batch: sequence blockIdx.y's moves. The sequences share one status word, so a problem
+/// in any of them cancels every move of the batch.
+template <int Unused = 0>
+__global__ void __launch_bounds__(compact_threads) compact_move_batch_kernel(const compact_args* seqs, bool gather) {
+  compact_move(seqs[blockIdx.y], gather);
 }
 
 /// Host checks of a compaction's keep-list (shape, pointers, 32-bit limits; its contents are
@@ -265,6 +286,48 @@ inline status clear_compaction_words(std::uint32_t* status_word, std::uint32_t* 
   return status();
 }
 
+/// Blocks of a compaction's grid-stride kernels.
+template <class KT, class VT>
+std::int64_t compact_blocks(const cache_view<KT>& keys, const cache_view<VT>& values,
+                            const const_keep_list_view& keep) {
+  const std::int64_t widest = keys.head_dim > values.head_dim ? keys.head_dim : values.head_dim;
+  return stride_grid(keep.capacity * (widest > 32 ? widest : 32) + keys.num_heads + keys.num_tokens, compact_threads,
+                     8192);
+}
+
+/// compact's host checks, and its kernel arguments but the workspace (`a->ws`).
+template <class KT, class VT>
+status prepare_compact(const cache_view<KT>& keys, const cache_view<VT>& values, const const_keep_list_view& keep,
+                       const compact_outputs& out, const launch_options& opt, const char* fn, compact_args* a) {
+  KVEVICT_RETURN_IF_ERROR(validate_device_cache_view(keys, opt, fn, "keys"));
+  KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(values, opt, fn, "values"));
+  if (values.num_heads != keys.num_heads)
+    return status::error(errc::invalid_shape, fn, "values.num_heads", "expected keys.num_heads = %lld, got %lld",
+                         static_cast<long long>(keys.num_heads), static_cast<long long>(values.num_heads));
+  if (values.num_tokens != keys.num_tokens)
+    return status::error(errc::invalid_shape, fn, "values.num_tokens", "expected keys.num_tokens = %lld, got %lld",
+                         static_cast<long long>(keys.num_tokens), static_cast<long long>(values.num_tokens));
+  if (!keys.is_paged() && !values.is_paged() && keys.num_tokens > 0 &&
+      static_cast<const void*>(keys.data) == static_cast<const void*>(values.data))
+    return status::error(errc::invalid_argument, fn, "values.data",
+                         "expected a V cache distinct from the K cache, got the same base pointer");
+  const std::int64_t widest = keys.head_dim > values.head_dim ? keys.head_dim : values.head_dim;
+  KVEVICT_RETURN_IF_ERROR(
+      detail::validate_keep_and_outputs(keep, keys.num_heads, keys.num_tokens, widest, out, opt, fn));
+  a->k = detail::make_byte_view(keys);
+  a->v = detail::make_byte_view(values);
+  a->offsets = keep.offsets;
+  a->indices = keep.indices;
+  a->num_heads = keep.num_heads;
+  a->capacity = keep.capacity;
+  const detail::kv_tables rel = detail::relate_tables(keys, values);
+  a->v_same_table = rel.same_table;
+  a->shared_pool = rel.shared_pool;
+  a->out = out;
+  a->flags = opt.device_flags;
+  return status();
+}
+
 }  // namespace detail
 
 /// Bytes of device workspace `compact` needs: the staged rows of keep_capacity entries of K
@@ -299,47 +362,18 @@ status compact(cache_view<KT> keys, cache_view<VT> values, const_keep_list_view 
   static_assert(!std::is_const<KT>::value && !std::is_const<VT>::value,
                 "kvevict::cuda::compact writes the cache: pass views of mutable elements");
   static constexpr const char* fn = "kvevict::cuda::compact";
-  KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(keys, opt, fn, "keys"));
-  KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(values, opt, fn, "values"));
-  if (values.num_heads != keys.num_heads)
-    return status::error(errc::invalid_shape, fn, "values.num_heads", "expected keys.num_heads = %lld, got %lld",
-                         static_cast<long long>(keys.num_heads), static_cast<long long>(values.num_heads));
-  if (values.num_tokens != keys.num_tokens)
-    return status::error(errc::invalid_shape, fn, "values.num_tokens", "expected keys.num_tokens = %lld, got %lld",
-                         static_cast<long long>(keys.num_tokens), static_cast<long long>(values.num_tokens));
-  if (!keys.is_paged() && !values.is_paged() && keys.num_tokens > 0 &&
-      static_cast<const void*>(keys.data) == static_cast<const void*>(values.data))
-    return status::error(errc::invalid_argument, fn, "values.data",
-                         "expected a V cache distinct from the K cache, got the same base pointer");
-  const std::int64_t widest = keys.head_dim > values.head_dim ? keys.head_dim : values.head_dim;
-  KVEVICT_RETURN_IF_ERROR(
-      detail::validate_keep_and_outputs(keep, keys.num_heads, keys.num_tokens, widest, out, opt, fn));
-
+  detail::compact_args a;
+  KVEVICT_RETURN_IF_ERROR(detail::prepare_compact(keys, values, keep, out, opt, fn, &a));
   const detail::compact_dims dims = detail::make_compact_dims(keys, values, keep.capacity);
   kvevict::detail::arena arena(ws);
-  detail::compact_args a;
   detail::carve_compact_workspace(arena, dims, &a.ws);
   KVEVICT_RETURN_IF_ERROR(detail::check_workspace(arena, ws, opt, fn, "compact_workspace_size"));
-  a.k = detail::make_byte_view(keys);
-  a.v = detail::make_byte_view(values);
-  a.offsets = keep.offsets;
-  a.indices = keep.indices;
-  a.num_heads = keep.num_heads;
-  a.capacity = keep.capacity;
-  const detail::kv_tables rel = detail::relate_tables(keys, values);
-  a.v_same_table = rel.same_table;
-  a.shared_pool = rel.shared_pool;
-  a.out = out;
-  a.flags = opt.device_flags;
 
   // Clear the status word and the bitmaps (the staged rows need no clearing).
   KVEVICT_RETURN_IF_ERROR(detail::clear_compaction_words(a.ws.status, a.ws.key_bitmap, dims.key_bitmap_ids,
                                                          a.ws.value_bitmap, dims.value_bitmap_ids, opt.stream, fn));
-
-  const std::int64_t blocks_needed = detail::stride_grid(
-      keep.capacity * (widest > 32 ? widest : 32) + keys.num_heads + keys.num_tokens, detail::compact_threads, 8192);
-  const detail::launch_config cfg{dim3(static_cast<unsigned>(blocks_needed)), dim3(detail::compact_threads), 0,
-                                  opt.stream};
+  const detail::launch_config cfg{dim3(static_cast<unsigned>(detail::compact_blocks(keys, values, keep))),
+                                  dim3(detail::compact_threads), 0, opt.stream};
   KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "compact_validate_kernel", cfg, detail::compact_validate_kernel<>, a));
   KVEVICT_RETURN_IF_ERROR(
       detail::launch(fn, "compact_move_kernel<gather>", cfg, detail::compact_move_kernel<>, a, true));

@@ -1,0 +1,257 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_CUDA_COMPACT_BATCH_CUH
+#define KVEVICT_CUDA_COMPACT_BATCH_CUH
+
+// In-place compaction of every sequence of a batch for one layer in one launch per kernel:
+// compact's kernels with the sequence as blockIdx.y, reading their arguments from a
+// descriptor array copied once from the caller's staging buffer. A memset, a copy and three
+// kernels per call whatever the batch size, instead of four stream operations per sequence.
+//
+// All or nothing, as one call of compact: the sequences share one status word, so a problem
+// the device finds in any of them (a bad keep-list, a block id outside the pool, a physical
+// block reached twice -- within a sequence or by two sequences) moves no row of any sequence.
+// Paged views of a batch live in the layer's pool (one K pool, one V pool, possibly the same):
+// one bitmap per pool sees every sequence's blocks, so a block two sequences share (prefix
+// caching) is refused here; such sequences compact into fresh blocks (compact_into).
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <type_traits>
+
+#include "kvevict/config.hpp"
+#include "kvevict/cuda/common.cuh"
+#include "kvevict/cuda/compact.cuh"
+#include "kvevict/cuda/detail/launch.cuh"
+#include "kvevict/cuda/detail/tiling.hpp"
+#include "kvevict/cuda/detail/workspace_plan.hpp"
+#include "kvevict/detail/in_sequence.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/selection/keep_list.hpp"
+#include "kvevict/views/cache_view.hpp"
+#include "kvevict/workspace.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace cuda {
+
+/// One sequence of a batched compaction: device views and keep-list, as compact takes them.
+/// Every sequence of a batch has the layer's Hkv, dk and dv; L varies.
+template <class KT, class VT>
+struct compaction_sequence {
+  cache_view<KT> keys;        ///< [Hkv, L_s, dk] mutable
+  cache_view<VT> values;      ///< [Hkv, L_s, dv] mutable
+  const_keep_list_view keep;  ///< offsets [Hkv + 1], indices [capacity], device
+  compact_outputs out;        ///< optional: head lengths [Hkv], positions [capacity]
+};
+
+namespace detail {
+
+constexpr std::size_t compact_batch_align = 256;
+
+inline std::size_t compact_round_up(std::size_t n) noexcept {
+  return (n + compact_batch_align - 1) / compact_batch_align * compact_batch_align;
+}
+
+/// The batch's workspace: descriptors, then the shared words (status and the pools' bitmaps,
+/// cleared by one memset), then each sequence's staged rows.
+struct compact_batch_layout {
+  std::size_t words = 0;       // offset of the status word
+  std::size_t word_bytes = 0;  // status word and bitmaps
+  std::size_t rows = 0;        // offset of the first sequence's staged rows
+  std::int64_t key_ids = 0, value_ids = 0;
+};
+
+inline compact_batch_layout compact_batch_plan(std::int64_t n, std::int64_t key_ids, std::int64_t value_ids) noexcept {
+  compact_batch_layout l;
+  l.key_ids = key_ids;
+  l.value_ids = value_ids;
+  l.words = compact_round_up(static_cast<std::size_t>(n < 0 ? 0 : n) * sizeof(compact_args));
+  l.word_bytes = 4u * static_cast<std::size_t>(1 + (key_ids > 0 ? bitmap_words(key_ids) : 0) +
+                                               (value_ids > 0 ? bitmap_words(value_ids) : 0));
+  l.rows = l.words + compact_round_up(l.word_bytes);
+  return l;
+}
+
+inline std::size_t staged_bytes(const compact_dims& d) noexcept {
+  using kvevict::detail::saturating_mul;
+  const auto k = static_cast<std::size_t>(saturating_mul(d.capacity, d.key_row_bytes));
+  const auto v = static_cast<std::size_t>(saturating_mul(d.capacity, d.value_row_bytes));
+  return compact_round_up(k) + compact_round_up(v);
+}
+
+/// A non-paged view's base pointer, for the host's check that no two sequences share one.
+struct base_entry {
+  const void* data;
+  std::int64_t seq;
+  bool values;
+};
+
+/// Which pool a batch's paged views live in (the first paged view's), and whether `v` is in it.
+struct pool_id {
+  const void* data = nullptr;
+  std::int64_t blocks = 0;
+  template <class T>
+  status admit(const cache_view<T>& v, std::int64_t s, const char* field, const char* fn) noexcept {
+    if (!v.is_paged() || v.num_tokens == 0) return status();
+    if (data == nullptr) {
+      data = v.data;
+      blocks = v.num_pool_blocks;
+      return status();
+    }
+    if (static_cast<const void*>(v.data) != data || v.num_pool_blocks != blocks)
+      return status::error(errc::invalid_argument, fn, kvevict::detail::io_name(s, field),
+                           "expected the batch's one pool (the first paged view's: every paged view of a batch "
+                           "in the layer's pool)");
+    return status();
+  }
+};
+
+}  // namespace detail
+
+/// Host staging bytes `compact_batch` needs for n sequences (the descriptors it copies).
+inline std::size_t compact_batch_staging_size(std::int64_t num_sequences) noexcept {
+  return static_cast<std::size_t>(num_sequences < 0 ? 0 : num_sequences) * sizeof(detail::compact_args);
+}
+
+/// Device workspace for up to `max_sequences` sequences whose views have the layouts, types
+/// and pools of `keys` and `values`, with keep-lists of up to `max_keep_capacity` entries.
+template <class KT, class VT>
+std::size_t compact_batch_workspace_size(const cache_view<KT>& keys, const cache_view<VT>& values,
+                                         std::int64_t max_sequences, std::int64_t max_keep_capacity) noexcept {
+  const detail::compact_dims d = detail::make_compact_dims(keys, values, max_keep_capacity);
+  const detail::compact_batch_layout l =
+      detail::compact_batch_plan(max_sequences, d.key_bitmap_ids, d.value_bitmap_ids);
+  return l.rows + static_cast<std::size_t>(max_sequences < 0 ? 0 : max_sequences) * detail::staged_bytes(d);
+}
+
+/// Compacts every sequence of a batch in place, for one layer, as compact does for one.
+///
+///   seqs:    [n] host array of compaction_sequence (device views and keep-lists)
+///   ws:      device memory, >= compact_batch_workspace_size(a sequence's views, n, the
+///            largest keep capacity)
+///   staging: host memory, >= compact_batch_staging_size(n) bytes; page-locked for the copy
+///            to be asynchronous; kept alive and unchanged until the stream passes this call
+///
+/// Every sequence is validated on the host first (errors name "seqs[i]...."), and nothing
+/// is enqueued if one fails. Then a memset, one copy and three kernels. A problem found on
+/// the device in any sequence raises its flag and moves nothing in any sequence.
+template <class KT, class VT>
+status compact_batch(const compaction_sequence<KT, VT>* seqs, std::int64_t n, workspace_span ws, void* staging,
+                     std::size_t staging_bytes, const launch_options& opt = {}) {
+  static_assert(!std::is_const<KT>::value && !std::is_const<VT>::value,
+                "kvevict::cuda::compact_batch writes the cache: pass views of mutable elements");
+  static_assert(std::is_trivially_copyable<detail::compact_args>::value, "descriptors are copied as bytes");
+  static_assert(sizeof(detail::compact_args) >= 2 * sizeof(detail::base_entry), "staging holds the base check");
+  static constexpr const char* fn = "kvevict::cuda::compact_batch";
+  if (n < 0)
+    return status::error(errc::invalid_shape, fn, "num_sequences", "expected >= 0, got %lld",
+                         static_cast<long long>(n));
+  if (n == 0) return status();
+  if (seqs == nullptr)
+    return status::error(errc::null_pointer, fn, "seqs", "expected [%lld] sequences", static_cast<long long>(n));
+  if (n > detail::max_grid_yz)
+    return status::error(errc::overflow, fn, "num_sequences", "expected <= 65535 sequences per call, got %lld",
+                         static_cast<long long>(n));
+  const std::size_t desc_bytes = compact_batch_staging_size(n);
+  if (staging == nullptr || staging_bytes < desc_bytes)
+    return status::error(staging == nullptr ? errc::null_pointer : errc::workspace_too_small, fn, "staging",
+                         "expected %zu bytes of host staging (compact_batch_staging_size), got %zu", desc_bytes,
+                         staging == nullptr ? std::size_t{0} : staging_bytes);
+
+  // Rows of non-paged views (own buffers) must not be another sequence's: equal bases are
+  // refused. Checked first, in the staging buffer the descriptors then overwrite.
+  auto* bases = static_cast<detail::base_entry*>(staging);
+  std::int64_t nb = 0;
+  for (std::int64_t s = 0; s < n; ++s) {
+    if (!seqs[s].keys.is_paged() && seqs[s].keys.num_tokens > 0) bases[nb++] = {seqs[s].keys.data, s, false};
+    if (!seqs[s].values.is_paged() && seqs[s].values.num_tokens > 0) bases[nb++] = {seqs[s].values.data, s, true};
+  }
+  std::sort(bases, bases + nb, [](const detail::base_entry& x, const detail::base_entry& y) {
+    return std::less<const void*>()(x.data, y.data) || (x.data == y.data && x.seq < y.seq);
+  });
+  for (std::int64_t i = 1; i < nb; ++i)
+    if (bases[i].data == bases[i - 1].data)
+      return status::error(errc::invalid_argument, fn,
+                           kvevict::detail::io_name(bases[i].seq, bases[i].values ? "values.data" : "keys.data"),
+                           "expected a cache of its own, got the base pointer of seqs[%lld].%s",
+                           static_cast<long long>(bases[i - 1].seq), bases[i - 1].values ? "values" : "keys");
+
+  // Each sequence as compact checks it, one layer's shapes, one pool per side.
+  const std::int64_t hkv = seqs[0].keys.num_heads, dk = seqs[0].keys.head_dim, dv = seqs[0].values.head_dim;
+  detail::pool_id key_pool, value_pool;
+  std::int64_t key_ids = 0, value_ids = 0, blocks = 1;
+  std::size_t rows_bytes = 0;
+  auto* desc = static_cast<detail::compact_args*>(staging);
+  for (std::int64_t s = 0; s < n; ++s) {
+    const compaction_sequence<KT, VT>& q = seqs[s];
+    const struct {
+      const char* field;
+      std::int64_t got, want;
+    } layer[] = {{"keys.num_heads", q.keys.num_heads, hkv},
+                 {"keys.head_dim", q.keys.head_dim, dk},
+                 {"values.head_dim", q.values.head_dim, dv}};
+    for (const auto& f : layer)
+      if (f.got != f.want)
+        return status::error(errc::invalid_shape, fn, kvevict::detail::io_name(s, f.field),
+                             "expected the batch's %lld (seqs[0]), got %lld", static_cast<long long>(f.want),
+                             static_cast<long long>(f.got));
+    KVEVICT_RETURN_IF_ERROR(kvevict::detail::in_sequence(
+        detail::prepare_compact(q.keys, q.values, q.keep, q.out, opt, fn, &desc[s]), s, fn));
+    KVEVICT_RETURN_IF_ERROR(key_pool.admit(q.keys, s, "keys.data", fn));
+    KVEVICT_RETURN_IF_ERROR(value_pool.admit(q.values, s, "values.data", fn));
+    const detail::compact_dims d = detail::make_compact_dims(q.keys, q.values, q.keep.capacity);
+    key_ids = d.key_bitmap_ids > key_ids ? d.key_bitmap_ids : key_ids;
+    value_ids = d.value_bitmap_ids > value_ids ? d.value_bitmap_ids : value_ids;
+    rows_bytes += detail::staged_bytes(d);
+    const std::int64_t b = detail::compact_blocks(q.keys, q.values, q.keep);
+    blocks = b > blocks ? b : blocks;
+  }
+  const detail::compact_batch_layout l = detail::compact_batch_plan(n, key_ids, value_ids);
+  const std::size_t need = l.rows + rows_bytes;
+  if (ws.data == nullptr || ws.size < need)
+    return status::error(errc::workspace_too_small, fn, "ws",
+                         "expected at least %zu bytes for this batch (compact_batch_workspace_size), got %zu", need,
+                         ws.data == nullptr ? std::size_t{0} : ws.size);
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(ws.data, opt, fn, "ws"));
+
+  // Each descriptor's slices of the workspace.
+  unsigned char* base = static_cast<unsigned char*>(ws.data);
+  auto* status_word = reinterpret_cast<std::uint32_t*>(base + l.words);
+  std::uint32_t* key_bitmap = key_ids > 0 ? status_word + 1 : nullptr;
+  std::uint32_t* value_bitmap =
+      value_ids > 0 ? status_word + 1 + (key_ids > 0 ? detail::bitmap_words(key_ids) : 0) : nullptr;
+  std::size_t offset = l.rows;
+  for (std::int64_t s = 0; s < n; ++s) {
+    const compaction_sequence<KT, VT>& q = seqs[s];
+    detail::compact_args& a = desc[s];
+    const detail::compact_dims d = detail::make_compact_dims(q.keys, q.values, q.keep.capacity);
+    a.ws.status = status_word;
+    a.ws.key_bitmap = key_bitmap;
+    a.ws.value_bitmap = value_bitmap;
+    a.ws.staged_keys = base + offset;
+    a.ws.staged_values =
+        base + offset + detail::compact_round_up(static_cast<std::size_t>(d.capacity * d.key_row_bytes));
+    offset += detail::staged_bytes(d);
+  }
+
+  KVEVICT_RETURN_IF_ERROR(
+      detail::cuda_status(cudaMemsetAsync(status_word, 0, l.word_bytes, opt.stream), fn, "cudaMemsetAsync"));
+  KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
+      cudaMemcpyAsync(base, staging, desc_bytes, cudaMemcpyHostToDevice, opt.stream), fn, "cudaMemcpyAsync"));
+  const auto* dev = reinterpret_cast<const detail::compact_args*>(base);
+  const detail::launch_config cfg{dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(n)),
+                                  dim3(detail::compact_threads), 0, opt.stream};
+  KVEVICT_RETURN_IF_ERROR(
+      detail::launch(fn, "compact_validate_batch_kernel", cfg, detail::compact_validate_batch_kernel<>, dev));
+  KVEVICT_RETURN_IF_ERROR(
+      detail::launch(fn, "compact_move_batch_kernel<gather>", cfg, detail::compact_move_batch_kernel<>, dev, true));
+  return detail::launch(fn, "compact_move_batch_kernel<scatter>", cfg, detail::compact_move_batch_kernel<>, dev, false);
+}
+
+}  // namespace cuda
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_CUDA_COMPACT_BATCH_CUH
