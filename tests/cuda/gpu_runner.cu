@@ -639,6 +639,56 @@ compact_batch_result compact_batch(const std::vector<batch_compaction<KT, VT>>& 
   return r;
 }
 
+compact_batch_result compact_into_batch_bf16(
+    const std::vector<batch_compaction_into<kvevict::bf16, kvevict::bf16>>& seqs) {
+  using T = kvevict::bf16;
+  compact_batch_result r;
+  mirror m;
+  const auto n = static_cast<std::int64_t>(seqs.size());
+  std::vector<kvevict::cuda::compaction_into_sequence<T, T>> desc(seqs.size());
+  std::vector<std::int64_t*> lengths(seqs.size()), positions(seqs.size());
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    const auto& b = seqs[i];
+    auto& d = desc[i];
+    d.src_keys = device_view(m, b.src_k.view, b.src_k.buf, *b.src_k.table);
+    d.src_values = device_view(m, b.src_v.view, b.src_v.buf, *b.src_v.table);
+    d.dst_keys = device_view(m, b.dst_k.view, b.dst_k.buf, *b.dst_k.table);
+    d.dst_values = device_view(m, b.dst_v.view, b.dst_v.buf, *b.dst_v.table);
+    std::vector<std::int64_t> idx = b.indices;
+    idx.resize(static_cast<std::size_t>(std::max<std::int64_t>(b.capacity, 1)), 0);
+    const std::int64_t heads = b.src_k.view.num_heads;
+    d.keep = {heads, m.fresh_copy(b.offsets), m.fresh_copy(idx), b.capacity};
+    lengths[i] = m.alloc<std::int64_t>(static_cast<std::size_t>(heads));
+    positions[i] = m.alloc<std::int64_t>(idx.size());
+    m.fill(lengths[i], static_cast<std::size_t>(heads), std::int64_t{-7});
+    m.fill(positions[i], idx.size(), std::int64_t{-7});
+    d.out.head_lengths = lengths[i];
+    d.out.positions = positions[i];
+    d.out.key_positions = m.fresh_copy(b.key_positions);
+  }
+  const std::size_t bytes = n > 0 ? kvevict::cuda::compact_into_batch_workspace_size<T, T>(
+                                        desc[0].src_keys, desc[0].src_values, desc[0].dst_keys, desc[0].dst_values, n)
+                                  : 0;
+  void* ws = m.alloc_bytes(bytes);
+  const std::size_t staging_bytes = kvevict::cuda::compact_into_batch_staging_size(n);
+  void* staging = nullptr;
+  if (cudaMallocHost(&staging, std::max<std::size_t>(staging_bytes, 1)) != cudaSuccess) {
+    r.st = kvevict::status::error(errc::unsupported, "gpu::compact_into_batch", "staging", "cudaMallocHost failed");
+    return r;
+  }
+  r.st = m.finish(kvevict::cuda::compact_into_batch(desc.data(), n, {ws, bytes}, staging, staging_bytes, m.options()));
+  cudaFreeHost(staging);
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    const auto& b = seqs[i];
+    r.keys.push_back(m.get(static_cast<const unsigned char*>(m.put(b.dst_k.buf)), b.dst_k.buf.bytes));
+    r.values.push_back(m.get(static_cast<const unsigned char*>(m.put(b.dst_v.buf)), b.dst_v.buf.bytes));
+    r.head_lengths.push_back(m.get(lengths[i], static_cast<std::size_t>(b.src_k.view.num_heads)));
+    r.positions.push_back(m.get(positions[i], static_cast<std::size_t>(std::max<std::int64_t>(b.capacity, 1))));
+  }
+  r.flags = m.read_flags();
+  return r;
+}
+
 template <class KT, class VT>
 compact_into_result compact_into(const side<KT>& src_k, const side<VT>& src_v, const side<KT>& dst_k,
                                  const side<VT>& dst_v, const std::vector<std::int64_t>& offsets,

@@ -269,6 +269,21 @@ template <class KT, class VT>
 compact_batch_result compact_batch(const std::vector<batch_compaction<KT, VT>>& seqs,
                                    std::size_t workspace_bytes = SIZE_MAX);
 
+/// One sequence of a batched out-of-place compaction (sides as for compact_into).
+template <class KT, class VT>
+struct batch_compaction_into {
+  side<KT> src_k, dst_k;
+  side<VT> src_v, dst_v;
+  std::vector<std::int64_t> offsets, indices;
+  std::int64_t capacity = 0;
+  std::vector<std::int64_t> key_positions;
+};
+
+/// kvevict::cuda::compact_into_batch over device copies (pinned staging); per sequence its
+/// source and destination buffers afterwards (shared buffers appear in each).
+compact_batch_result compact_into_batch_bf16(
+    const std::vector<batch_compaction_into<kvevict::bf16, kvevict::bf16>>& seqs);
+
 /// Host-side validation cases that need real device memory: each returns the status of one
 /// call expected to fail (name says which).
 kvevict::status observation_with_host_keys();

@@ -1843,3 +1843,149 @@ TEST_CASE("GPU batched compaction refuses bad batches on the host, naming the se
     b.require_untouched(g, c.replaced);
   }
 }
+
+namespace {
+
+/// Three sequences whose first two blocks are one shared prefix (prefix caching), each with
+/// blocks of its own after it, compacted into fresh blocks of the same K and V pools. V is
+/// reached through K's tables (vLLM): the same ids in the V pool.
+struct prefix_batch {
+  static constexpr std::int64_t heads = 3, dim = 64, pool_blocks = 24;
+  std::vector<std::int64_t> lengths{50, 40, 33};
+  test::test_cache<bf16> kpool, vpool;
+  std::vector<std::int64_t> where;  ///< block id -> its first token in the pool's own numbering
+  std::vector<std::vector<std::int32_t>> src_tables, dst_tables;
+  std::vector<gpu::batch_compaction_into<bf16, bf16>> seqs;
+
+  explicit prefix_batch(std::uint64_t seed)
+      : kpool(test::make_cache<bf16>(test::layout::paged_nhd, heads, pool_blocks * 16, dim,
+                                     test::normal(static_cast<std::size_t>(heads * pool_blocks * 16 * dim), seed), 16,
+                                     seed + 1)),
+        vpool(test::make_cache<bf16>(test::layout::paged_hnd, heads, pool_blocks * 16, dim,
+                                     test::normal(static_cast<std::size_t>(heads * pool_blocks * 16 * dim), seed + 2),
+                                     16, seed + 1)) {
+    REQUIRE(kpool.table == vpool.table);  // the same shuffle: one id names the same place in both
+    where.assign(static_cast<std::size_t>(kpool.view.num_pool_blocks), -1);
+    for (std::int64_t k = 0; k < pool_blocks; ++k)
+      where[static_cast<std::size_t>(kpool.table[static_cast<std::size_t>(k)])] = 16 * k;
+    // The pool's own blocks handed out in table order: the first two are the shared prefix.
+    std::size_t next = 2;
+    const auto take = [&] { return kpool.table[next++]; };
+    for (std::size_t s = 0; s < lengths.size(); ++s) {
+      std::vector<std::int32_t> src{kpool.table[0], kpool.table[1]};
+      while (static_cast<std::int64_t>(src.size()) * 16 < lengths[s]) src.push_back(take());
+      src_tables.push_back(src);
+    }
+    for (std::size_t s = 0; s < lengths.size(); ++s) {
+      gpu::batch_compaction_into<bf16, bf16> b;
+      random_keep(heads, lengths[s], seed + 10 + s, &b.offsets, &b.indices);
+      std::int64_t longest = 1;
+      for (std::int64_t h = 0; h < heads; ++h)
+        longest =
+            std::max(longest, b.offsets[static_cast<std::size_t>(h + 1)] - b.offsets[static_cast<std::size_t>(h)]);
+      std::vector<std::int32_t> dst;
+      while (static_cast<std::int64_t>(dst.size()) * 16 < longest) dst.push_back(take());
+      dst_tables.push_back(dst);
+      b.capacity = static_cast<std::int64_t>(b.indices.size()) + 1;
+      for (std::int64_t j = 0; j < lengths[s]; ++j) b.key_positions.push_back(11 * j + static_cast<std::int64_t>(s));
+      b.dst_k.view.num_tokens = longest;  // views and tables set in bind()
+      seqs.push_back(b);
+    }
+    REQUIRE(static_cast<std::int64_t>(next) <= pool_blocks);
+    bind();
+  }
+
+  /// Views over the pools through each sequence's tables (after a test edits a table).
+  void bind() {
+    for (std::size_t s = 0; s < seqs.size(); ++s) {
+      auto& b = seqs[s];
+      const std::int64_t longest = b.dst_k.view.num_tokens;
+      b.src_k = {kpool.view, gpu::buffer_of(kpool.buffer), &src_tables[s]};
+      b.src_v = {vpool.view, gpu::buffer_of(vpool.buffer), &src_tables[s]};
+      b.dst_k = {kpool.view, gpu::buffer_of(kpool.buffer), &dst_tables[s]};
+      b.dst_v = {vpool.view, gpu::buffer_of(vpool.buffer), &dst_tables[s]};
+      b.src_k.view.block_table = src_tables[s].data();
+      b.src_v.view.block_table = src_tables[s].data();
+      b.dst_k.view.block_table = dst_tables[s].data();
+      b.dst_v.view.block_table = dst_tables[s].data();
+      b.src_k.view.num_tokens = b.src_v.view.num_tokens = lengths[s];
+      b.dst_k.view.num_tokens = b.dst_v.view.num_tokens = longest;
+    }
+  }
+
+  /// Token (table, j) of a pool at its place in the pool's own numbering.
+  std::int64_t token(const std::vector<std::int32_t>& table, std::int64_t j) const {
+    return where[static_cast<std::size_t>(table[static_cast<std::size_t>(j / 16)])] + j % 16;
+  }
+
+  std::vector<bf16> expected(const test::test_cache<bf16>& pool) const {
+    std::vector<bf16> out = pool.buffer;
+    for (std::size_t s = 0; s < seqs.size(); ++s) {
+      const auto& b = seqs[s];
+      for (std::int64_t h = 0; h < heads; ++h)
+        for (std::int64_t i = 0;
+             i < b.offsets[static_cast<std::size_t>(h + 1)] - b.offsets[static_cast<std::size_t>(h)]; ++i)
+          for (std::int64_t c = 0; c < dim; ++c) {
+            const std::int64_t src = b.indices[static_cast<std::size_t>(b.offsets[static_cast<std::size_t>(h)] + i)];
+            out[static_cast<std::size_t>(pool.offset(h, token(dst_tables[s], i), c))] =
+                pool.buffer[static_cast<std::size_t>(pool.offset(h, token(src_tables[s], src), c))];
+          }
+    }
+    return out;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("GPU batched compaction into fresh blocks: sequences sharing a prefix, one call", "[gpu][gpu_compact]") {
+  prefix_batch b(4500);
+  SECTION("every sequence's kept rows in its fresh blocks; the shared prefix intact") {
+    const auto g = gpu::compact_into_batch_bf16(b.seqs);
+    INFO("status " << g.st.message());
+    REQUIRE(g.st.ok());
+    REQUIRE(g.flags == 0);
+    const auto kwant = b.expected(b.kpool), vwant = b.expected(b.vpool);
+    for (std::size_t s = 0; s < b.seqs.size(); ++s) {
+      INFO("sequence " << s);
+      require_bytes(g.keys[s], kwant);  // the sources' blocks (prefix included) are unchanged in it
+      require_bytes(g.values[s], vwant);
+      const auto& q = b.seqs[s];
+      for (std::int64_t h = 0; h < b.heads; ++h)
+        REQUIRE(g.head_lengths[s][static_cast<std::size_t>(h)] ==
+                q.offsets[static_cast<std::size_t>(h + 1)] - q.offsets[static_cast<std::size_t>(h)]);
+      for (std::size_t e = 0; e < q.indices.size(); ++e)
+        REQUIRE(g.positions[s][e] == q.key_positions[static_cast<std::size_t>(q.indices[e])]);
+    }
+  }
+  const auto untouched = [&](const gpu::compact_batch_result& g) {
+    for (std::size_t s = 0; s < b.seqs.size(); ++s) {
+      require_bytes(g.keys[s], b.kpool.buffer);
+      require_bytes(g.values[s], b.vpool.buffer);
+      for (std::int64_t x : g.head_lengths[s]) REQUIRE(x == -7);
+      for (std::int64_t x : g.positions[s]) REQUIRE(x == -7);
+    }
+  };
+  SECTION("a destination block that another sequence reads (the shared prefix): nothing moves") {
+    b.dst_tables[2][0] = b.src_tables[0][1];
+    b.bind();
+    const auto g = gpu::compact_into_batch_bf16(b.seqs);
+    REQUIRE(g.st.ok());
+    REQUIRE(g.flags == kvevict::cuda::flag_duplicate_block);
+    untouched(g);
+  }
+  SECTION("two sequences' destinations in one block: nothing moves") {
+    b.dst_tables[1][0] = b.dst_tables[0][0];
+    b.bind();
+    const auto g = gpu::compact_into_batch_bf16(b.seqs);
+    REQUIRE(g.st.ok());
+    REQUIRE(g.flags == kvevict::cuda::flag_duplicate_block);
+    untouched(g);
+  }
+  SECTION("a bad keep-list in one sequence: nothing moves") {
+    std::swap(b.seqs[0].indices[0], b.seqs[0].indices[1]);
+    const auto g = gpu::compact_into_batch_bf16(b.seqs);
+    REQUIRE(g.st.ok());
+    REQUIRE(g.flags == kvevict::cuda::flag_invalid_keep_list);
+    untouched(g);
+  }
+}

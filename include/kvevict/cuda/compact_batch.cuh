@@ -12,7 +12,11 @@
 // block reached twice -- within a sequence or by two sequences) moves no row of any sequence.
 // Paged views of a batch live in the layer's pool (one K pool, one V pool, possibly the same):
 // one bitmap per pool sees every sequence's blocks, so a block two sequences share (prefix
-// caching) is refused here; such sequences compact into fresh blocks (compact_into).
+// caching) is refused here; such sequences compact into fresh blocks: compact_into_batch,
+// compact_into's kernels batched the same way. There the sources may share blocks (they are
+// only read); every source block is marked before any destination is checked, so a
+// destination block that any sequence of the batch reads, or that two destinations reach,
+// cancels the batch.
 
 #include <cuda_runtime.h>
 
@@ -25,6 +29,7 @@
 #include "kvevict/config.hpp"
 #include "kvevict/cuda/common.cuh"
 #include "kvevict/cuda/compact.cuh"
+#include "kvevict/cuda/compact_into.cuh"
 #include "kvevict/cuda/detail/launch.cuh"
 #include "kvevict/cuda/detail/tiling.hpp"
 #include "kvevict/cuda/detail/workspace_plan.hpp"
@@ -88,6 +93,22 @@ struct base_entry {
   std::int64_t seq;
   bool values;
 };
+
+/// No two entries with one base pointer (sorted in place: n log n, no allocation); an error
+/// names the later sequence's field.
+inline status check_distinct_bases(base_entry* bases, std::int64_t nb, const char* key_field, const char* value_field,
+                                   const char* fn) {
+  std::sort(bases, bases + nb, [](const base_entry& x, const base_entry& y) {
+    return std::less<const void*>()(x.data, y.data) || (x.data == y.data && x.seq < y.seq);
+  });
+  for (std::int64_t i = 1; i < nb; ++i)
+    if (bases[i].data == bases[i - 1].data)
+      return status::error(errc::invalid_argument, fn,
+                           kvevict::detail::io_name(bases[i].seq, bases[i].values ? value_field : key_field),
+                           "expected memory of its own, got the base pointer of seqs[%lld].%s",
+                           static_cast<long long>(bases[i - 1].seq), bases[i - 1].values ? value_field : key_field);
+  return status();
+}
 
 /// Which pool a batch's paged views live in (the first paged view's), and whether `v` is in it.
 struct pool_id {
@@ -169,15 +190,7 @@ status compact_batch(const compaction_sequence<KT, VT>* seqs, std::int64_t n, wo
     if (!seqs[s].keys.is_paged() && seqs[s].keys.num_tokens > 0) bases[nb++] = {seqs[s].keys.data, s, false};
     if (!seqs[s].values.is_paged() && seqs[s].values.num_tokens > 0) bases[nb++] = {seqs[s].values.data, s, true};
   }
-  std::sort(bases, bases + nb, [](const detail::base_entry& x, const detail::base_entry& y) {
-    return std::less<const void*>()(x.data, y.data) || (x.data == y.data && x.seq < y.seq);
-  });
-  for (std::int64_t i = 1; i < nb; ++i)
-    if (bases[i].data == bases[i - 1].data)
-      return status::error(errc::invalid_argument, fn,
-                           kvevict::detail::io_name(bases[i].seq, bases[i].values ? "values.data" : "keys.data"),
-                           "expected a cache of its own, got the base pointer of seqs[%lld].%s",
-                           static_cast<long long>(bases[i - 1].seq), bases[i - 1].values ? "values" : "keys");
+  KVEVICT_RETURN_IF_ERROR(detail::check_distinct_bases(bases, nb, "keys.data", "values.data", fn));
 
   // Each sequence as compact checks it, one layer's shapes, one pool per side.
   const std::int64_t hkv = seqs[0].keys.num_heads, dk = seqs[0].keys.head_dim, dv = seqs[0].values.head_dim;
@@ -249,6 +262,151 @@ status compact_batch(const compaction_sequence<KT, VT>* seqs, std::int64_t n, wo
   KVEVICT_RETURN_IF_ERROR(
       detail::launch(fn, "compact_move_batch_kernel<gather>", cfg, detail::compact_move_batch_kernel<>, dev, true));
   return detail::launch(fn, "compact_move_batch_kernel<scatter>", cfg, detail::compact_move_batch_kernel<>, dev, false);
+}
+
+/// One sequence of a batched out-of-place compaction: as compact_into takes it.
+template <class KT, class VT>
+struct compaction_into_sequence {
+  cache_view<const KT> src_keys;    ///< [Hkv, L_s, dk] read only
+  cache_view<const VT> src_values;  ///< [Hkv, L_s, dv] read only
+  cache_view<KT> dst_keys;          ///< [Hkv, L'_s, dk] fresh memory or blocks
+  cache_view<VT> dst_values;        ///< [Hkv, L'_s, dv]
+  const_keep_list_view keep;        ///< over the source's L_s tokens
+  compact_outputs out;
+};
+
+/// Host staging bytes `compact_into_batch` needs for n sequences.
+inline std::size_t compact_into_batch_staging_size(std::int64_t num_sequences) noexcept {
+  return static_cast<std::size_t>(num_sequences < 0 ? 0 : num_sequences) * sizeof(detail::compact_into_args);
+}
+
+/// Device workspace for up to `max_sequences` sequences whose views are in the pools of
+/// these (a sequence's views: the bitmaps cover their pools' blocks).
+template <class KT, class VT>
+std::size_t compact_into_batch_workspace_size(const cache_view<const KT>& src_keys,
+                                              const cache_view<const VT>& src_values, const cache_view<KT>& dst_keys,
+                                              const cache_view<VT>& dst_values, std::int64_t max_sequences) noexcept {
+  const detail::compact_into_plan p = detail::plan_bitmaps(src_keys, src_values, dst_keys, dst_values);
+  const auto descriptors =
+      static_cast<std::size_t>(max_sequences < 0 ? 0 : max_sequences) * sizeof(detail::compact_into_args);
+  return detail::compact_round_up(descriptors) +
+         4u * static_cast<std::size_t>(1 + (p.key_bits > 0 ? detail::bitmap_words(p.key_bits) : 0) +
+                                       (p.value_bits > 0 ? detail::bitmap_words(p.value_bits) : 0));
+}
+
+/// Copies the kept rows of every sequence of a batch into fresh memory, for one layer, as
+/// compact_into does for one: a memset, one copy and three kernels per call.
+///
+///   seqs:    [n] host array of compaction_into_sequence (device views and keep-lists);
+///            paged destinations of a batch in one K pool and one V pool
+///   ws:      device memory, >= compact_into_batch_workspace_size(a sequence's views, n)
+///   staging: host memory, >= compact_into_batch_staging_size(n); page-locked; kept alive and
+///            unchanged until the stream passes this call
+///
+/// Host errors name "seqs[i]...." and enqueue nothing. On the device, all or nothing: a bad
+/// keep-list, an id out of range, a head keeping more rows than its destination holds, or a
+/// destination block that a source of the batch uses or that two destinations reach raises
+/// its flag and writes no destination row and no output of any sequence. Sources are never
+/// written.
+template <class KT, class VT>
+status compact_into_batch(const compaction_into_sequence<KT, VT>* seqs, std::int64_t n, workspace_span ws,
+                          void* staging, std::size_t staging_bytes, const launch_options& opt = {}) {
+  static_assert(!std::is_const<KT>::value && !std::is_const<VT>::value,
+                "kvevict::cuda::compact_into_batch: name the element types without const");
+  static_assert(std::is_trivially_copyable<detail::compact_into_args>::value, "descriptors are copied as bytes");
+  static constexpr const char* fn = "kvevict::cuda::compact_into_batch";
+  if (n < 0)
+    return status::error(errc::invalid_shape, fn, "num_sequences", "expected >= 0, got %lld",
+                         static_cast<long long>(n));
+  if (n == 0) return status();
+  if (seqs == nullptr)
+    return status::error(errc::null_pointer, fn, "seqs", "expected [%lld] sequences", static_cast<long long>(n));
+  if (n > detail::max_grid_yz)
+    return status::error(errc::overflow, fn, "num_sequences", "expected <= 65535 sequences per call, got %lld",
+                         static_cast<long long>(n));
+  const std::size_t desc_bytes = compact_into_batch_staging_size(n);
+  if (staging == nullptr || staging_bytes < desc_bytes)
+    return status::error(staging == nullptr ? errc::null_pointer : errc::workspace_too_small, fn, "staging",
+                         "expected %zu bytes of host staging (compact_into_batch_staging_size), got %zu", desc_bytes,
+                         staging == nullptr ? std::size_t{0} : staging_bytes);
+
+  // Destinations in memory of their own (non-paged) must not coincide between sequences:
+  // checked first, in the staging buffer the descriptors then overwrite.
+  static_assert(sizeof(detail::compact_into_args) >= 2 * sizeof(detail::base_entry), "staging holds the check");
+  auto* bases = static_cast<detail::base_entry*>(staging);
+  std::int64_t nb = 0;
+  for (std::int64_t s = 0; s < n; ++s) {
+    if (!seqs[s].dst_keys.is_paged() && seqs[s].dst_keys.num_tokens > 0)
+      bases[nb++] = {seqs[s].dst_keys.data, s, false};
+    if (!seqs[s].dst_values.is_paged() && seqs[s].dst_values.num_tokens > 0)
+      bases[nb++] = {seqs[s].dst_values.data, s, true};
+  }
+  KVEVICT_RETURN_IF_ERROR(detail::check_distinct_bases(bases, nb, "dst_keys.data", "dst_values.data", fn));
+
+  const std::int64_t hkv = seqs[0].src_keys.num_heads, dk = seqs[0].src_keys.head_dim, dv = seqs[0].src_values.head_dim;
+  detail::pool_id key_pool, value_pool;
+  std::int64_t key_bits = 0, value_bits = 0, blocks = 1;
+  auto* desc = static_cast<detail::compact_into_args*>(staging);
+  for (std::int64_t s = 0; s < n; ++s) {
+    const compaction_into_sequence<KT, VT>& q = seqs[s];
+    const struct {
+      const char* field;
+      std::int64_t got, want;
+    } layer[] = {{"src_keys.num_heads", q.src_keys.num_heads, hkv},
+                 {"src_keys.head_dim", q.src_keys.head_dim, dk},
+                 {"src_values.head_dim", q.src_values.head_dim, dv}};
+    for (const auto& f : layer)
+      if (f.got != f.want)
+        return status::error(errc::invalid_shape, fn, kvevict::detail::io_name(s, f.field),
+                             "expected the batch's %lld (seqs[0]), got %lld", static_cast<long long>(f.want),
+                             static_cast<long long>(f.got));
+    detail::compact_into_plan plan;
+    KVEVICT_RETURN_IF_ERROR(
+        kvevict::detail::in_sequence(detail::prepare_compact_into(q.src_keys, q.src_values, q.dst_keys, q.dst_values,
+                                                                  q.keep, q.out, opt, fn, &desc[s], &plan),
+                                     s, fn));
+    KVEVICT_RETURN_IF_ERROR(key_pool.admit(q.dst_keys, s, "dst_keys.data", fn));
+    KVEVICT_RETURN_IF_ERROR(value_pool.admit(q.dst_values, s, "dst_values.data", fn));
+    key_bits = plan.key_bits > key_bits ? plan.key_bits : key_bits;
+    value_bits = plan.value_bits > value_bits ? plan.value_bits : value_bits;
+    const std::int64_t b = detail::compact_into_blocks(q.src_keys, q.src_values, q.dst_keys, q.keep);
+    blocks = b > blocks ? b : blocks;
+  }
+
+  const std::size_t words = detail::compact_round_up(desc_bytes);
+  const std::size_t word_bytes = 4u * static_cast<std::size_t>(1 + (key_bits > 0 ? detail::bitmap_words(key_bits) : 0) +
+                                                               (value_bits > 0 ? detail::bitmap_words(value_bits) : 0));
+  if (ws.data == nullptr || ws.size < words + word_bytes)
+    return status::error(errc::workspace_too_small, fn, "ws",
+                         "expected at least %zu bytes for this batch (compact_into_batch_workspace_size), got %zu",
+                         words + word_bytes, ws.data == nullptr ? std::size_t{0} : ws.size);
+  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(ws.data, opt, fn, "ws"));
+  unsigned char* base = static_cast<unsigned char*>(ws.data);
+  auto* status_word = reinterpret_cast<std::uint32_t*>(base + words);
+  std::uint32_t* key_bitmap = key_bits > 0 ? status_word + 1 : nullptr;
+  std::uint32_t* value_bitmap =
+      value_bits > 0 ? status_word + 1 + (key_bits > 0 ? detail::bitmap_words(key_bits) : 0) : nullptr;
+  for (std::int64_t s = 0; s < n; ++s) {
+    detail::compact_into_args& a = desc[s];
+    const detail::compact_into_plan plan =
+        detail::plan_bitmaps(seqs[s].src_keys, seqs[s].src_values, seqs[s].dst_keys, seqs[s].dst_values);
+    a.status = status_word;
+    a.k.bitmap = plan.key_bits > 0 ? key_bitmap : nullptr;
+    a.v.bitmap = plan.value_shares_key_bitmap ? key_bitmap : (plan.value_bits > 0 ? value_bitmap : nullptr);
+  }
+
+  KVEVICT_RETURN_IF_ERROR(
+      detail::cuda_status(cudaMemsetAsync(status_word, 0, word_bytes, opt.stream), fn, "cudaMemsetAsync"));
+  KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
+      cudaMemcpyAsync(base, staging, desc_bytes, cudaMemcpyHostToDevice, opt.stream), fn, "cudaMemcpyAsync"));
+  const auto* dev = reinterpret_cast<const detail::compact_into_args*>(base);
+  const detail::launch_config cfg{dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(n)),
+                                  dim3(detail::compact_threads), 0, opt.stream};
+  KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "compact_into_validate_batch_kernel<source>", cfg,
+                                         detail::compact_into_validate_batch_kernel<>, dev, true));
+  KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "compact_into_validate_batch_kernel<destination>", cfg,
+                                         detail::compact_into_validate_batch_kernel<>, dev, false));
+  return detail::launch(fn, "compact_into_copy_batch_kernel", cfg, detail::compact_into_copy_batch_kernel<>, dev);
 }
 
 }  // namespace cuda

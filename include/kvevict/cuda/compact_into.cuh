@@ -83,8 +83,7 @@ __device__ __forceinline__ void check_ids(const compact_into_args& a, const byte
   }
 }
 
-template <int Unused = 0>
-__global__ void __launch_bounds__(compact_threads) compact_into_validate_kernel(compact_into_args a, bool source) {
+__device__ __forceinline__ void compact_into_validate(const compact_into_args& a, bool source) {
   const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   if (source) {
@@ -100,6 +99,19 @@ __global__ void __launch_bounds__(compact_threads) compact_into_validate_kernel(
     if (a.offsets[h + 1] - a.offsets[h] > a.k.dst.num_tokens) compact_into_fail(a, flag_capacity_exceeded);
   check_ids(a, a.k.dst, a.k.bitmap, false, gtid, nthreads);
   check_ids(a, a.v.dst, a.v.bitmap, false, gtid, nthreads);
+}
+
+template <int Unused = 0>
+__global__ void __launch_bounds__(compact_threads) compact_into_validate_kernel(compact_into_args a, bool source) {
+  compact_into_validate(a, source);
+}
+
+/// The batch (compact_into_batch): sequence blockIdx.y. Every sequence's source blocks are
+/// marked (source pass) before any destination block is checked (destination pass).
+template <int Unused = 0>
+__global__ void __launch_bounds__(compact_threads)
+    compact_into_validate_batch_kernel(const compact_into_args* seqs, bool source) {
+  compact_into_validate(seqs[blockIdx.y], source);
 }
 
 /// Copies one pair's kept rows: a warp per entry for contiguous rows (the narrower unit of the
@@ -128,13 +140,22 @@ __device__ __forceinline__ void copy_pair_rows(const compact_into_args& a, const
   }
 }
 
-template <int Unused = 0>
-__global__ void __launch_bounds__(compact_threads) compact_into_copy_kernel(compact_into_args a) {
+__device__ __forceinline__ void compact_into_copy(const compact_into_args& a) {
   if (*a.status != 0) return;
   const std::int64_t total = a.offsets[a.num_heads];
   copy_pair_rows(a, a.k, total);
   copy_pair_rows(a, a.v, total);
   write_outputs(a.out, a.offsets, a.indices, a.num_heads, total);
+}
+
+template <int Unused = 0>
+__global__ void __launch_bounds__(compact_threads) compact_into_copy_kernel(compact_into_args a) {
+  compact_into_copy(a);
+}
+
+template <int Unused = 0>
+__global__ void __launch_bounds__(compact_threads) compact_into_copy_batch_kernel(const compact_into_args* seqs) {
+  compact_into_copy(seqs[blockIdx.y]);
 }
 
 /// Whether two paged views index one pool (same base, block geometry): their ids share a
@@ -158,20 +179,84 @@ template <class SK, class SV, class DK, class DV>
 compact_into_plan plan_bitmaps(const cache_view<SK>& sk, const cache_view<SV>& sv, const cache_view<DK>& dk,
                                const cache_view<DV>& dv) noexcept {
   compact_into_plan p;
+  // Each bitmap covers every view whose ids it records: views of one pool may declare
+  // different block counts (each view's ids are checked against its own).
+  const auto cover = [](std::int64_t* bits, std::int64_t blocks) { *bits = blocks > *bits ? blocks : *bits; };
   if (dk.is_paged()) p.key_bits = dk.num_pool_blocks;
   p.key_source_in_pool = same_pool(sk, dk);
+  if (p.key_source_in_pool) cover(&p.key_bits, sk.num_pool_blocks);
   // V reached through K's tables on both sides (vLLM) repeats K's ids: K's check covers it.
   const bool v_through_k = sv.block_table == sk.block_table && dv.block_table == dk.block_table &&
                            sv.block_size == sk.block_size && dv.block_size == dk.block_size;
   if (dv.is_paged() && !v_through_k) {
-    if (same_pool(dk, dv)) {
-      p.value_shares_key_bitmap = true;  // TensorRT-LLM: K and V blocks in one pool
-    } else {
-      p.value_bits = dv.num_pool_blocks;
-    }
+    p.value_shares_key_bitmap = same_pool(dk, dv);  // TensorRT-LLM: K and V blocks in one pool
+    std::int64_t* bits = p.value_shares_key_bitmap ? &p.key_bits : &p.value_bits;
+    cover(bits, dv.num_pool_blocks);
     p.value_source_in_pool = same_pool(sv, dv);
+    if (p.value_source_in_pool) cover(bits, sv.num_pool_blocks);
   }
   return p;
+}
+
+/// Blocks of compact_into's grid-stride kernels.
+template <class SK, class SV, class DK>
+std::int64_t compact_into_blocks(const cache_view<SK>& src_keys, const cache_view<SV>& src_values,
+                                 const cache_view<DK>& dst_keys, const const_keep_list_view& keep) noexcept {
+  const std::int64_t widest = src_keys.head_dim > src_values.head_dim ? src_keys.head_dim : src_values.head_dim;
+  return stride_grid(
+      keep.capacity * (widest > 32 ? widest : 32) + src_keys.num_heads + src_keys.num_tokens + dst_keys.num_tokens,
+      compact_threads, 8192);
+}
+
+/// compact_into's host checks, its kernel arguments but the status word and bitmaps, and the
+/// bitmaps it needs.
+template <class SK, class SV, class DK, class DV>
+status prepare_compact_into(const cache_view<SK>& src_keys, const cache_view<SV>& src_values,
+                            const cache_view<DK>& dst_keys, const cache_view<DV>& dst_values,
+                            const const_keep_list_view& keep, const compact_outputs& out, const launch_options& opt,
+                            const char* fn, compact_into_args* args, compact_into_plan* plan_out) {
+  KVEVICT_RETURN_IF_ERROR(validate_device_cache_view(src_keys, opt, fn, "src_keys"));
+  KVEVICT_RETURN_IF_ERROR(validate_device_cache_view(src_values, opt, fn, "src_values"));
+  KVEVICT_RETURN_IF_ERROR(validate_device_cache_view(dst_keys, opt, fn, "dst_keys"));
+  KVEVICT_RETURN_IF_ERROR(validate_device_cache_view(dst_values, opt, fn, "dst_values"));
+  if (src_values.num_heads != src_keys.num_heads || src_values.num_tokens != src_keys.num_tokens)
+    return status::error(errc::invalid_shape, fn, "src_values", "expected src_keys' [%lld heads, %lld tokens]",
+                         static_cast<long long>(src_keys.num_heads), static_cast<long long>(src_keys.num_tokens));
+  if (dst_keys.num_heads != src_keys.num_heads || dst_keys.head_dim != src_keys.head_dim)
+    return status::error(errc::invalid_shape, fn, "dst_keys", "expected the source's [%lld heads, d = %lld]",
+                         static_cast<long long>(src_keys.num_heads), static_cast<long long>(src_keys.head_dim));
+  if (dst_values.num_heads != src_values.num_heads || dst_values.head_dim != src_values.head_dim ||
+      dst_values.num_tokens != dst_keys.num_tokens)
+    return status::error(errc::invalid_shape, fn, "dst_values",
+                         "expected the source's [%lld heads, d = %lld] and dst_keys' %lld tokens",
+                         static_cast<long long>(src_values.num_heads), static_cast<long long>(src_values.head_dim),
+                         static_cast<long long>(dst_keys.num_tokens));
+  if ((!dst_keys.is_paged() && static_cast<const void*>(dst_keys.data) == static_cast<const void*>(src_keys.data)) ||
+      (!dst_values.is_paged() &&
+       static_cast<const void*>(dst_values.data) == static_cast<const void*>(src_values.data)))
+    return status::error(errc::invalid_argument, fn, "dst_keys.data",
+                         "expected fresh memory, got the source's base pointer (use compact for in place)");
+  const std::int64_t widest = src_keys.head_dim > src_values.head_dim ? src_keys.head_dim : src_values.head_dim;
+  KVEVICT_RETURN_IF_ERROR(
+      validate_keep_and_outputs(keep, src_keys.num_heads, src_keys.num_tokens, widest, out, opt, fn));
+
+  const compact_into_plan plan = plan_bitmaps(src_keys, src_values, dst_keys, dst_values);
+  compact_into_args& a = *args;
+  a.k.src = make_byte_view(src_keys);
+  a.k.dst = make_byte_view(dst_keys);
+  a.k.source_in_pool = plan.key_source_in_pool;
+  a.v.src = make_byte_view(src_values);
+  a.v.dst = make_byte_view(dst_values);
+  a.v.source_in_pool = plan.value_source_in_pool;
+  a.offsets = keep.offsets;
+  a.indices = keep.indices;
+  a.num_heads = keep.num_heads;
+  a.capacity = keep.capacity;
+  a.out = out;
+  a.flags = opt.device_flags;
+
+  *plan_out = plan;
+  return status();
 }
 
 }  // namespace detail
@@ -214,62 +299,24 @@ status compact_into(cache_view<SK> src_keys, cache_view<SV> src_values, cache_vi
   static_assert(std::is_same<std::remove_const_t<SK>, DK>::value && std::is_same<std::remove_const_t<SV>, DV>::value,
                 "kvevict::cuda::compact_into copies elements: destination and source have the same element types");
   static constexpr const char* fn = "kvevict::cuda::compact_into";
-  KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(src_keys, opt, fn, "src_keys"));
-  KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(src_values, opt, fn, "src_values"));
-  KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(dst_keys, opt, fn, "dst_keys"));
-  KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(dst_values, opt, fn, "dst_values"));
-  if (src_values.num_heads != src_keys.num_heads || src_values.num_tokens != src_keys.num_tokens)
-    return status::error(errc::invalid_shape, fn, "src_values", "expected src_keys' [%lld heads, %lld tokens]",
-                         static_cast<long long>(src_keys.num_heads), static_cast<long long>(src_keys.num_tokens));
-  if (dst_keys.num_heads != src_keys.num_heads || dst_keys.head_dim != src_keys.head_dim)
-    return status::error(errc::invalid_shape, fn, "dst_keys", "expected the source's [%lld heads, d = %lld]",
-                         static_cast<long long>(src_keys.num_heads), static_cast<long long>(src_keys.head_dim));
-  if (dst_values.num_heads != src_values.num_heads || dst_values.head_dim != src_values.head_dim ||
-      dst_values.num_tokens != dst_keys.num_tokens)
-    return status::error(errc::invalid_shape, fn, "dst_values",
-                         "expected the source's [%lld heads, d = %lld] and dst_keys' %lld tokens",
-                         static_cast<long long>(src_values.num_heads), static_cast<long long>(src_values.head_dim),
-                         static_cast<long long>(dst_keys.num_tokens));
-  if ((!dst_keys.is_paged() && static_cast<const void*>(dst_keys.data) == static_cast<const void*>(src_keys.data)) ||
-      (!dst_values.is_paged() &&
-       static_cast<const void*>(dst_values.data) == static_cast<const void*>(src_values.data)))
-    return status::error(errc::invalid_argument, fn, "dst_keys.data",
-                         "expected fresh memory, got the source's base pointer (use compact for in place)");
-  const std::int64_t widest = src_keys.head_dim > src_values.head_dim ? src_keys.head_dim : src_values.head_dim;
-  KVEVICT_RETURN_IF_ERROR(
-      detail::validate_keep_and_outputs(keep, src_keys.num_heads, src_keys.num_tokens, widest, out, opt, fn));
-
-  const detail::compact_into_plan plan = detail::plan_bitmaps(src_keys, src_values, dst_keys, dst_values);
-  kvevict::detail::arena arena(ws);
   detail::compact_into_args a;
+  detail::compact_into_plan plan;
+  KVEVICT_RETURN_IF_ERROR(
+      detail::prepare_compact_into(src_keys, src_values, dst_keys, dst_values, keep, out, opt, fn, &a, &plan));
+  kvevict::detail::arena arena(ws);
   a.status = arena.take<std::uint32_t>(1);
   std::uint32_t* key_bitmap =
       plan.key_bits > 0 ? arena.take<std::uint32_t>(detail::bitmap_words(plan.key_bits)) : nullptr;
   std::uint32_t* value_bitmap =
       plan.value_bits > 0 ? arena.take<std::uint32_t>(detail::bitmap_words(plan.value_bits)) : nullptr;
   KVEVICT_RETURN_IF_ERROR(detail::check_workspace(arena, ws, opt, fn, "compact_into_workspace_size"));
-  a.k.src = detail::make_byte_view(src_keys);
-  a.k.dst = detail::make_byte_view(dst_keys);
   a.k.bitmap = key_bitmap;
-  a.k.source_in_pool = plan.key_source_in_pool;
-  a.v.src = detail::make_byte_view(src_values);
-  a.v.dst = detail::make_byte_view(dst_values);
   a.v.bitmap = plan.value_shares_key_bitmap ? key_bitmap : value_bitmap;
-  a.v.source_in_pool = plan.value_source_in_pool;
-  a.offsets = keep.offsets;
-  a.indices = keep.indices;
-  a.num_heads = keep.num_heads;
-  a.capacity = keep.capacity;
-  a.out = out;
-  a.flags = opt.device_flags;
-
   KVEVICT_RETURN_IF_ERROR(detail::clear_compaction_words(a.status, key_bitmap, plan.key_bits, value_bitmap,
                                                          plan.value_bits, opt.stream, fn));
-  const std::int64_t blocks_needed = detail::stride_grid(
-      keep.capacity * (widest > 32 ? widest : 32) + src_keys.num_heads + src_keys.num_tokens + dst_keys.num_tokens,
-      detail::compact_threads, 8192);
-  const detail::launch_config cfg{dim3(static_cast<unsigned>(blocks_needed)), dim3(detail::compact_threads), 0,
-                                  opt.stream};
+  const detail::launch_config cfg{
+      dim3(static_cast<unsigned>(detail::compact_into_blocks(src_keys, src_values, dst_keys, keep))),
+      dim3(detail::compact_threads), 0, opt.stream};
   KVEVICT_RETURN_IF_ERROR(
       detail::launch(fn, "compact_into_validate_kernel<source>", cfg, detail::compact_into_validate_kernel<>, a, true));
   KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "compact_into_validate_kernel<destination>", cfg,
