@@ -144,12 +144,16 @@ __device__ __forceinline__ void count_step(const decode_args<QT, KT>& a, const d
   if (a.steps != nullptr && e.valid && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0) atomicAdd(a.steps, 1);
 }
 
+/// Row stride of the tile's logits in shared memory: 8 words past the 256 keys put the rows
+/// of a transpose-reduce's writers (8 g + key, 4 keys per half-warp) in distinct banks.
+constexpr std::int64_t decode_logit_stride = decode_tile_keys + 8;
+
 /// Dynamic shared memory of the logits kernel: the scaled queries zero-padded to whole
-/// chunks and panels, [chunks * GB][panels * 128], and the tile's masked logits [G][256].
+/// chunks and panels, [chunks * GB][panels * 128], and the tile's masked logits [G][264].
 inline std::size_t decode_shared_bytes(std::int64_t dim, std::int64_t group) noexcept {
   const std::int64_t gb = decode_group_bucket(group);
   const std::int64_t rows = ceil_div(group, gb) * gb, cols = ceil_div(dim, decode_panel) * decode_panel;
-  return static_cast<std::size_t>(rows * cols + group * decode_tile_keys) * sizeof(float);
+  return static_cast<std::size_t>(rows * cols + group * decode_logit_stride) * sizeof(float);
 }
 
 /// state <- eta * state + v (eta == 0 overwrites).
@@ -251,17 +255,18 @@ __device__ __forceinline__ void transpose_reduce(float* x, int lane16) {
 /// memory, from which the tile's softmax partials (two passes) or probabilities (engine LSE)
 /// are made once per block.
 template <class QT, class KT, int Vec, int GB, bool OnePass>
-__global__ void __launch_bounds__(decode_threads) decode_logits_kernel(decode_args<QT, KT> a) {
+__global__ void __launch_bounds__(decode_threads, GB <= 4 ? 2 : 1) decode_logits_kernel(decode_args<QT, KT> a) {
   constexpr int TK = static_cast<int>(decode_tile_keys);
   constexpr int U = decode_keys_in_flight, N = GB * U;
   constexpr int per_lane = N >= 16 ? N / 16 : 1;
+  constexpr int LS = static_cast<int>(decode_logit_stride);
   static_assert(TK % (decode_threads / 16 * U) == 0, "every half-warp sweeps the tile the same number of times");
   KVEVICT_DYNAMIC_SHARED(float4, decode_smem_raw);
   const int d = a.dim, G = a.group;
-  const int chunks = (G + GB - 1) / GB, panels = (d + decode_panel - 1) / decode_panel;
+  const int chunks = GB < 8 ? 1 : (G + GB - 1) / GB, panels = (d + decode_panel - 1) / decode_panel;
   const int qstride = panels * decode_panel;
   float* qs = reinterpret_cast<float*>(decode_smem_raw);  // [chunks * GB][qstride], scaled, zero-padded
-  float* ls = qs + chunks * GB * qstride;                 // [G][TK] masked logits
+  float* ls = qs + chunks * GB * qstride;                 // [G][LS] masked logits of the tile
   const int tid = static_cast<int>(threadIdx.x);
   const int h = static_cast<int>(blockIdx.y);
   const bool first_block = blockIdx.x == 0 && blockIdx.y == 0;
@@ -289,13 +294,15 @@ __global__ void __launch_bounds__(decode_threads) decode_logits_kernel(decode_ar
   for (int w0 = (half & ~1) * U; w0 < nk; w0 += decode_threads / 16 * U) {
     const int i0 = w0 + (half & 1) * U;
     std::int64_t off[U];
-    bool visible[U];
+    // Bit u: key u is read and visible. A key whose block id is out of range reads as no
+    // row (off < 0) and gets no attention, as an invisible one.
+    unsigned seen = 0;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const bool valid = i0 + u < nk;
       const std::int64_t j = static_cast<std::int64_t>(j0) + i0 + u;
       off[u] = valid ? checked_row_offset(a.k, h, j, l16 == 0 ? a.flags : nullptr) : -1;
-      visible[u] = valid && (a.key_positions != nullptr ? a.key_positions[j] : j) <= pos;
+      if (off[u] >= 0 && (a.key_positions != nullptr ? a.key_positions[j] : j) <= pos) seen |= 1u << u;
     }
     for (int c0 = 0; c0 < chunks; ++c0) {
       float dot[N];
@@ -319,15 +326,7 @@ __global__ void __launch_bounds__(decode_threads) decode_logits_kernel(decode_ar
       for (int r = 0; r < per_lane; ++r) {
         const int idx = N >= 16 ? l16 * per_lane + r : l16 * N / 16;
         const int u = idx / GB, g = c0 * GB + idx % GB;
-        std::int64_t o = -1;
-        bool vis = false;
-#pragma unroll
-        for (int uu = 0; uu < U; ++uu)
-          if (uu == u) {
-            o = off[uu];
-            vis = visible[uu];
-          }
-        if (writer && g < G && i0 + u < nk) ls[g * TK + i0 + u] = o < 0 ? neg_infinity() : masked_logit(dot[r], vis);
+        if (writer && g < G && i0 + u < nk) ls[g * LS + i0 + u] = masked_logit(dot[r], ((seen >> u) & 1u) != 0);
       }
     }
   }
@@ -339,7 +338,7 @@ __global__ void __launch_bounds__(decode_threads) decode_logits_kernel(decode_ar
       float v = 0.0f;
       for (int g = 0; g < G; ++g) {
         const float lse = a.engine_lse[(static_cast<std::int64_t>(h) * G + g) * a.engine_lse_stride];
-        v = gqa_step(v, attention_prob(ls[g * TK + i], lse), a.gqa, g == 0);
+        v = gqa_step(v, attention_prob(ls[g * LS + i], lse), a.gqa, g == 0);
       }
       update_state(a.state + h * a.state_stride + j, a.eta, v);
     }
@@ -350,10 +349,10 @@ __global__ void __launch_bounds__(decode_threads) decode_logits_kernel(decode_ar
   const int warp = tid >> 5, lane = tid & 31;
   for (int g = warp; g < G; g += decode_threads / 32) {
     float m = neg_infinity();
-    for (int i = lane; i < nk; i += 32) m = ls[g * TK + i] > m ? ls[g * TK + i] : m;
+    for (int i = lane; i < nk; i += 32) m = ls[g * LS + i] > m ? ls[g * LS + i] : m;
     m = group_max(m, 32);
     float s = 0.0f;
-    for (int i = lane; i < nk; i += 32) s += softmax_term(ls[g * TK + i], m);
+    for (int i = lane; i < nk; i += 32) s += softmax_term(ls[g * LS + i], m);
     s = group_sum(s, 32);
     const std::int64_t qh = static_cast<std::int64_t>(h) * G + g;
     if (lane == 0) {
@@ -362,7 +361,7 @@ __global__ void __launch_bounds__(decode_threads) decode_logits_kernel(decode_ar
       p.sum = s;
       a.partials[qh * a.tiles + blockIdx.x] = p;
     }
-    for (int i = lane; i < nk; i += 32) a.logits[qh * a.softmax_end + j0 + i] = ls[g * TK + i];
+    for (int i = lane; i < nk; i += 32) a.logits[qh * a.softmax_end + j0 + i] = ls[g * LS + i];
     // A tile past a plan's current length holds no key: its partial is (-inf, 0), which the
     // row LSE folds exactly as if the tile did not exist.
   }
