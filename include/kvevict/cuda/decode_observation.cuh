@@ -168,6 +168,20 @@ __device__ __forceinline__ int decode_channel(int panel, int it, int lane16, int
   return panel * decode_panel + it * 16 * Vec + lane16 * Vec + v;
 }
 
+/// Where channel `c` of a query row sits in shared memory. With 8 channels per lane in one
+/// load (Vec = 8) a lane's two 4-channel halves are stored 64 words apart, lanes 4 words
+/// apart, so each of its two LDS.128 reads 256 contiguous bytes across the half-warp
+/// (2 wavefronts, not 4); Vec = 1 and 4 are already laid out that way.
+template <int Vec>
+__device__ __forceinline__ int decode_query_slot(int c) {
+  if constexpr (Vec == 8) {
+    const int x = c % decode_panel;
+    return c - x + (x & 4) * 16 + (x >> 3) * 4 + (x & 3);
+  } else {
+    return c;
+  }
+}
+
 /// A lane's slice of chunk rows [g0, g0 + GB) of the scaled queries, panel `panel`, into
 /// registers (rows and channels past G and d are zero in shared memory).
 template <int Vec, int GB>
@@ -180,7 +194,7 @@ __device__ __forceinline__ void load_query_slice(const float* qs, int stride, in
     for (int it = 0; it < loads; ++it)
 #pragma unroll
       for (int v = 0; v < Vec; ++v)
-        q[g][it * Vec + v] = qs[(g0 + g) * stride + decode_channel<Vec>(panel, it, lane16, v)];
+        q[g][it * Vec + v] = qs[(g0 + g) * stride + decode_query_slot<Vec>(decode_channel<Vec>(panel, it, lane16, v))];
 }
 
 /// 8 consecutive fp8 elements (8 bytes) widened to float: a 128-channel fp8 row is 16 lanes
@@ -265,7 +279,7 @@ __global__ void __launch_bounds__(decode_threads, GB <= 4 ? 2 : 1) decode_logits
   const int d = a.dim, G = a.group;
   const int chunks = GB < 8 ? 1 : (G + GB - 1) / GB, panels = (d + decode_panel - 1) / decode_panel;
   const int qstride = panels * decode_panel;
-  float* qs = reinterpret_cast<float*>(decode_smem_raw);  // [chunks * GB][qstride], scaled, zero-padded
+  float* qs = reinterpret_cast<float*>(decode_smem_raw);  // [chunks * GB][qstride] scaled, zero-padded, slots
   float* ls = qs + chunks * GB * qstride;                 // [G][LS] masked logits of the tile
   const int tid = static_cast<int>(threadIdx.x);
   const int h = static_cast<int>(blockIdx.y);
@@ -279,7 +293,7 @@ __global__ void __launch_bounds__(decode_threads, GB <= 4 ? 2 : 1) decode_logits
 
   for (int e = tid; e < chunks * GB * qstride; e += decode_threads) {
     const int g = e / qstride, c = e - g * qstride;
-    qs[e] =
+    qs[g * qstride + decode_query_slot<Vec>(c)] =
         g < G && c < d ? load_float(a.q.data + a.q.offset(static_cast<std::int64_t>(h) * G + g, 0, c)) * a.scale : 0.0f;
   }
   __syncthreads();
@@ -304,15 +318,18 @@ __global__ void __launch_bounds__(decode_threads, GB <= 4 ? 2 : 1) decode_logits
       off[u] = valid ? checked_row_offset(a.k, h, j, l16 == 0 ? a.flags : nullptr) : -1;
       if (off[u] >= 0 && (a.key_positions != nullptr ? a.key_positions[j] : j) <= pos) seen |= 1u << u;
     }
+    // With one panel the keys' slices stay in registers for every chunk: K is read once.
+    float kv[U][decode_lane_channels];
     for (int c0 = 0; c0 < chunks; ++c0) {
       float dot[N];
 #pragma unroll
       for (int n = 0; n < N; ++n) dot[n] = 0.0f;
       for (int p = 0; p < panels; ++p) {
         if (!resident) load_query_slice<Vec, GB>(qs, qstride, c0 * GB, p, l16, q);
-        float kv[U][decode_lane_channels];
+        if (c0 == 0 || panels > 1) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) load_key_slice<Vec>(a.k, off[u], p, l16, d, kv[u]);
+          for (int u = 0; u < U; ++u) load_key_slice<Vec>(a.k, off[u], p, l16, d, kv[u]);
+        }
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
