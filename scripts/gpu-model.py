@@ -62,7 +62,7 @@ GPUS = {
 
 # decode_logits_kernel per group bucket (bf16 keys, 16-byte loads, the larger of its two pass
 # counts; __launch_bounds__(256, 2) for buckets <= 4): 1, 2 and 4 fit two blocks per SM, 8 one.
-DECODE_REGS = {1: 64, 2: 105, 4: 96, 8: 174}
+DECODE_REGS = {1: 82, 2: 80, 4: 96, 8: 195}
 
 # Registers per thread from `ptxas -v` (nvcc 13.0, sm_90, bf16 instantiations of bench_gpu.cu);
 # they set how many blocks an SM holds.
@@ -822,6 +822,9 @@ def self_test():
     # The decode step streams K at >= 70% of HBM at L >= 32K for G = 1 .. 8 (issue 16), 16-bit
     # and float keys, d = 128 (queries in registers) and 256 (reloaded per panel); fp8 keys at
     # G <= 4. (G > 8 and fp8 at G > 4 model lower: docs/cuda.md says which resource binds.)
+    # The per-bucket registers set the occupancy: bucket 8 fits one block per SM.
+    check(decode_logits(replace(s, hq=64), g, True).resident(g) == 1 and
+          decode_logits(s, g, True).resident(g) == 2, "decode blocks per SM by bucket")
     for shape in (s, replace(s, hq=8), replace(s, hq=16), replace(s, hq=40), replace(s, hq=64), replace(s, d=256),
                   replace(s, tokens=131072), replace(s, elem=4), replace(s, elem=4, hq=64), replace(s, elem=1)):
         for one in (True, False):

@@ -13,13 +13,20 @@
 // Scores come from the state with finalize_state_scores (scale 1/Z). This is the library's
 // own definition of DeferKV's running state (design.md §5).
 //
-// One query per head makes this bandwidth-bound: the kernels stream K once.
-//   1. logits: grid (key tiles of 256, Hkv). Half a warp per key: 16 lanes split the head
-//      dimension, 16-byte vector loads when the rows allow (tiling.hpp vector_width), and a
-//      butterfly sum gives the key's G logits (the group's queries sit in shared memory).
-//      With an engine LSE this kernel also applies the softmax and updates the state: one
-//      pass. Without it, it writes the masked logits [Hq, L] (4 bytes per query head and
-//      key, against 2*d bytes of K per KV head and key) and per-tile softmax partials.
+// One query per head makes this bandwidth-bound: the kernels stream K once, built to keep
+// HBM busy (docs/cuda.md, "Decode observation").
+//   1. logits: grid (key tiles of 256, Hkv). Half a warp per key, 4 keys in flight per
+//      half-warp; a lane owns 8 channels per 128-channel panel (one 16-byte load of 16-bit
+//      keys, two of float, one 8-byte load of fp8, or 8 scalar loads; tiling.hpp
+//      vector_width) and keeps its slice of the group's scaled queries in registers. G is a
+//      compile-time bucket (1, 2, 4, 8; chunks of 8 beyond): no FMA or shuffle is spent past
+//      the bucket (G = 3, 5..7 and a last partial chunk pad it with zero queries); the 4 x GB
+//      partial dots of a lane are
+//      transpose-reduced (each step sends half of the remaining values), leaving each lane
+//      with finished logits. With an engine LSE this kernel also applies the softmax and
+//      updates the state: one pass. Without it, it writes the masked logits [Hq, L] (4 bytes
+//      per query head and key, against 2*d bytes of K per KV head and key) and per-tile
+//      softmax partials, folded once per block per query head.
 //   2. row LSE (two-pass only, detail/row_lse.cuh): one warp per query head folds its tile
 //      partials into its LSE (fixed order), once.
 //   3. update (two-pass only): each block turns its keys' logits into probabilities with the
@@ -74,12 +81,13 @@ constexpr int decode_threads = 256;
 /// Head-dimension channels per panel: 16 lanes (half a warp, one key) x 8 channels each.
 constexpr int decode_panel = 128;
 constexpr int decode_lane_channels = decode_panel / 16;
-/// Keys each half-warp has in flight per sweep: 16 half-warps x 4 keys x 8 channels of
-/// 16-bit keys are 16 KiB of loads outstanding per block.
+/// Keys each half-warp has in flight per sweep: 16 half-warps x 4 keys x 256 bytes (d = 128,
+/// 16-bit keys) are 16 KiB of loads outstanding per block.
 constexpr int decode_keys_in_flight = 4;
 
 /// Query heads per register chunk for a group of G: the next power of two up to 8 (G <= 8
-/// runs one chunk and never reloads the queries), else chunks of 8.
+/// runs one chunk: with d <= 128 the queries are loaded into registers once per block), else
+/// chunks of 8.
 constexpr int decode_group_bucket(std::int64_t group) noexcept {
   return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8;
 }
@@ -267,7 +275,9 @@ __device__ __forceinline__ void transpose_reduce(float* x, int lane16) {
 /// shared memory per chunk and panel), so the inner loop reads only K. The GB x 4 partial
 /// dots are transpose-reduced; the lanes that end with a finished logit write it to shared
 /// memory, from which the tile's softmax partials (two passes) or probabilities (engine LSE)
-/// are made once per block.
+/// are made once per block. Two blocks per SM for buckets <= 4 (at most 128 registers; left
+/// to itself ptxas picked 64-80 registers with small spills for some of them); bucket 8
+/// holds 64 query registers and runs one block per SM.
 template <class QT, class KT, int Vec, int GB, bool OnePass>
 __global__ void __launch_bounds__(decode_threads, GB <= 4 ? 2 : 1) decode_logits_kernel(decode_args<QT, KT> a) {
   constexpr int TK = static_cast<int>(decode_tile_keys);
