@@ -62,7 +62,7 @@ GPUS = {
 
 # decode_logits_kernel per group bucket (bf16 keys, 16-byte loads, the larger of its two pass
 # counts; __launch_bounds__(256, 2) for buckets <= 4): 1, 2 and 4 fit two blocks per SM, 8 one.
-DECODE_REGS = {1: 82, 2: 80, 4: 96, 8: 195}
+DECODE_REGS = {1: 84, 2: 88, 4: 118, 8: 231}
 
 # Registers per thread from `ptxas -v` (nvcc 13.0, sm_90, bf16 instantiations of bench_gpu.cu);
 # they set how many blocks an SM holds.
@@ -372,12 +372,17 @@ def decode_logits(s: Shape, g: Gpu, one_pass):
     # runs 4 sweeps that each wait for their 4 keys' loads (one HBM latency, the loads of a
     # sweep in flight together), issue the FMAs and the 4 dependent shuffle steps; the
     # epilogue reads the tile from shared memory. With `resident` blocks per SM this is
-    # Little's law for the bytes in flight.
-    sweep_cycles = g.hbm_latency_cycles + 4 * 25 + chunks * panels * u * 8 * (gb + widen) / 2
-    chain = g.l2_latency_cycles + 50 + sweeps * sweep_cycles + 300
+    # Little's law for the bytes in flight. Bucket 8 with 8-element loads issues the next
+    # sweep's loads before computing (one block per SM): after the first sweep, a sweep
+    # takes (latency + compute) / 2 in the steady state.
+    compute = 4 * 25 + chunks * panels * u * 8 * (gb + widen) / 2
+    sweep_cycles = g.hbm_latency_cycles + compute
+    prefetch = gb == 8 and s.elem < 4
+    body = sweep_cycles * (1 + (sweeps - 1) / 2) if prefetch else sweeps * sweep_cycles
+    chain = g.l2_latency_cycles + 50 + body + 300
     sm_bytes = DEC_TK // sweeps * s.d * s.elem
     note = (f"{per_sweep} shuffles+wavefronts per 8 keys, queries {'in registers' if resident else 'reloaded'}, "
-            f"{sm_bytes // 1024} KiB of K in flight per block")
+            f"{sm_bytes // 1024 * (2 if prefetch else 1)} KiB of K in flight per block")
     return Kernel("decode_logits_kernel", label, blocks, 256,
                   (qrows * panels * DEC_PANEL + s.group * (DEC_TK + 8)) * 4, hbm_bytes=hbm, l2_bytes=l2,
                   fp32_flops=2.0 * s.hq * keys * s.d, fma_per_block=fma, mio_per_block=mio, mufu_per_block=mufu,

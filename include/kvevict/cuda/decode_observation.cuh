@@ -205,17 +205,47 @@ __device__ __forceinline__ void load_query_slice(const float* qs, int stride, in
         q[g][it * Vec + v] = qs[(g0 + g) * stride + decode_query_slot<Vec>(decode_channel<Vec>(panel, it, lane16, v))];
 }
 
-/// 8 consecutive fp8 elements (8 bytes) widened to float: a 128-channel fp8 row is 16 lanes
-/// x 8 bytes, so no lane idles at head_dim 128.
-template <class T>
-__device__ __forceinline__ void load_fp8_half_vector(const T* p, float* out) {
-  const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
-  const unsigned words[2] = {v.x, v.y};
+/// The stored bytes of a lane's 8 channels of one key row with 8-element loads: 16 for 16-bit
+/// keys, 8 for fp8 (a 128-channel fp8 row is 16 lanes x 8 bytes, so no lane idles at d = 128).
+template <class KT>
+using decode_key_words = std::conditional_t<sizeof(KT) == 1, uint2, uint4>;
+
+/// Loads a lane's words of one key row in a panel without widening them (zero past d or for
+/// a row that is not read), so that the load can be issued a sweep before its use.
+template <class KT>
+__device__ __forceinline__ decode_key_words<KT> load_key_words(const cache_view<const KT>& k, std::int64_t off,
+                                                               int panel, int lane16, int d) {
+  const int c = decode_channel<8>(panel, 0, lane16, 0);
+  decode_key_words<KT> w{};
+  if (off >= 0 && c < d) w = __ldg(reinterpret_cast<const decode_key_words<KT>*>(k.data + off + c));
+  return w;
+}
+
+/// Widens a lane's words to its 8 channels (exact).
+template <class KT>
+__device__ __forceinline__ void widen_key_words(const uint4& w, float* out) {
+  const unsigned words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const auto lo = static_cast<std::uint16_t>(words[i] & 0xffffu);
+    const auto hi = static_cast<std::uint16_t>(words[i] >> 16);
+    if (std::is_same<KT, bf16>::value) {
+      out[2 * i] = kvevict::detail::bf16_bits_to_float(lo);
+      out[2 * i + 1] = kvevict::detail::bf16_bits_to_float(hi);
+    } else {
+      out[2 * i] = kvevict::detail::fp16_bits_to_float(lo);
+      out[2 * i + 1] = kvevict::detail::fp16_bits_to_float(hi);
+    }
+  }
+}
+template <class KT>
+__device__ __forceinline__ void widen_key_words(const uint2& w, float* out) {
+  const unsigned words[2] = {w.x, w.y};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const auto b = static_cast<std::uint8_t>(words[i / 4] >> (8 * (i % 4)));
-    out[i] = std::is_same<T, fp8_e4m3>::value ? kvevict::detail::fp8_e4m3_bits_to_float(b)
-                                              : kvevict::detail::fp8_e5m2_bits_to_float(b);
+    out[i] = std::is_same<KT, fp8_e4m3>::value ? kvevict::detail::fp8_e4m3_bits_to_float(b)
+                                               : kvevict::detail::fp8_e5m2_bits_to_float(b);
   }
 }
 
@@ -223,24 +253,41 @@ __device__ __forceinline__ void load_fp8_half_vector(const T* p, float* out) {
 template <int Vec, class KT>
 __device__ __forceinline__ void load_key_slice(const cache_view<const KT>& k, std::int64_t off, int panel, int lane16,
                                                int d, float (&out)[decode_lane_channels]) {
-  constexpr int loads = decode_lane_channels / Vec;
+  if constexpr (Vec == 8) {
+    widen_key_words<KT>(load_key_words(k, off, panel, lane16, d), out);
+  } else {
+    constexpr int loads = decode_lane_channels / Vec;
 #pragma unroll
-  for (int it = 0; it < loads; ++it) {
-    const int c = decode_channel<Vec>(panel, it, lane16, 0);
-    float* o = out + it * Vec;
-    if (off < 0 || c >= d) {  // Vec divides d when Vec > 1: a load is wholly in or out
+    for (int it = 0; it < loads; ++it) {
+      const int c = decode_channel<Vec>(panel, it, lane16, 0);
+      float* o = out + it * Vec;
+      if (off < 0 || c >= d) {  // Vec divides d when Vec > 1: a load is wholly in or out
 #pragma unroll
-      for (int v = 0; v < Vec; ++v) o[v] = 0.0f;
-    } else if constexpr (Vec == 1) {
-      o[0] = load_float(k.data + off + static_cast<std::int64_t>(c) * k.dim_stride);
-    } else if constexpr (sizeof(KT) == 1) {
-      static_assert(Vec == 8, "fp8 keys load 8 bytes");
-      load_fp8_half_vector(k.data + off + c, o);
-    } else {
-      static_assert(Vec * sizeof(KT) == 16, "16-byte loads");
-      load_vector(k.data + off + c, o);
+        for (int v = 0; v < Vec; ++v) o[v] = 0.0f;
+      } else if constexpr (Vec == 1) {
+        o[0] = load_float(k.data + off + static_cast<std::int64_t>(c) * k.dim_stride);
+      } else {
+        static_assert(Vec == 4 && sizeof(KT) == 4, "float keys load 16 bytes twice");
+        load_vector(k.data + off + c, o);
+      }
     }
   }
+}
+
+/// Row offsets of a half-warp's keys i0 .. i0 + U - 1 (-1 past nk or for a block id outside
+/// the pool, flagged by lane 0) and the mask of those that are read and visible.
+template <int U, class QT, class KT>
+__device__ __forceinline__ unsigned sweep_rows(const decode_args<QT, KT>& a, int h, int j0, int i0, int nk,
+                                               std::int64_t pos, int lane16, std::int64_t (&off)[U]) {
+  unsigned seen = 0;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const bool valid = i0 + u < nk;
+    const std::int64_t j = static_cast<std::int64_t>(j0) + i0 + u;
+    off[u] = valid ? checked_row_offset(a.k, h, j, lane16 == 0 ? a.flags : nullptr) : -1;
+    if (off[u] >= 0 && (a.key_positions != nullptr ? a.key_positions[j] : j) <= pos) seen |= 1u << u;
+  }
+  return seen;
 }
 
 /// Transpose-reduce over the 16 lanes of a half-warp: each lane holds N partial sums, value n
@@ -314,19 +361,41 @@ __global__ void __launch_bounds__(decode_threads, GB <= 4 ? 2 : 1) decode_logits
   load_query_slice<Vec, GB>(qs, qstride, 0, 0, l16, q);  // the only load when resident
   // Half-warp `half` takes keys i0 .. i0 + U - 1 of each sweep. Both halves of a warp run the
   // same sweeps (the stop test looks at the warp's first key, w0; nk <= TK), so every shuffle
-  // sees all 32 lanes; blocks past a plan's current length sweep nothing.
-  for (int w0 = (half & ~1) * U; w0 < nk; w0 += decode_threads / 16 * U) {
-    const int i0 = w0 + (half & 1) * U;
-    std::int64_t off[U];
-    // Bit u: key u is read and visible. A key whose block id is out of range reads as no
-    // row (off < 0) and gets no attention, as an invisible one.
-    unsigned seen = 0;
+  // sees all 32 lanes; blocks past a plan's current length sweep nothing. The next sweep's
+  // row offsets (block-table reads) are loaded before this sweep computes, and so, for bucket
+  // 8 with 8-element loads, are its first panel's key words: two sweeps of K in flight per
+  // half-warp make up for the one block per SM its registers allow. (Smaller buckets run
+  // two blocks per SM instead; their prefetch would not fit in 128 registers.)
+  constexpr bool prefetch = Vec == 8 && GB == 8;
+  constexpr int step = decode_threads / 16 * U;
+  const int odd = (half & 1) * U;
+  std::int64_t off[U];
+  unsigned seen = 0;
+  decode_key_words<KT> next[U] = {};
+  int w0 = (half & ~1) * U;
+  if (w0 < nk) {
+    seen = sweep_rows<U>(a, h, j0, w0 + odd, nk, pos, l16, off);
+    if constexpr (prefetch) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) next[u] = load_key_words(a.k, off[u], 0, l16, d);
+    }
+  }
+  for (; w0 < nk; w0 += step) {
+    const int i0 = w0 + odd;
+    std::int64_t row[U];
+    decode_key_words<KT> words[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const bool valid = i0 + u < nk;
-      const std::int64_t j = static_cast<std::int64_t>(j0) + i0 + u;
-      off[u] = valid ? checked_row_offset(a.k, h, j, l16 == 0 ? a.flags : nullptr) : -1;
-      if (off[u] >= 0 && (a.key_positions != nullptr ? a.key_positions[j] : j) <= pos) seen |= 1u << u;
+      row[u] = off[u];
+      if constexpr (prefetch) words[u] = next[u];
+    }
+    const unsigned visible = seen;
+    if (w0 + step < nk) {
+      seen = sweep_rows<U>(a, h, j0, w0 + step + odd, nk, pos, l16, off);
+      if constexpr (prefetch) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) next[u] = load_key_words(a.k, off[u], 0, l16, d);
+      }
     }
     // With one panel the keys' slices stay in registers for every chunk: K is read once.
     float kv[U][decode_lane_channels];
@@ -336,9 +405,17 @@ __global__ void __launch_bounds__(decode_threads, GB <= 4 ? 2 : 1) decode_logits
       for (int n = 0; n < N; ++n) dot[n] = 0.0f;
       for (int p = 0; p < panels; ++p) {
         if (!resident) load_query_slice<Vec, GB>(qs, qstride, c0 * GB, p, l16, q);
-        if (c0 == 0 || panels > 1) {
+        if constexpr (prefetch) {
+          if (p == 0) {
 #pragma unroll
-          for (int u = 0; u < U; ++u) load_key_slice<Vec>(a.k, off[u], p, l16, d, kv[u]);
+            for (int u = 0; u < U; ++u) widen_key_words<KT>(words[u], kv[u]);
+          } else {
+#pragma unroll
+            for (int u = 0; u < U; ++u) load_key_slice<Vec>(a.k, row[u], p, l16, d, kv[u]);
+          }
+        } else if (c0 == 0 || panels > 1) {
+#pragma unroll
+          for (int u = 0; u < U; ++u) load_key_slice<Vec>(a.k, row[u], p, l16, d, kv[u]);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u)
@@ -353,7 +430,7 @@ __global__ void __launch_bounds__(decode_threads, GB <= 4 ? 2 : 1) decode_logits
       for (int r = 0; r < per_lane; ++r) {
         const int idx = N >= 16 ? l16 * per_lane + r : l16 * N / 16;
         const int u = idx / GB, g = c0 * GB + idx % GB;
-        if (writer && g < G && i0 + u < nk) ls[g * LS + i0 + u] = masked_logit(dot[r], ((seen >> u) & 1u) != 0);
+        if (writer && g < G && i0 + u < nk) ls[g * LS + i0 + u] = masked_logit(dot[r], ((visible >> u) & 1u) != 0);
       }
     }
   }
