@@ -60,10 +60,14 @@ GPUS = {
     "h100": Gpu("H100 SXM (data sheet)", 132, 1.98, 3350.0, 5500.0, 50.0, 989.0),
 }
 
+# decode_logits_kernel per group bucket (bf16 keys, 16-byte loads, the larger of its two pass
+# counts; __launch_bounds__(256, 2) for buckets <= 4): 1, 2 and 4 fit two blocks per SM, 8 one.
+DECODE_REGS = {1: 84, 2: 88, 4: 118, 8: 231}
+
 # Registers per thread from `ptxas -v` (nvcc 13.0, sm_90, bf16 instantiations of bench_gpu.cu);
 # they set how many blocks an SM holds.
 REGS = {"obs_tile_kernel": 40, "row_lse_kernel": 23, "finalize_kernel": 56, "obs_state_kernel": 32,
-        "decode_logits_kernel": 48, "decode_update_kernel": 32, "select_prepare_kernel": 30,
+        "decode_logits_kernel": 96, "decode_update_kernel": 32, "select_prepare_kernel": 30,
         "select_rows_kernel": 47, "compact_validate_kernel": 30, "compact_move_kernel": 64}
 
 
@@ -106,11 +110,12 @@ class Kernel:
     chain_cycles: float = 0.0  # longest dependent chain of one block, in cycles
     tensor_flops: float = 0.0
     chain_is_total: bool = False  # chain_cycles already covers every block's work (grid-stride kernels)
+    regs: int = 0              # registers per thread when they depend on the instantiation (else REGS)
     note: str = ""
     times: dict = field(default_factory=dict)
 
     def resident(self, g: Gpu):
-        regs = REGS.get(self.name, 32)
+        regs = self.regs or REGS.get(self.name, 32)
         regs_block = math.ceil(regs * self.threads / 256) * 256
         by_regs = g.regs_per_sm // regs_block
         by_threads = g.threads_per_sm // self.threads
@@ -164,30 +169,39 @@ def wavefronts(addresses):
     return max(len(s) for s in banks.values()) if banks else 0
 
 
-def decode_sweep_wavefronts(group, d, elem):
-    """Wavefronts of the decode kernel's query reads per key pair (one warp, two keys) and one
-    sweep over the head dimension: lane l of each half-warp reads query channels
-    c0 = l * Vec .. + Vec of every head g < group from shared memory (qs[g * d + c0 + v]). nvcc
-    widens these loads by the alignment it can prove: (g0 + g) * d * 4 bytes with g0 a multiple
-    of 8 gives 16 B for g = 0 mod 4, 8 B for g = 2 mod 4, 4 B for odd g (PTX: LDS.128, LDS.64,
-    LDS.32)."""
-    vec = 16 // elem
+def decode_query_wavefronts(elem):
+    """Wavefronts of one warp reloading one query row's 8-channel slice per lane from shared
+    memory (G > 8 or d > 128 only), as LDS.128: with Vec = 4 (float keys) lane l of each
+    half-warp reads channels it * 64 + 4 l .. + 3; with Vec = 8 the row is stored so that its
+    two halves are 64 words apart and lanes 4 words apart (decode_query_slot). Both
+    half-warps read the same words."""
+    vec = min(16 // elem, 8)
     total = 0
-    for g in range(group):
-        gg = g % 8
-        width = 16 if gg % 4 == 0 else (8 if gg % 2 == 0 else 4)
-        width = min(width, vec * 4)
-        for c0 in range(0, d, 16 * vec):
-            for part in range(0, vec * 4, width):
-                addrs = [(g * d * 4 + (c0 + lane * vec) * 4 + part, width)
-                         for lane in range(16) if c0 + lane * vec < d]
-                total += wavefronts(addrs)
+    for it in range(8 // vec):
+        for half in range(vec // 4):
+            total += wavefronts([((it * 64 + half * 64 + (lane % 16) * 4) * 4, 16) for lane in range(32)])
     return total
+
+
+def transpose_reduce_shuffles(n):
+    """Shuffles of one transpose-reduce of n partial sums over 16 lanes (offsets 8, 4, 2, 1):
+    a lane sends half of its remaining values at each step, a plain butterfly once one is left."""
+    total = 0
+    for _ in range(4):
+        total += n // 2 if n >= 2 else 1
+        n = max(1, n // 2)
+    return total
+
+
+def decode_bucket(group):
+    """Query heads per register chunk (decode_group_bucket): 1, 2, 4 or 8; G > 8 in chunks of 8."""
+    return 1 if group <= 1 else 2 if group <= 2 else 4 if group <= 4 else 8
 
 
 # ---- the kernels of each API call -----------------------------------------------------------
 
 OBS_TK, OBS_RT, OBS_DC, DEC_TK, FIN_TK, SEL_THREADS, SEL_TILE = 64, 64, 32, 256, 256, 512, 4096
+DEC_PANEL, DEC_KEYS_IN_FLIGHT = 128, 4  # channels per panel (16 lanes x 8), keys per half-warp
 
 
 def tensor_cores(s: Shape):
@@ -319,26 +333,60 @@ def decode_logits(s: Shape, g: Gpu, one_pass):
     keys = s.tokens  # the decode step's state covers every key (P = 0, as the benchmark runs it)
     tiles = ceil_div(keys, DEC_TK)
     blocks = tiles * s.hkv
-    vec = 16 // s.elem
-    sweeps = ceil_div(s.group, 8)
-    per_pair = decode_sweep_wavefronts(s.group, s.d, s.elem) + sweeps * 8 * 4  # + 32 SHFL per sweep
-    per_pair += s.group  # lanes 0 and 16 store the G logits
-    mio = DEC_TK // 2 * per_pair + ceil_div(s.group * s.d, 256) * 8
-    fma = DEC_TK // 2 * s.group * ceil_div(s.d, 16 * vec) * vec
-    k_bytes = s.hkv * keys * s.d * s.elem * sweeps  # G > 8 re-reads the row (L1, counted as L2)
+    gb = decode_bucket(s.group)
+    chunks = 1 if gb < 8 else ceil_div(s.group, 8)
+    panels = ceil_div(s.d, DEC_PANEL)
+    resident = chunks == 1 and panels == 1
+    u = DEC_KEYS_IN_FLIGHT
+    warps, sweeps = 8, DEC_TK // (16 * u)  # each half-warp: 4 sweeps of 4 keys
+    n = gb * u
+    # Per warp and sweep (8 keys): the transpose-reduce of each chunk, the lanes' STS of the
+    # finished logits (rows 264 words apart: conflict-free), and, unless the queries stay in
+    # registers, their reload per chunk and panel.
+    shfl = chunks * transpose_reduce_shuffles(n)
+    sts = chunks * max(1, n // 16)
+    lds = 0 if resident else chunks * panels * gb * decode_query_wavefronts(s.elem)
+    per_sweep = shfl + sts + lds
+    qrows = chunks * gb
+    staging = ceil_div(qrows * panels * DEC_PANEL, 256) * 8 + 2 * gb * 8  # STS of the queries, one slice load
+    mio = warps * sweeps * per_sweep + staging
+    # FFMA per lane and sweep: 4 keys x GB heads x 8 channels per chunk and panel (absent heads
+    # included); widening the keys to float costs about one ALU op per element for 16-bit keys
+    # and two for fp8, issued with the FMAs.
+    widen = {4: 0, 2: 1, 1: 2}[s.elem]
+    fma = warps * sweeps * chunks * panels * u * 8 * (gb + widen)
+    hbm_k = s.hkv * keys * s.d * s.elem
+    # G > 8 keeps the keys' slices in registers across chunks when d <= 128; with more panels
+    # it re-reads the rows per chunk (L1, counted as L2).
+    l2 = hbm_k * (1 if panels == 1 else chunks)
     if one_pass:
         mio += s.group * ceil_div(DEC_TK, 32) * 8
-        hbm = s.hkv * keys * s.d * s.elem + 2 * s.hkv * keys * 4
+        hbm = hbm_k + 2 * s.hkv * keys * 4
         label = "logits + softmax + state (engine LSE)"
-        mufu = DEC_TK * s.group
     else:
         mio += s.group * (2 * DEC_TK // 32 + 10)
-        hbm = s.hkv * keys * s.d * s.elem + s.hq * keys * 4 + s.hq * tiles * 8
+        hbm = hbm_k + s.hq * keys * 4 + s.hq * tiles * 8
         label = "logits + tile partials"
-        mufu = DEC_TK * s.group
-    return Kernel("decode_logits_kernel", label, blocks, 256, s.group * (s.d + DEC_TK) * 4, hbm_bytes=hbm,
-                  l2_bytes=k_bytes, fp32_flops=2.0 * s.hq * keys * s.d, fma_per_block=fma, mio_per_block=mio,
-                  mufu_per_block=mufu, note=f"{per_pair} wavefronts+shuffles per key pair (4-way conflicts)")
+    mufu = DEC_TK * s.group
+    # Latency: a block stages its queries (one L2 round trip and a barrier), then each warp
+    # runs 4 sweeps that each wait for their 4 keys' loads (one HBM latency, the loads of a
+    # sweep in flight together), issue the FMAs and the 4 dependent shuffle steps; the
+    # epilogue reads the tile from shared memory. With `resident` blocks per SM this is
+    # Little's law for the bytes in flight. Bucket 8 with 8-element loads issues the next
+    # sweep's loads before computing (one block per SM): after the first sweep, a sweep
+    # takes (latency + compute) / 2 in the steady state.
+    compute = 4 * 25 + chunks * panels * u * 8 * (gb + widen) / 2
+    sweep_cycles = g.hbm_latency_cycles + compute
+    prefetch = gb == 8 and s.elem < 4
+    body = sweep_cycles * (1 + (sweeps - 1) / 2) if prefetch else sweeps * sweep_cycles
+    chain = g.l2_latency_cycles + 50 + body + 300
+    sm_bytes = DEC_TK // sweeps * s.d * s.elem
+    note = (f"{per_sweep} shuffles+wavefronts per 8 keys, queries {'in registers' if resident else 'reloaded'}, "
+            f"{sm_bytes // 1024 * (2 if prefetch else 1)} KiB of K in flight per block")
+    return Kernel("decode_logits_kernel", label, blocks, 256,
+                  (qrows * panels * DEC_PANEL + s.group * (DEC_TK + 8)) * 4, hbm_bytes=hbm, l2_bytes=l2,
+                  fp32_flops=2.0 * s.hq * keys * s.d, fma_per_block=fma, mio_per_block=mio, mufu_per_block=mufu,
+                  chain_cycles=chain, regs=DECODE_REGS[gb], note=note)
 
 
 def decode_update(s: Shape, g: Gpu):
@@ -820,12 +868,25 @@ def self_test():
     check(wavefronts([(lane * 4, 4) for lane in range(32)]) == 1, "conflict-free")
     check(wavefronts([(0, 4)] * 32) == 1, "broadcast")
     check(wavefronts([(lane * 16, 16) for lane in range(32)]) == 4, "LDS.128 of 512 B")
-    # Decode, G = 4, bf16: g=0 two LDS.128, g=1 eight LDS.32, g=2 four LDS.64, g=3 eight LDS.32,
-    # each 4-way: 8 + 32 + 16 + 32 = 88 wavefronts per key pair.
-    check(decode_sweep_wavefronts(4, 128, 2) == 88, f"decode wavefronts {decode_sweep_wavefronts(4, 128, 2)}")
-    dec = c["decode_1pass"][1][0]
-    frac = (64 * 2**20 / (g.hbm_gbs * 1e9) * 1e6) / dec.bound(g)[0]
-    check(dec.bound(g)[1] == "SMEM" and 0.15 < frac < 0.3, f"decode at {frac:.2f} of HBM, bound {dec.bound(g)[1]}")
+    # Decode: the transpose-reduce of 16 values (G = 4, 4 keys) takes 8 + 4 + 2 + 1 shuffles,
+    # of 4 values 2 + 1 + 1 + 1, of 32 values 16 + 8 + 4 + 2.
+    check(transpose_reduce_shuffles(16) == 15 and transpose_reduce_shuffles(4) == 5, "transpose-reduce 16, 4")
+    check(transpose_reduce_shuffles(32) == 30 and transpose_reduce_shuffles(8) == 8, "transpose-reduce 32, 8")
+    check(decode_query_wavefronts(2) == 4 and decode_query_wavefronts(4) == 4, "decode query reload: 2 x 2 wavefronts")
+    # The decode step streams K at >= 70% of HBM at L >= 32K for G = 1 .. 8 (issue 16), 16-bit
+    # and float keys, d = 128 (queries in registers) and 256 (reloaded per panel); fp8 keys at
+    # G <= 4. (G > 8 and fp8 at G > 4 model lower: docs/cuda.md says which resource binds.)
+    # The per-bucket registers set the occupancy: bucket 8 fits one block per SM.
+    check(decode_logits(replace(s, hq=64), g, True).resident(g) == 1 and
+          decode_logits(s, g, True).resident(g) == 2, "decode blocks per SM by bucket")
+    for shape in (s, replace(s, hq=8), replace(s, hq=16), replace(s, hq=40), replace(s, hq=64), replace(s, d=256),
+                  replace(s, tokens=131072), replace(s, elem=4), replace(s, elem=4, hq=64), replace(s, elem=1)):
+        for one in (True, False):
+            dec = decode_logits(shape, g, one)
+            kb = shape.hkv * shape.tokens * shape.d * shape.elem
+            frac = (kb / (g.hbm_gbs * 1e9) * 1e6) / dec.bound(g)[0]
+            check(frac >= 0.7,
+                  f"decode G={shape.group} d={shape.d} elem={shape.elem} at {frac:.2f} of HBM, {dec.bound(g)[1]}")
     # Launch counts the issue quotes: 9 kernels + 1 memset per (sequence, layer) with two passes.
     n = len(c["obs_2pass"][1]) + len(c["select_layer"][1]) + len(c["compact"][1])
     check(n == 10, f"launches per layer {n}")

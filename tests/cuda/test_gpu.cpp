@@ -585,20 +585,30 @@ std::vector<float> cpu_decode_rows(const kvevict::query_view<const QT>& q, const
   return rows;
 }
 
-template <class T>
+/// Two decode steps (eta 0 on a NaN state, then eta 0.5) against the CPU, the engine-LSE
+/// single pass against the two passes, and the state's finalisation against the CPU's.
+/// `kscale` is the keys' dequantisation scale; `nan_keys` puts NaN elements in two keys (their
+/// logits are NaN: they get no attention).
+template <class Q, class K = Q>
 void check_decode(test::layout lay, std::int64_t hkv, std::int64_t group, std::int64_t d, std::int64_t l,
-                  gqa_reduction red, softmax_domain dom, std::int64_t tail, bool unsorted_kpos, std::uint64_t seed) {
+                  gqa_reduction red, softmax_domain dom, std::int64_t tail, bool unsorted_kpos, std::uint64_t seed,
+                  float kscale = 1.0f, bool nan_keys = false) {
   const std::int64_t hq = hkv * group, c = std::max<std::int64_t>(0, l - tail);
-  const auto kd = test::normal(static_cast<std::size_t>(hkv * l * d), seed);
-  auto keys = test::make_cache<T>(lay, hkv, l, d, kd);
+  std::vector<double> kd = test::normal(static_cast<std::size_t>(hkv * l * d), seed, kscale == 1.0f ? 1.0 : 4.0);
+  if (nan_keys) {
+    kd[kd.size() / 3] = std::numeric_limits<double>::quiet_NaN();
+    kd[kd.size() / 2 + 1] = std::numeric_limits<double>::quiet_NaN();
+  }
+  auto keys = test::make_cache<K>(lay, hkv, l, d, kd);
+  keys.view.scale = kscale;
   std::vector<std::int64_t> kpos;
   if (unsorted_kpos)
     for (std::int64_t j = 0; j < l; ++j) kpos.push_back((j * 7) % l);
   // Step 1 at a position that sees most keys; step 2 sees all.
-  auto q1 = test::make_queries<T>(hq, 1, d, test::normal(static_cast<std::size_t>(hq * d), seed + 1, 1.5), {l - 3});
-  auto q2 = test::make_queries<T>(hq, 1, d, test::normal(static_cast<std::size_t>(hq * d), seed + 2, 1.5), {l + 4});
-  const kvevict::cache_view<const T> kv = keys.view;
-  const kvevict::query_view<const T> qv1 = q1.view, qv2 = q2.view;
+  auto q1 = test::make_queries<Q>(hq, 1, d, test::normal(static_cast<std::size_t>(hq * d), seed + 1, 1.5), {l - 3});
+  auto q2 = test::make_queries<Q>(hq, 1, d, test::normal(static_cast<std::size_t>(hq * d), seed + 2, 1.5), {l + 4});
+  const kvevict::cache_view<const K> kv = keys.view;
+  const kvevict::query_view<const Q> qv1 = q1.view, qv2 = q2.view;
 
   gpu::decode_step step;
   step.gqa = red;
@@ -633,7 +643,8 @@ void check_decode(test::layout lay, std::int64_t hkv, std::int64_t group, std::i
         double dot = 0;
         for (std::int64_t ch = 0; ch < d; ++ch)
           dot += test::load(q2.buffer[static_cast<std::size_t>(q * d + ch)]) * test::load(keys.at(q / group, j, ch));
-        logits.push_back(dot / std::sqrt(static_cast<double>(d)));
+        if (std::isnan(dot)) continue;  // a NaN logit gets no attention
+        logits.push_back(dot * static_cast<double>(kscale) / std::sqrt(static_cast<double>(d)));
         m = std::max(m, logits.back());
       }
       double z = 0;
@@ -736,6 +747,93 @@ TEST_CASE("GPU decode observation (DeferKV step)", "[gpu][gpu_decode]") {
       check_decode<fp16>(test::layout::paged_hnd, 2, 3, 36, 301, red, dom, 5, false, seed++);     // scalar, paged
       check_decode<bf16>(test::layout::transposed, 1, 12, 64, 129, red, dom, 0, true, seed++);    // G > 8, strided
     }
+}
+
+// The logits kernel is instantiated per group bucket (1, 2, 4, 8; larger groups in chunks of
+// 8), per key load (float4, 16-byte 16-bit, 8-byte fp8, scalar) and per pass count. Every
+// instantiation runs here against the CPU, with one and two 128-channel panels (queries
+// resident in registers or reloaded per panel), partial panels, absent group members
+// (G = 3, 5, 12) and the paged and strided layouts.
+TEST_CASE("GPU decode observation: every group bucket, key load and layout", "[gpu][gpu_decode]") {
+  using test::layout;
+  const auto mean = gqa_reduction::mean, sum = gqa_reduction::sum, max = gqa_reduction::max;
+  const auto vis = softmax_domain::visible, cand = softmax_domain::candidates;
+  std::uint64_t seed = 2600;
+  SECTION("G = 1") {
+    check_decode<float>(layout::contiguous, 2, 1, 128, 300, mean, vis, 0, false, seed++);  // float4
+    check_decode<bf16>(layout::paged_nhd, 3, 1, 64, 270, max, vis, 7, true, seed++);       // 16-byte
+    check_decode<fp16>(layout::transposed, 1, 1, 80, 260, sum, cand, 4, false, seed++);    // scalar
+    check_decode<bf16, fp8_e4m3>(layout::paged_hnd, 2, 1, 128, 290, mean, vis, 0, false, seed++, 0.05f);
+  }
+  SECTION("G = 2") {
+    check_decode<bf16>(layout::contiguous, 2, 2, 128, 300, mean, vis, 3, false, seed++);
+    check_decode<fp16>(layout::transposed, 2, 2, 64, 280, max, vis, 0, false, seed++);
+    check_decode<float>(layout::paged_hnd, 1, 2, 200, 260, sum, vis, 0, true, seed++);  // two panels
+    check_decode<fp16, fp8_e5m2>(layout::contiguous, 2, 2, 64, 270, mean, cand, 9, false, seed++, 2.0f);
+  }
+  SECTION("G = 3 and 4 (bucket 4)") {
+    check_decode<float>(layout::paged_hnd, 2, 3, 128, 300, mean, vis, 0, false, seed++);
+    check_decode<bf16, fp8_e4m3>(layout::contiguous, 2, 3, 128, 290, sum, vis, 5, false, seed++, 0.0371f);
+    check_decode<bf16>(layout::transposed, 1, 4, 128, 280, max, vis, 0, true, seed++);
+    check_decode<fp16, fp8_e5m2>(layout::paged_nhd, 2, 4, 64, 300, mean, vis, 0, false, seed++, 1.0f);
+    check_decode<bf16>(layout::paged_nhd, 2, 4, 256, 270, mean, vis, 0, false, seed++);  // two panels
+  }
+  SECTION("G = 5 and 8 (bucket 8)") {
+    check_decode<bf16>(layout::contiguous, 2, 5, 200, 270, mean, vis, 0, false, seed++);  // two panels
+    check_decode<bf16>(layout::paged_hnd, 2, 8, 128, 300, sum, vis, 2, false, seed++);
+    check_decode<float>(layout::transposed, 1, 8, 96, 260, max, cand, 6, false, seed++);
+    check_decode<bf16, fp8_e4m3>(layout::paged_nhd, 1, 8, 128, 280, mean, vis, 0, true, seed++, 3.5f);
+  }
+  SECTION("G = 12 and 16 (chunks of 8)") {
+    check_decode<fp16>(layout::contiguous, 1, 12, 128, 270, mean, vis, 0, false, seed++);
+    check_decode<bf16, fp8_e4m3>(layout::paged_hnd, 1, 12, 256, 260, max, vis, 0, false, seed++, 0.5f);
+    check_decode<float>(layout::paged_nhd, 1, 16, 36, 280, sum, vis, 3, false, seed++);  // partial panel
+  }
+  SECTION("fp8 rows that do not allow 8-byte loads (scalar)") {
+    check_decode<fp16, fp8_e5m2>(layout::paged_hnd, 2, 3, 45, 270, mean, vis, 0, false, seed++, 0.25f);
+    check_decode<bf16, fp8_e4m3>(layout::transposed, 1, 8, 64, 260, sum, vis, 0, false, seed++, 1.0f);
+  }
+  SECTION("NaN key elements behave as on the CPU") {
+    check_decode<bf16>(layout::contiguous, 2, 4, 128, 300, mean, vis, 0, false, seed++, 1.0f, true);
+    check_decode<fp16>(layout::paged_nhd, 2, 2, 64, 280, max, cand, 4, false, seed++, 1.0f, true);
+    check_decode<float>(layout::transposed, 1, 8, 32, 270, sum, vis, 0, false, seed++, 1.0f, true);
+    check_decode<float>(layout::contiguous, 1, 1, 128, 260, mean, vis, 0, false, seed++, 1.0f, true);
+  }
+}
+
+TEST_CASE("GPU decode observation: a block id outside the pool is flagged and its keys get no attention",
+          "[gpu][gpu_decode]") {
+  const std::int64_t hkv = 2, group = 4, hq = hkv * group, d = 128, l = 300;
+  for (test::layout lay : {test::layout::paged_nhd, test::layout::paged_hnd}) {
+    INFO(test::name(lay));
+    auto keys = test::make_cache<bf16>(lay, hkv, l, d, test::normal(static_cast<std::size_t>(hkv * l * d), 2700));
+    keys.table[1] = 100000;
+    const std::int64_t bs = keys.block_size;
+    auto q = test::make_queries<bf16>(hq, 1, d, test::normal(static_cast<std::size_t>(hq * d), 2701, 1.5), {l});
+    gpu::decode_step step;
+    step.gqa = gqa_reduction::sum;
+    step.eta = 0.0f;
+    const kvevict::cache_view<const bf16> kv = keys.view;
+    const auto s = gpu::decode_observation(kvevict::query_view<const bf16>(q.view), gpu::buffer_of(q.buffer), kv,
+                                           gpu::buffer_of(keys.buffer), keys.table, step,
+                                           std::vector<float>(static_cast<std::size_t>(hkv * l), NAN));
+    REQUIRE(s.st.ok());
+    REQUIRE(s.flags == kvevict::cuda::flag_block_id_out_of_range);
+    for (std::int64_t h = 0; h < hkv; ++h) {
+      double row = 0;
+      for (std::int64_t j = 0; j < l; ++j) {
+        const float x = s.state[static_cast<std::size_t>(h * l + j)];
+        INFO("head " << h << " key " << j);
+        if (j / bs == 1) {
+          REQUIRE(x == 0.0f);
+        } else {
+          REQUIRE(x > 0.0f);
+        }
+        row += x;
+      }
+      REQUIRE(std::fabs(row - static_cast<double>(group)) < 1e-3);  // G softmaxes over the other keys
+    }
+  }
 }
 
 namespace {

@@ -232,7 +232,7 @@ TEST_CASE("decode: the tile partials are folded once per query head, not per upd
   const std::vector<float> reference = decode_step(p, kf, qf);
   const auto log = cudasim::launch_log();
   REQUIRE(log.size() == 3);
-  REQUIRE(log[0].kernel == reinterpret_cast<std::uintptr_t>(&kd::decode_logits_kernel<float, float, 4, false>));
+  REQUIRE(log[0].kernel == reinterpret_cast<std::uintptr_t>(&kd::decode_logits_kernel<float, float, 4, 4, false>));
   REQUIRE(log[1].kernel == reinterpret_cast<std::uintptr_t>(&kd::row_lse_kernel<>));
   REQUIRE(log[1].grid.x * log[1].grid.y == static_cast<unsigned>(kd::ceil_div(p.hq(), 8)));
   REQUIRE(log[2].kernel == reinterpret_cast<std::uintptr_t>(&kd::decode_update_kernel<float, float>));
