@@ -486,6 +486,19 @@ def compact_batch_kernels(s: Shape, g: Gpu, n):
             batched(gather, n, "compact_move_batch_kernel"), batched(scatter, n, "compact_move_batch_kernel")]
 
 
+def compact_into_batch_kernels(s: Shape, g: Gpu, n):
+    """compact_into_batch: the same n keep-lists copied into fresh memory in one pass (no
+    staging): a memset, the descriptor copy, the source and destination checks, the copy."""
+    one = replace(s, tokens=s.tokens // n, budget=s.budget // n)
+    memset, validate, gather, _ = compact_kernels(one, g)
+    copy = Kernel("memcpy", "descriptors to the device (cudaMemcpyAsync)", 1, 1, chain_cycles=g.hbm_latency_cycles)
+    moved = one.hkv * one.budget * 2 * one.d * one.elem
+    rows = replace(gather, name="compact_into_copy_batch_kernel", label="kept rows -> fresh rows",
+                   hbm_bytes=2 * moved, l2_bytes=2 * moved + one.hkv * one.budget * 8, times={})
+    return [memset, copy, batched(validate, n, "compact_into_validate_batch_kernel"),
+            batched(validate, n, "compact_into_validate_batch_kernel"), batched(rows, n, "compact_into_copy_batch_kernel")]
+
+
 SCOPE_CHUNK = 4096  # keys per block of magnitude_bins_kernel (cuda/scope.cuh)
 
 
@@ -553,6 +566,8 @@ def calls(s: Shape, g: Gpu):
         "adakv": ("adakv_head_budgets (device)", adakv_kernels(s, g)),
         "compact_batch": (f"compact_batch, {BATCH} sequences x {s.tokens // BATCH} tokens, one call",
                           compact_batch_kernels(s, g, BATCH)),
+        "compact_into_batch": (f"compact_into_batch, {BATCH} sequences x {s.tokens // BATCH} tokens, one call",
+                               compact_into_batch_kernels(s, g, BATCH)),
         "scope_layer": ("one keep set per layer: combine_head_scores (normalised max) + select_shared",
                         scope_kernels(s, g, s.hkv) + select_shared_kernels(s, g)),
     }

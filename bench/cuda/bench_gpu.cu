@@ -697,6 +697,40 @@ int main(int argc, char** argv) {
     std::printf("| compact_batch, %lld sequences x %lld tokens keeping %lld per head (one call) | %.1f | | |\n",
                 static_cast<long long>(batch), static_cast<long long>(ls), static_cast<long long>(bs), us);
     result("compact_batch_us", us);
+
+    // The same keep-lists into fresh memory (compact_into_batch): the source stays intact.
+    bf16 *dk = nullptr, *dvv = nullptr;
+    const std::size_t dst_elems = static_cast<std::size_t>(batch * hkv * bs * d);
+    BENCH_CHECK(cudaMalloc(&dk, dst_elems * sizeof(bf16)));
+    BENCH_CHECK(cudaMalloc(&dvv, dst_elems * sizeof(bf16)));
+    std::vector<kvevict::cuda::compaction_into_sequence<bf16, bf16>> into(static_cast<std::size_t>(batch));
+    for (std::int64_t s = 0; s < batch; ++s) {
+      auto& q = into[static_cast<std::size_t>(s)];
+      const auto& src = seqs[static_cast<std::size_t>(s)];
+      q.src_keys = src.keys;
+      q.src_values = src.values;
+      q.dst_keys = kvevict::hf_contiguous(dk + s * hkv * bs * d, hkv, bs, d);
+      q.dst_values = kvevict::hf_contiguous(dvv + s * hkv * bs * d, hkv, bs, d);
+      q.keep = src.keep;
+    }
+    const std::size_t iwsb = kvevict::cuda::compact_into_batch_workspace_size<bf16, bf16>(
+        into[0].src_keys, into[0].src_values, into[0].dst_keys, into[0].dst_values, batch);
+    void* iws = device_bytes(iwsb);
+    const std::size_t istb = kvevict::cuda::compact_into_batch_staging_size(batch);
+    void* istaging = nullptr;
+    BENCH_CHECK(cudaMallocHost(&istaging, istb));
+    const auto run_into = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::compact_into_batch(into.data(), batch, {iws, iwsb}, istaging, istb, o));
+    };
+    const double ius = median_us([&] { run_into(opt); }, reps);
+    time_each_kernel(
+        "compact_into_batch", capture_stream, [&] { run_into(capture_opt); }, reps);
+    std::printf("| compact_into_batch, the same into fresh memory (one call) | %.1f | | |\n", ius);
+    result("compact_into_batch_us", ius);
+    BENCH_CHECK(cudaFreeHost(istaging));
+    BENCH_CHECK(cudaFree(iws));
+    BENCH_CHECK(cudaFree(dvv));
+    BENCH_CHECK(cudaFree(dk));
     BENCH_CHECK(cudaFreeHost(staging));
     BENCH_CHECK(cudaFree(ws));
     for (std::int64_t* p : owned) BENCH_CHECK(cudaFree(p));
