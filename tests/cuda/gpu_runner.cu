@@ -588,7 +588,8 @@ compact_result compact(const kvevict::cache_view<KT>& k, host_buffer kbuf, const
 }
 
 template <class KT, class VT>
-compact_batch_result compact_batch(const std::vector<batch_compaction<KT, VT>>& seqs, std::size_t workspace_bytes) {
+compact_batch_result compact_batch(const std::vector<batch_compaction<KT, VT>>& seqs, std::size_t workspace_bytes,
+                                   std::size_t misalign) {
   compact_batch_result r;
   mirror m;
   static const std::vector<std::int32_t> no_table;
@@ -619,7 +620,7 @@ compact_batch_result compact_batch(const std::vector<batch_compaction<KT, VT>>& 
   const std::size_t need =
       n > 0 ? kvevict::cuda::compact_batch_workspace_size(desc[0].keys, desc[0].values, n, max_capacity) : 0;
   const std::size_t bytes = workspace_bytes == SIZE_MAX ? need : workspace_bytes;
-  void* ws = m.alloc_bytes(bytes);
+  void* ws = static_cast<unsigned char*>(m.alloc_bytes(bytes + misalign)) + misalign;
   const std::size_t staging_bytes = kvevict::cuda::compact_batch_staging_size(n);
   void* staging = nullptr;
   if (cudaMallocHost(&staging, std::max<std::size_t>(staging_bytes, 1)) != cudaSuccess) {
@@ -830,9 +831,9 @@ KVEVICT_GPU_OBS(kvevict::fp16, kvevict::fp8_e5m2)
       const std::vector<std::int64_t>&, std::int64_t, const std::vector<std::int64_t>&);
 KVEVICT_GPU_COMPACT(float, float)
 template compact_batch_result compact_batch<kvevict::bf16, kvevict::bf16>(
-    const std::vector<batch_compaction<kvevict::bf16, kvevict::bf16>>&, std::size_t);
+    const std::vector<batch_compaction<kvevict::bf16, kvevict::bf16>>&, std::size_t, std::size_t);
 template compact_batch_result compact_batch<float, kvevict::fp8_e4m3>(
-    const std::vector<batch_compaction<float, kvevict::fp8_e4m3>>&, std::size_t);
+    const std::vector<batch_compaction<float, kvevict::fp8_e4m3>>&, std::size_t, std::size_t);
 KVEVICT_GPU_COMPACT(kvevict::fp16, kvevict::fp16)
 KVEVICT_GPU_COMPACT(kvevict::bf16, kvevict::bf16)
 KVEVICT_GPU_COMPACT(kvevict::bf16, float)

@@ -265,9 +265,10 @@ struct compact_batch_result {
 
 /// kvevict::cuda::compact_batch over device copies, with pinned staging; `workspace_bytes`
 /// overrides the workspace size (SIZE_MAX: compact_batch_workspace_size's).
+/// `misalign` offsets the workspace pointer by that many bytes (the call must cope).
 template <class KT, class VT>
 compact_batch_result compact_batch(const std::vector<batch_compaction<KT, VT>>& seqs,
-                                   std::size_t workspace_bytes = SIZE_MAX);
+                                   std::size_t workspace_bytes = SIZE_MAX, std::size_t misalign = 0);
 
 /// One sequence of a batched out-of-place compaction (sides as for compact_into).
 template <class KT, class VT>

@@ -1843,9 +1843,9 @@ struct compaction_batch {
 };
 
 template <class KT, class VT>
-void check_compact_batch(std::int64_t dk, std::int64_t dv, std::uint64_t seed) {
+void check_compact_batch(std::int64_t dk, std::int64_t dv, std::uint64_t seed, std::size_t misalign = 0) {
   compaction_batch<KT, VT> b(dk, dv, seed);
-  const auto g = gpu::compact_batch(b.seqs);
+  const auto g = gpu::compact_batch(b.seqs, SIZE_MAX, misalign);
   INFO("status " << g.st.message());
   REQUIRE(g.st.ok());
   REQUIRE(g.flags == 0);
@@ -1879,6 +1879,7 @@ void check_compact_batch(std::int64_t dk, std::int64_t dv, std::uint64_t seed) {
 TEST_CASE("GPU batched compaction: every sequence of a layer in one launch per kernel", "[gpu][gpu_compact]") {
   check_compact_batch<bf16, bf16>(128, 128, 4100);     // 16-byte rows in the pools, channel-strided V of its own
   check_compact_batch<float, fp8_e4m3>(36, 45, 4200);  // 16-byte K rows, byte-copied fp8 V rows
+  check_compact_batch<bf16, bf16>(64, 64, 4250, 8);    // a workspace pointer 8 bytes past an aligned one
 }
 
 TEST_CASE("GPU batched compaction: a problem in one sequence moves nothing in any", "[gpu][gpu_compact]") {
@@ -2086,4 +2087,31 @@ TEST_CASE("GPU batched compaction into fresh blocks: sequences sharing a prefix,
     REQUIRE(g.flags == kvevict::cuda::flag_invalid_keep_list);
     untouched(g);
   }
+}
+
+TEST_CASE("GPU batched compaction into fresh memory refuses a destination that is another sequence's source",
+          "[gpu][gpu_errors]") {
+  const std::int64_t heads = 2, tokens = 40, d = 32;
+  std::vector<test::test_cache<bf16>> c;
+  for (std::uint64_t i = 0; i < 6; ++i)
+    c.push_back(test::make_cache<bf16>(test::layout::contiguous, heads, tokens, d,
+                                       test::normal(static_cast<std::size_t>(heads * tokens * d), 4600 + i)));
+  const auto side = [&](std::size_t i) { return gpu::side<bf16>{c[i].view, gpu::buffer_of(c[i].buffer), &c[i].table}; };
+  std::vector<gpu::batch_compaction_into<bf16, bf16>> seqs(2);
+  for (std::size_t s = 0; s < 2; ++s) {
+    random_keep(heads, tokens, 4700 + s, &seqs[s].offsets, &seqs[s].indices);
+    seqs[s].capacity = static_cast<std::int64_t>(seqs[s].indices.size());
+  }
+  // Sequence 0: 0, 1 -> 2, 3. Sequence 1 reads 4, 5 and would write into sequence 0's source.
+  seqs[0].src_k = side(0), seqs[0].src_v = side(1), seqs[0].dst_k = side(2), seqs[0].dst_v = side(3);
+  seqs[1].src_k = side(4), seqs[1].src_v = side(5), seqs[1].dst_k = side(0), seqs[1].dst_v = side(1);
+  const auto g = gpu::compact_into_batch_bf16(seqs);
+  INFO(g.st.message());
+  REQUIRE(g.st.code() == kvevict::errc::invalid_argument);
+  REQUIRE(std::string(g.st.argument()) == "seqs[1].dst_keys.data");
+  require_bytes(g.keys[0], c[2].buffer);  // nothing written
+  require_bytes(g.keys[1], c[0].buffer);
+  // Two sources sharing memory are fine (they are only read).
+  seqs[1].src_k = side(0), seqs[1].src_v = side(1), seqs[1].dst_k = side(4), seqs[1].dst_v = side(5);
+  REQUIRE(gpu::compact_into_batch_bf16(seqs).st.ok());
 }

@@ -120,6 +120,16 @@ TEST_CASE("the scope normaliser's sum is exact, rounded once, whatever the order
   REQUIRE(exact_magnitude_sum(std::vector<float>(1000, big)) == 1000.0 * static_cast<double>(big));
   REQUIRE(exact_magnitude_sum({kInf, std::numeric_limits<float>::quiet_NaN(), 2.0f}) == 2.0);
   REQUIRE(exact_magnitude_sum({0.0f, -0.0f}) == 0.0);
+  // A head whose mass is too small for a finite float factor keeps its scores (no inf * 0).
+  REQUIRE(kvevict::detail::reciprocal_of_sum(static_cast<double>(tiny) * 8) == 1.0f);
+  REQUIRE(kvevict::detail::reciprocal_of_sum(0.0) == 1.0f);
+  REQUIRE(kvevict::detail::reciprocal_of_sum(0.5) == 2.0f);
+  const std::vector<float> heads = {8 * tiny, 0.0f, 1e-40f, 0.5f, 0.25f, 0.25f};
+  std::vector<float> combined(3);
+  REQUIRE(
+      kvevict::combine_head_scores({heads.data(), 2, 3, 3}, 0, kvevict::scope_combine::normalized_max, combined.data())
+          .ok());
+  for (float x : combined) REQUIRE(std::isfinite(x));
   // Against 128-bit integer sums: x = k * 2^(s - 40), k < 2^24, s in [0, 60]; the sum of
   // k << s is exact in 128 bits and converts to double with one rounding.
   std::mt19937_64 rng(11);

@@ -87,45 +87,58 @@ inline std::size_t staged_bytes(const compact_dims& d) noexcept {
   return compact_round_up(k) + compact_round_up(v);
 }
 
-/// A non-paged view's base pointer, for the host's check that no two sequences share one.
+/// A non-paged view's base pointer, for the host's check that no memory a call writes is
+/// another view's (sources of compact_into_batch only read: they may share).
 struct base_entry {
   const void* data;
   std::int64_t seq;
-  bool values;
+  const char* field;
+  bool writes;
 };
 
-/// No two entries with one base pointer (sorted in place: n log n, no allocation); an error
-/// names the later sequence's field.
-inline status check_distinct_bases(base_entry* bases, std::int64_t nb, const char* key_field, const char* value_field,
-                                   const char* fn) {
+/// Refuses a base pointer shared by two entries of which one is written (sorted in place:
+/// n log n, no allocation); the error names the last sequence's written view and the first
+/// other view on that pointer.
+inline status check_distinct_bases(base_entry* bases, std::int64_t nb, const char* fn) {
   std::sort(bases, bases + nb, [](const base_entry& x, const base_entry& y) {
     return std::less<const void*>()(x.data, y.data) || (x.data == y.data && x.seq < y.seq);
   });
-  for (std::int64_t i = 1; i < nb; ++i)
-    if (bases[i].data == bases[i - 1].data)
-      return status::error(errc::invalid_argument, fn,
-                           kvevict::detail::io_name(bases[i].seq, bases[i].values ? value_field : key_field),
+  for (std::int64_t i = 0; i < nb;) {
+    std::int64_t end = i + 1, writer = bases[i].writes ? i : -1;  // the group's last written entry
+    for (; end < nb && bases[end].data == bases[i].data; ++end)
+      if (bases[end].writes) writer = end;
+    if (end - i > 1 && writer >= 0) {
+      const base_entry& other = bases[writer == i ? i + 1 : i];
+      return status::error(errc::invalid_argument, fn, kvevict::detail::io_name(bases[writer].seq, bases[writer].field),
                            "expected memory of its own, got the base pointer of seqs[%lld].%s",
-                           static_cast<long long>(bases[i - 1].seq), bases[i - 1].values ? value_field : key_field);
+                           static_cast<long long>(other.seq), other.field);
+    }
+    i = end;
+  }
   return status();
 }
 
 /// Which pool a batch's paged views live in (the first paged view's), and whether `v` is in it.
 struct pool_id {
   const void* data = nullptr;
-  std::int64_t blocks = 0;
+  std::int64_t blocks = 0, block_stride = 0;
+  std::size_t element_bytes = 0;
   template <class T>
   status admit(const cache_view<T>& v, std::int64_t s, const char* field, const char* fn) noexcept {
     if (!v.is_paged() || v.num_tokens == 0) return status();
     if (data == nullptr) {
       data = v.data;
       blocks = v.num_pool_blocks;
+      block_stride = v.block_stride;
+      element_bytes = sizeof(T);
       return status();
     }
-    if (static_cast<const void*>(v.data) != data || v.num_pool_blocks != blocks)
+    // The whole geometry: the bitmaps' sharing (relate_tables, same_pool) compares it too.
+    if (static_cast<const void*>(v.data) != data || v.num_pool_blocks != blocks || v.block_stride != block_stride ||
+        sizeof(T) != element_bytes)
       return status::error(errc::invalid_argument, fn, kvevict::detail::io_name(s, field),
-                           "expected the batch's one pool (the first paged view's: every paged view of a batch "
-                           "in the layer's pool)");
+                           "expected the batch's one pool (the first paged view's base, block count and block "
+                           "stride: every paged view of a batch in the layer's pool)");
     return status();
   }
 };
@@ -145,7 +158,8 @@ std::size_t compact_batch_workspace_size(const cache_view<KT>& keys, const cache
   const detail::compact_dims d = detail::make_compact_dims(keys, values, max_keep_capacity);
   const detail::compact_batch_layout l =
       detail::compact_batch_plan(max_sequences, d.key_bitmap_ids, d.value_bitmap_ids);
-  return l.rows + static_cast<std::size_t>(max_sequences < 0 ? 0 : max_sequences) * detail::staged_bytes(d);
+  return detail::compact_batch_align - 1 + l.rows +
+         static_cast<std::size_t>(max_sequences < 0 ? 0 : max_sequences) * detail::staged_bytes(d);
 }
 
 /// Compacts every sequence of a batch in place, for one layer, as compact does for one.
@@ -166,6 +180,7 @@ status compact_batch(const compaction_sequence<KT, VT>* seqs, std::int64_t n, wo
                 "kvevict::cuda::compact_batch writes the cache: pass views of mutable elements");
   static_assert(std::is_trivially_copyable<detail::compact_args>::value, "descriptors are copied as bytes");
   static_assert(sizeof(detail::compact_args) >= 2 * sizeof(detail::base_entry), "staging holds the base check");
+  static_assert(alignof(detail::compact_args) >= alignof(detail::base_entry), "staging holds the base check");
   static constexpr const char* fn = "kvevict::cuda::compact_batch";
   if (n < 0)
     return status::error(errc::invalid_shape, fn, "num_sequences", "expected >= 0, got %lld",
@@ -177,20 +192,20 @@ status compact_batch(const compaction_sequence<KT, VT>* seqs, std::int64_t n, wo
     return status::error(errc::overflow, fn, "num_sequences", "expected <= 65535 sequences per call, got %lld",
                          static_cast<long long>(n));
   const std::size_t desc_bytes = compact_batch_staging_size(n);
-  if (staging == nullptr || staging_bytes < desc_bytes)
-    return status::error(staging == nullptr ? errc::null_pointer : errc::workspace_too_small, fn, "staging",
-                         "expected %zu bytes of host staging (compact_batch_staging_size), got %zu", desc_bytes,
-                         staging == nullptr ? std::size_t{0} : staging_bytes);
+  KVEVICT_RETURN_IF_ERROR(detail::check_staging(staging, staging_bytes, desc_bytes, alignof(detail::compact_args), fn,
+                                                "compact_batch_staging_size"));
 
   // Rows of non-paged views (own buffers) must not be another sequence's: equal bases are
   // refused. Checked first, in the staging buffer the descriptors then overwrite.
   auto* bases = static_cast<detail::base_entry*>(staging);
   std::int64_t nb = 0;
   for (std::int64_t s = 0; s < n; ++s) {
-    if (!seqs[s].keys.is_paged() && seqs[s].keys.num_tokens > 0) bases[nb++] = {seqs[s].keys.data, s, false};
-    if (!seqs[s].values.is_paged() && seqs[s].values.num_tokens > 0) bases[nb++] = {seqs[s].values.data, s, true};
+    if (!seqs[s].keys.is_paged() && seqs[s].keys.num_tokens > 0)
+      bases[nb++] = {seqs[s].keys.data, s, "keys.data", true};
+    if (!seqs[s].values.is_paged() && seqs[s].values.num_tokens > 0)
+      bases[nb++] = {seqs[s].values.data, s, "values.data", true};
   }
-  KVEVICT_RETURN_IF_ERROR(detail::check_distinct_bases(bases, nb, "keys.data", "values.data", fn));
+  KVEVICT_RETURN_IF_ERROR(detail::check_distinct_bases(bases, nb, fn));
 
   // Each sequence as compact checks it, one layer's shapes, one pool per side.
   const std::int64_t hkv = seqs[0].keys.num_heads, dk = seqs[0].keys.head_dim, dv = seqs[0].values.head_dim;
@@ -216,22 +231,25 @@ status compact_batch(const compaction_sequence<KT, VT>* seqs, std::int64_t n, wo
     KVEVICT_RETURN_IF_ERROR(key_pool.admit(q.keys, s, "keys.data", fn));
     KVEVICT_RETURN_IF_ERROR(value_pool.admit(q.values, s, "values.data", fn));
     const detail::compact_dims d = detail::make_compact_dims(q.keys, q.values, q.keep.capacity);
-    key_ids = d.key_bitmap_ids > key_ids ? d.key_bitmap_ids : key_ids;
-    value_ids = d.value_bitmap_ids > value_ids ? d.value_bitmap_ids : value_ids;
+    if (q.keys.num_tokens > 0) {  // an empty sequence's ids are never checked: no bitmap for them
+      key_ids = d.key_bitmap_ids > key_ids ? d.key_bitmap_ids : key_ids;
+      value_ids = d.value_bitmap_ids > value_ids ? d.value_bitmap_ids : value_ids;
+    }
     rows_bytes += detail::staged_bytes(d);
     const std::int64_t b = detail::compact_blocks(q.keys, q.values, q.keep);
     blocks = b > blocks ? b : blocks;
   }
   const detail::compact_batch_layout l = detail::compact_batch_plan(n, key_ids, value_ids);
   const std::size_t need = l.rows + rows_bytes;
-  if (ws.data == nullptr || ws.size < need)
+  const detail::aligned_workspace aws = detail::align_workspace(ws, detail::compact_batch_align);
+  if (aws.base == nullptr || aws.size < need)
     return status::error(errc::workspace_too_small, fn, "ws",
-                         "expected at least %zu bytes for this batch (compact_batch_workspace_size), got %zu", need,
-                         ws.data == nullptr ? std::size_t{0} : ws.size);
+                         "expected at least %zu bytes for this batch (compact_batch_workspace_size), got %zu",
+                         need + detail::compact_batch_align - 1, ws.data == nullptr ? std::size_t{0} : ws.size);
   KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(ws.data, opt, fn, "ws"));
 
   // Each descriptor's slices of the workspace.
-  unsigned char* base = static_cast<unsigned char*>(ws.data);
+  unsigned char* base = aws.base;
   auto* status_word = reinterpret_cast<std::uint32_t*>(base + l.words);
   std::uint32_t* key_bitmap = key_ids > 0 ? status_word + 1 : nullptr;
   std::uint32_t* value_bitmap =
@@ -289,7 +307,7 @@ std::size_t compact_into_batch_workspace_size(const cache_view<const KT>& src_ke
   const detail::compact_into_plan p = detail::plan_bitmaps(src_keys, src_values, dst_keys, dst_values);
   const auto descriptors =
       static_cast<std::size_t>(max_sequences < 0 ? 0 : max_sequences) * sizeof(detail::compact_into_args);
-  return detail::compact_round_up(descriptors) +
+  return detail::compact_batch_align - 1 + detail::compact_round_up(descriptors) +
          4u * static_cast<std::size_t>(1 + (p.key_bits > 0 ? detail::bitmap_words(p.key_bits) : 0) +
                                        (p.value_bits > 0 ? detail::bitmap_words(p.value_bits) : 0));
 }
@@ -325,23 +343,25 @@ status compact_into_batch(const compaction_into_sequence<KT, VT>* seqs, std::int
     return status::error(errc::overflow, fn, "num_sequences", "expected <= 65535 sequences per call, got %lld",
                          static_cast<long long>(n));
   const std::size_t desc_bytes = compact_into_batch_staging_size(n);
-  if (staging == nullptr || staging_bytes < desc_bytes)
-    return status::error(staging == nullptr ? errc::null_pointer : errc::workspace_too_small, fn, "staging",
-                         "expected %zu bytes of host staging (compact_into_batch_staging_size), got %zu", desc_bytes,
-                         staging == nullptr ? std::size_t{0} : staging_bytes);
+  KVEVICT_RETURN_IF_ERROR(detail::check_staging(staging, staging_bytes, desc_bytes, alignof(detail::compact_into_args),
+                                                fn, "compact_into_batch_staging_size"));
 
-  // Destinations in memory of their own (non-paged) must not coincide between sequences:
-  // checked first, in the staging buffer the descriptors then overwrite.
-  static_assert(sizeof(detail::compact_into_args) >= 2 * sizeof(detail::base_entry), "staging holds the check");
+  // Destinations in memory of their own (non-paged) must not be another sequence's destination
+  // or source: checked first, in the staging buffer the descriptors then overwrite.
+  static_assert(sizeof(detail::compact_into_args) >= 4 * sizeof(detail::base_entry), "staging holds the check");
+  static_assert(alignof(detail::compact_into_args) >= alignof(detail::base_entry), "staging holds the check");
   auto* bases = static_cast<detail::base_entry*>(staging);
   std::int64_t nb = 0;
   for (std::int64_t s = 0; s < n; ++s) {
-    if (!seqs[s].dst_keys.is_paged() && seqs[s].dst_keys.num_tokens > 0)
-      bases[nb++] = {seqs[s].dst_keys.data, s, false};
-    if (!seqs[s].dst_values.is_paged() && seqs[s].dst_values.num_tokens > 0)
-      bases[nb++] = {seqs[s].dst_values.data, s, true};
+    const compaction_into_sequence<KT, VT>& q = seqs[s];
+    if (!q.src_keys.is_paged() && q.src_keys.num_tokens > 0) bases[nb++] = {q.src_keys.data, s, "src_keys.data", false};
+    if (!q.src_values.is_paged() && q.src_values.num_tokens > 0)
+      bases[nb++] = {q.src_values.data, s, "src_values.data", false};
+    if (!q.dst_keys.is_paged() && q.dst_keys.num_tokens > 0) bases[nb++] = {q.dst_keys.data, s, "dst_keys.data", true};
+    if (!q.dst_values.is_paged() && q.dst_values.num_tokens > 0)
+      bases[nb++] = {q.dst_values.data, s, "dst_values.data", true};
   }
-  KVEVICT_RETURN_IF_ERROR(detail::check_distinct_bases(bases, nb, "dst_keys.data", "dst_values.data", fn));
+  KVEVICT_RETURN_IF_ERROR(detail::check_distinct_bases(bases, nb, fn));
 
   const std::int64_t hkv = seqs[0].src_keys.num_heads, dk = seqs[0].src_keys.head_dim, dv = seqs[0].src_values.head_dim;
   detail::pool_id key_pool, value_pool;
@@ -376,12 +396,14 @@ status compact_into_batch(const compaction_into_sequence<KT, VT>* seqs, std::int
   const std::size_t words = detail::compact_round_up(desc_bytes);
   const std::size_t word_bytes = 4u * static_cast<std::size_t>(1 + (key_bits > 0 ? detail::bitmap_words(key_bits) : 0) +
                                                                (value_bits > 0 ? detail::bitmap_words(value_bits) : 0));
-  if (ws.data == nullptr || ws.size < words + word_bytes)
+  const detail::aligned_workspace aws = detail::align_workspace(ws, detail::compact_batch_align);
+  if (aws.base == nullptr || aws.size < words + word_bytes)
     return status::error(errc::workspace_too_small, fn, "ws",
                          "expected at least %zu bytes for this batch (compact_into_batch_workspace_size), got %zu",
-                         words + word_bytes, ws.data == nullptr ? std::size_t{0} : ws.size);
+                         words + word_bytes + detail::compact_batch_align - 1,
+                         ws.data == nullptr ? std::size_t{0} : ws.size);
   KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(ws.data, opt, fn, "ws"));
-  unsigned char* base = static_cast<unsigned char*>(ws.data);
+  unsigned char* base = aws.base;
   auto* status_word = reinterpret_cast<std::uint32_t*>(base + words);
   std::uint32_t* key_bitmap = key_bits > 0 ? status_word + 1 : nullptr;
   std::uint32_t* value_bitmap =

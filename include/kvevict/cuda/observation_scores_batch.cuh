@@ -77,7 +77,9 @@ std::size_t observation_scores_batch_workspace_size(std::int64_t max_sequences, 
   const std::size_t one =
       detail::align_up(observation_scores_workspace_size(max_shape, params, engine_lse), detail::batch_align);
   const auto n = static_cast<std::size_t>(max_sequences < 0 ? 0 : max_sequences);
-  return detail::align_up(detail::batch_descriptor_bytes<Q, K>(max_sequences), detail::batch_align) + n * one;
+  // batch_align - 1: room to align an unaligned ws.data.
+  return detail::batch_align - 1 +
+         detail::align_up(detail::batch_descriptor_bytes<Q, K>(max_sequences), detail::batch_align) + n * one;
 }
 
 /// Scores every sequence of a batch for one layer, as observation_scores does for one.
@@ -109,14 +111,13 @@ status observation_scores_batch(const scoring_sequence<Q, K>* seqs, std::int64_t
     return status::error(errc::overflow, fn, "num_sequences", "expected <= 65535 sequences per call, got %lld",
                          static_cast<long long>(n));
   const std::size_t desc_bytes = detail::batch_descriptor_bytes<Q, K>(n);
-  if (staging == nullptr || staging_bytes < desc_bytes)
-    return status::error(staging == nullptr ? errc::null_pointer : errc::workspace_too_small, fn, "staging",
-                         "expected %zu bytes of host staging (observation_scores_batch_staging_size), got %zu",
-                         desc_bytes, staging == nullptr ? std::size_t{0} : staging_bytes);
-  if (ws.data == nullptr || ws.size < detail::align_up(desc_bytes, detail::batch_align))
+  KVEVICT_RETURN_IF_ERROR(detail::check_staging(staging, staging_bytes, desc_bytes, alignof(detail::obs_args<Q, K>), fn,
+                                                "observation_scores_batch_staging_size"));
+  const detail::aligned_workspace aws = detail::align_workspace(ws, detail::batch_align);
+  if (aws.base == nullptr || aws.size < detail::align_up(desc_bytes, detail::batch_align))
     return status::error(errc::workspace_too_small, fn, "ws",
                          "expected at least %zu bytes (observation_scores_batch_workspace_size), got %zu",
-                         detail::align_up(desc_bytes, detail::batch_align),
+                         detail::batch_align - 1 + detail::align_up(desc_bytes, detail::batch_align),
                          ws.data == nullptr ? std::size_t{0} : ws.size);
   KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(ws.data, opt, fn, "ws"));
 
@@ -150,14 +151,15 @@ status observation_scores_batch(const scoring_sequence<Q, K>* seqs, std::int64_t
     need += detail::align_up(observation_scores_workspace_size(shape, params, q.inputs.lse != nullptr),
                              detail::batch_align);
   }
-  if (ws.size < need)
+  if (aws.size < need)
     return status::error(
         errc::workspace_too_small, fn, "ws",
-        "expected at least %zu bytes for this batch (observation_scores_batch_workspace_size), got %zu", need, ws.size);
+        "expected at least %zu bytes for this batch (observation_scores_batch_workspace_size), got %zu",
+        need + (ws.size - aws.size), ws.size);
 
   // Second pass: each sequence validated and prepared as observation_scores does, into its
   // slice of the workspace; the launch shapes cover the largest.
-  unsigned char* base = static_cast<unsigned char*>(ws.data);
+  unsigned char* base = aws.base;
   std::size_t offset = head;
   std::int64_t stat_tiles = 0, acc_tiles = 0, fin_tiles = 0, max_window = 1, max_rows = 0;
   for (std::int64_t s = 0; s < n; ++s) {

@@ -13,7 +13,10 @@
 //   2. row scales: one thread per row turns its bins into 1 / (exact sum), the CPU's
 //      normaliser_of (detail/exact_sum.hpp, the same host+device code).
 //   3. combine: one thread per token folds the rows in order with __fmul_rn / __fadd_rn
-//      (the CPU's fold_row, which is compiled without FMA contraction), then the mean.
+//      (the CPU's fold_row, which is compiled without FMA contraction), then the mean
+//      (__frcp_rn: the CPU's correctly rounded 1.0f / rows, even under --use_fast_math).
+// The bits match the CPU's for IEEE code on both sides: no -ftz=true / --use_fast_math on the
+// device (they flush subnormal scores), no FTZ/DAZ (-ffast-math) in the host process.
 // The sequence scope folds each layer's combined row into the sequence's row (one kernel per
 // layer); select_shared selects one row and copies its keep set to every head.
 
@@ -113,7 +116,7 @@ __global__ void __launch_bounds__(scope_threads)
     acc = fold_step(acc, v, r == 0, by_max);
   }
   // finish_mean: the candidates' sum becomes their mean (the +inf tail stays).
-  if (!by_max && rows > 1 && j < candidates) acc = __fmul_rn(acc, 1.0f / static_cast<float>(rows));
+  if (!by_max && rows > 1 && j < candidates) acc = __fmul_rn(acc, __frcp_rn(static_cast<float>(rows)));
   out[j] = acc;
 }
 
@@ -126,7 +129,7 @@ __global__ void __launch_bounds__(scope_threads)
   // Layers fold as more rows of the same combination, without a second normalisation; the
   // last layer turns a sum into the mean (mean_of > 1).
   float acc = fold_step(first ? 0.0f : sequence_row[j], layer_row[j], first, by_max);
-  if (mean_of > 1 && j < candidates) acc = __fmul_rn(acc, 1.0f / static_cast<float>(mean_of));
+  if (mean_of > 1 && j < candidates) acc = __fmul_rn(acc, __frcp_rn(static_cast<float>(mean_of)));
   sequence_row[j] = acc;
 }
 

@@ -91,10 +91,13 @@ KVEVICT_HOST_DEVICE inline double bins_to_double(const std::uint64_t* bins) noex
   return static_cast<double>(lead) * power_of_two(32 * (top - 1) - s - 149);
 }
 
-/// 1 / sum, rounded to float, or 1 when the sum is 0 (a head with no usable mass keeps its
-/// scores as they are).
+/// 1 / sum, rounded to float, or 1 when the sum is 0 or so small that its reciprocal exceeds
+/// the largest float (a head with no usable mass keeps its scores as they are: an infinite
+/// factor would turn its zeros into NaN).
 KVEVICT_HOST_DEVICE inline float reciprocal_of_sum(double sum) noexcept {
-  return sum > 0.0 ? static_cast<float>(1.0 / sum) : 1.0f;
+  constexpr double largest_float = 3.4028234663852886e38;  // FLT_MAX, exactly
+  const double r = sum > 0.0 ? 1.0 / sum : 0.0;
+  return (r > 0.0 && r <= largest_float) ? static_cast<float>(r) : 1.0f;
 }
 
 }  // namespace detail

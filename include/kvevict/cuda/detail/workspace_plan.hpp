@@ -16,6 +16,7 @@
 #include "kvevict/cuda/detail/tiling.hpp"
 #include "kvevict/cuda/select_row.hpp"
 #include "kvevict/detail/checked.hpp"
+#include "kvevict/error.hpp"
 #include "kvevict/scoring/params.hpp"
 #include "kvevict/workspace.hpp"
 
@@ -138,6 +139,39 @@ inline void carve_compact_workspace(kvevict::detail::arena& a, const compact_dim
   out->staged_values = a.take<unsigned char>(saturating_mul(d.capacity, d.value_row_bytes));
   out->key_bitmap = d.key_bitmap_ids > 0 ? a.take<std::uint32_t>(bitmap_words(d.key_bitmap_ids)) : nullptr;
   out->value_bitmap = d.value_bitmap_ids > 0 ? a.take<std::uint32_t>(bitmap_words(d.value_bitmap_ids)) : nullptr;
+}
+
+/// Batched calls place their descriptors, words and rows at fixed offsets from one base:
+/// ws.data rounded up to `align` bytes (the size queries include the padding), and the bytes
+/// left after it (0 when the padding does not fit).
+struct aligned_workspace {
+  unsigned char* base = nullptr;
+  std::size_t size = 0;
+};
+
+inline aligned_workspace align_workspace(workspace_span ws, std::size_t align) noexcept {
+  aligned_workspace a;
+  if (ws.data == nullptr) return a;
+  const auto addr = reinterpret_cast<std::uintptr_t>(ws.data);
+  const std::size_t pad = static_cast<std::size_t>((align - addr % align) % align);
+  if (pad > ws.size) return a;
+  a.base = static_cast<unsigned char*>(ws.data) + pad;
+  a.size = ws.size - pad;
+  return a;
+}
+
+/// A batched call's host staging: present, large enough, aligned for the descriptors written
+/// into it (cudaMallocHost memory always is).
+inline status check_staging(const void* staging, std::size_t staging_bytes, std::size_t need, std::size_t align,
+                            const char* fn, const char* size_fn) noexcept {
+  if (staging == nullptr || staging_bytes < need)
+    return status::error(staging == nullptr ? errc::null_pointer : errc::workspace_too_small, fn, "staging",
+                         "expected %zu bytes of host staging (%s), got %zu", need, size_fn,
+                         staging == nullptr ? std::size_t{0} : staging_bytes);
+  if (reinterpret_cast<std::uintptr_t>(staging) % align != 0)
+    return status::error(errc::invalid_argument, fn, "staging", "expected %zu-byte alignment (as cudaMallocHost's)",
+                         align);
+  return status();
 }
 
 /// Selection of one scores matrix: the row descriptors built on the device, and a status

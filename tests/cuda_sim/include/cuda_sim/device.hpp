@@ -407,6 +407,9 @@ inline float __fmul_rn(float a, float b) noexcept {
   const volatile float r = a * b;
   return r;
 }
+inline float __frcp_rn(float x) noexcept {
+  return 1.0f / x;  // IEEE division: correctly rounded, as the instruction
+}
 inline float __fmaf_rn(float a, float b, float c) noexcept {
   return std::fma(a, b, c);
 }
