@@ -182,15 +182,8 @@ status compact_batch(const compaction_sequence<KT, VT>* seqs, std::int64_t n, wo
   static_assert(sizeof(detail::compact_args) >= 2 * sizeof(detail::base_entry), "staging holds the base check");
   static_assert(alignof(detail::compact_args) >= alignof(detail::base_entry), "staging holds the base check");
   static constexpr const char* fn = "kvevict::cuda::compact_batch";
-  if (n < 0)
-    return status::error(errc::invalid_shape, fn, "num_sequences", "expected >= 0, got %lld",
-                         static_cast<long long>(n));
+  KVEVICT_RETURN_IF_ERROR(detail::check_batch_count(seqs, n, fn));
   if (n == 0) return status();
-  if (seqs == nullptr)
-    return status::error(errc::null_pointer, fn, "seqs", "expected [%lld] sequences", static_cast<long long>(n));
-  if (n > detail::max_grid_yz)
-    return status::error(errc::overflow, fn, "num_sequences", "expected <= 65535 sequences per call, got %lld",
-                         static_cast<long long>(n));
   const std::size_t desc_bytes = compact_batch_staging_size(n);
   KVEVICT_RETURN_IF_ERROR(detail::check_staging(staging, staging_bytes, desc_bytes, alignof(detail::compact_args), fn,
                                                 "compact_batch_staging_size"));
@@ -215,17 +208,10 @@ status compact_batch(const compaction_sequence<KT, VT>* seqs, std::int64_t n, wo
   auto* desc = static_cast<detail::compact_args*>(staging);
   for (std::int64_t s = 0; s < n; ++s) {
     const compaction_sequence<KT, VT>& q = seqs[s];
-    const struct {
-      const char* field;
-      std::int64_t got, want;
-    } layer[] = {{"keys.num_heads", q.keys.num_heads, hkv},
-                 {"keys.head_dim", q.keys.head_dim, dk},
-                 {"values.head_dim", q.values.head_dim, dv}};
-    for (const auto& f : layer)
-      if (f.got != f.want)
-        return status::error(errc::invalid_shape, fn, kvevict::detail::io_name(s, f.field),
-                             "expected the batch's %lld (seqs[0]), got %lld", static_cast<long long>(f.want),
-                             static_cast<long long>(f.got));
+    const detail::batch_field layer[] = {{"keys.num_heads", q.keys.num_heads, hkv},
+                                         {"keys.head_dim", q.keys.head_dim, dk},
+                                         {"values.head_dim", q.values.head_dim, dv}};
+    KVEVICT_RETURN_IF_ERROR(detail::check_batch_fields(s, layer, fn));
     KVEVICT_RETURN_IF_ERROR(kvevict::detail::in_sequence(
         detail::prepare_compact(q.keys, q.values, q.keep, q.out, opt, fn, &desc[s]), s, fn));
     KVEVICT_RETURN_IF_ERROR(key_pool.admit(q.keys, s, "keys.data", fn));
@@ -333,15 +319,8 @@ status compact_into_batch(const compaction_into_sequence<KT, VT>* seqs, std::int
                 "kvevict::cuda::compact_into_batch: name the element types without const");
   static_assert(std::is_trivially_copyable<detail::compact_into_args>::value, "descriptors are copied as bytes");
   static constexpr const char* fn = "kvevict::cuda::compact_into_batch";
-  if (n < 0)
-    return status::error(errc::invalid_shape, fn, "num_sequences", "expected >= 0, got %lld",
-                         static_cast<long long>(n));
+  KVEVICT_RETURN_IF_ERROR(detail::check_batch_count(seqs, n, fn));
   if (n == 0) return status();
-  if (seqs == nullptr)
-    return status::error(errc::null_pointer, fn, "seqs", "expected [%lld] sequences", static_cast<long long>(n));
-  if (n > detail::max_grid_yz)
-    return status::error(errc::overflow, fn, "num_sequences", "expected <= 65535 sequences per call, got %lld",
-                         static_cast<long long>(n));
   const std::size_t desc_bytes = compact_into_batch_staging_size(n);
   KVEVICT_RETURN_IF_ERROR(detail::check_staging(staging, staging_bytes, desc_bytes, alignof(detail::compact_into_args),
                                                 fn, "compact_into_batch_staging_size"));
@@ -369,17 +348,10 @@ status compact_into_batch(const compaction_into_sequence<KT, VT>* seqs, std::int
   auto* desc = static_cast<detail::compact_into_args*>(staging);
   for (std::int64_t s = 0; s < n; ++s) {
     const compaction_into_sequence<KT, VT>& q = seqs[s];
-    const struct {
-      const char* field;
-      std::int64_t got, want;
-    } layer[] = {{"src_keys.num_heads", q.src_keys.num_heads, hkv},
-                 {"src_keys.head_dim", q.src_keys.head_dim, dk},
-                 {"src_values.head_dim", q.src_values.head_dim, dv}};
-    for (const auto& f : layer)
-      if (f.got != f.want)
-        return status::error(errc::invalid_shape, fn, kvevict::detail::io_name(s, f.field),
-                             "expected the batch's %lld (seqs[0]), got %lld", static_cast<long long>(f.want),
-                             static_cast<long long>(f.got));
+    const detail::batch_field layer[] = {{"src_keys.num_heads", q.src_keys.num_heads, hkv},
+                                         {"src_keys.head_dim", q.src_keys.head_dim, dk},
+                                         {"src_values.head_dim", q.src_values.head_dim, dv}};
+    KVEVICT_RETURN_IF_ERROR(detail::check_batch_fields(s, layer, fn));
     detail::compact_into_plan plan;
     KVEVICT_RETURN_IF_ERROR(
         kvevict::detail::in_sequence(detail::prepare_compact_into(q.src_keys, q.src_values, q.dst_keys, q.dst_values,

@@ -101,15 +101,8 @@ status observation_scores_batch(const scoring_sequence<Q, K>* seqs, std::int64_t
                                 workspace_span ws, void* staging, std::size_t staging_bytes,
                                 const launch_options& opt = {}) {
   static constexpr const char* fn = "kvevict::cuda::observation_scores_batch";
-  if (n < 0)
-    return status::error(errc::invalid_shape, fn, "num_sequences", "expected >= 0, got %lld",
-                         static_cast<long long>(n));
+  KVEVICT_RETURN_IF_ERROR(detail::check_batch_count(seqs, n, fn));
   if (n == 0) return status();
-  if (seqs == nullptr)
-    return status::error(errc::null_pointer, fn, "seqs", "expected [%lld] sequences", static_cast<long long>(n));
-  if (n > detail::max_grid_yz)
-    return status::error(errc::overflow, fn, "num_sequences", "expected <= 65535 sequences per call, got %lld",
-                         static_cast<long long>(n));
   const std::size_t desc_bytes = detail::batch_descriptor_bytes<Q, K>(n);
   KVEVICT_RETURN_IF_ERROR(detail::check_staging(staging, staging_bytes, desc_bytes, alignof(detail::obs_args<Q, K>), fn,
                                                 "observation_scores_batch_staging_size"));
@@ -135,18 +128,10 @@ status observation_scores_batch(const scoring_sequence<Q, K>* seqs, std::int64_t
   std::size_t need = head;
   for (std::int64_t s = 0; s < n; ++s) {
     const scoring_sequence<Q, K>& q = seqs[s];
-    if (q.keys.num_heads != hkv)
-      return status::error(errc::invalid_shape, fn, kvevict::detail::io_name(s, "keys.num_heads"),
-                           "expected the batch's %lld (seqs[0]), got %lld", static_cast<long long>(hkv),
-                           static_cast<long long>(q.keys.num_heads));
-    if (q.queries.num_heads != hq)
-      return status::error(errc::invalid_shape, fn, kvevict::detail::io_name(s, "queries.num_heads"),
-                           "expected the batch's %lld (seqs[0]), got %lld", static_cast<long long>(hq),
-                           static_cast<long long>(q.queries.num_heads));
-    if (q.keys.head_dim != dim)
-      return status::error(errc::invalid_shape, fn, kvevict::detail::io_name(s, "keys.head_dim"),
-                           "expected the batch's %lld (seqs[0]), got %lld", static_cast<long long>(dim),
-                           static_cast<long long>(q.keys.head_dim));
+    const detail::batch_field layer[] = {{"keys.num_heads", q.keys.num_heads, hkv},
+                                         {"queries.num_heads", q.queries.num_heads, hq},
+                                         {"keys.head_dim", q.keys.head_dim, dim}};
+    KVEVICT_RETURN_IF_ERROR(detail::check_batch_fields(s, layer, fn));
     const layer_shape shape{hq, hkv, dim, q.keys.num_tokens, q.queries.num_queries};
     need += detail::align_up(observation_scores_workspace_size(shape, params, q.inputs.lse != nullptr),
                              detail::batch_align);

@@ -16,6 +16,7 @@
 #include "kvevict/cuda/detail/tiling.hpp"
 #include "kvevict/cuda/select_row.hpp"
 #include "kvevict/detail/checked.hpp"
+#include "kvevict/detail/in_sequence.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/scoring/params.hpp"
 #include "kvevict/workspace.hpp"
@@ -158,6 +159,36 @@ inline aligned_workspace align_workspace(workspace_span ws, std::size_t align) n
   a.base = static_cast<unsigned char*>(ws.data) + pad;
   a.size = ws.size - pad;
   return a;
+}
+
+/// A batched call's sequence count: n >= 0, seqs given when n > 0, n within one grid dimension.
+inline status check_batch_count(const void* seqs, std::int64_t n, const char* fn) noexcept {
+  if (n < 0)
+    return status::error(errc::invalid_shape, fn, "num_sequences", "expected >= 0, got %lld",
+                         static_cast<long long>(n));
+  if (n == 0) return status();
+  if (seqs == nullptr)
+    return status::error(errc::null_pointer, fn, "seqs", "expected [%lld] sequences", static_cast<long long>(n));
+  if (n > max_grid_yz)
+    return status::error(errc::overflow, fn, "num_sequences", "expected <= 65535 sequences per call, got %lld",
+                         static_cast<long long>(n));
+  return status();
+}
+
+/// One of a sequence's sizes that must equal the batch's (seqs[0]'s).
+struct batch_field {
+  const char* field;
+  std::int64_t got, want;
+};
+
+template <std::size_t N>
+status check_batch_fields(std::int64_t s, const batch_field (&fields)[N], const char* fn) noexcept {
+  for (const batch_field& f : fields)
+    if (f.got != f.want)
+      return status::error(errc::invalid_shape, fn, kvevict::detail::io_name(s, f.field),
+                           "expected the batch's %lld (seqs[0]), got %lld", static_cast<long long>(f.want),
+                           static_cast<long long>(f.got));
+  return status();
 }
 
 /// A batched call's host staging: present, large enough, aligned for the descriptors written
