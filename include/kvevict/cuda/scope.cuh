@@ -290,19 +290,12 @@ inline status select_shared(const_score_view row, budget b, const selection_para
   if (out.num_heads < 1 || out.num_heads > 65536)
     return status::error(errc::invalid_shape, fn, "out.num_heads", "expected in [1, 65536], got %lld",
                          static_cast<long long>(out.num_heads));
-  if (b.type == budget::kind::ratio && !(b.compression_ratio >= 0.0 && b.compression_ratio <= 1.0))
-    return status::error(errc::invalid_argument, fn, "budget", "expected a compression ratio in [0, 1], got %g",
-                         b.compression_ratio);
+  KVEVICT_RETURN_IF_ERROR(detail::check_budget_ratio(b, fn));
   const std::int64_t uniform = b.resolve(row.cols);
   if (uniform < 0)
     return status::error(errc::invalid_argument, fn, "budget", "expected >= 0 tokens, got %lld",
                          static_cast<long long>(uniform));
-  if (params.protected_tail < 0)
-    return status::error(errc::invalid_argument, fn, "params.protected_tail", "expected >= 0, got %lld",
-                         static_cast<long long>(params.protected_tail));
-  if (static_cast<unsigned>(params.mode) > 1u)
-    return status::error(errc::invalid_argument, fn, "params.mode", "expected a protected_mode value, got %d",
-                         static_cast<int>(params.mode));
+  KVEVICT_RETURN_IF_ERROR(detail::check_selection_params(params, fn));
   const std::int64_t n =
       detail::select_tokens_kept(uniform, row.cols, params.protected_tail, static_cast<int>(params.mode));
   std::int64_t total = 0;

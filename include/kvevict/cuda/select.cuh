@@ -222,6 +222,25 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
+/// The selection parameters, as every device selection checks them.
+inline status check_selection_params(const selection_params& params, const char* fn) noexcept {
+  if (params.protected_tail < 0)
+    return status::error(errc::invalid_argument, fn, "params.protected_tail", "expected >= 0, got %lld",
+                         static_cast<long long>(params.protected_tail));
+  if (static_cast<unsigned>(params.mode) > 1u)
+    return status::error(errc::invalid_argument, fn, "params.mode", "expected a protected_mode value, got %d",
+                         static_cast<int>(params.mode));
+  return status();
+}
+
+/// A ratio budget within [0, 1] (token budgets are checked once resolved).
+inline status check_budget_ratio(const budget& b, const char* fn) noexcept {
+  if (b.type == budget::kind::ratio && !(b.compression_ratio >= 0.0 && b.compression_ratio <= 1.0))
+    return status::error(errc::invalid_argument, fn, "budget", "expected a compression ratio in [0, 1], got %g",
+                         b.compression_ratio);
+  return status();
+}
+
 inline status select_matrix(const_score_view scores, const std::int64_t* head_budgets, std::int64_t uniform,
                             const selection_params& params, const keep_list_view& out, workspace_span ws,
                             const launch_options& opt) {
@@ -237,12 +256,7 @@ inline status select_matrix(const_score_view scores, const std::int64_t* head_bu
     return status::error(errc::overflow, fn, "scores",
                          "expected fewer than 2^31 - 4096 tokens and 2^31 rows, got [%lld, %lld]",
                          static_cast<long long>(scores.rows), static_cast<long long>(scores.cols));
-  if (params.protected_tail < 0)
-    return status::error(errc::invalid_argument, fn, "params.protected_tail", "expected >= 0, got %lld",
-                         static_cast<long long>(params.protected_tail));
-  if (static_cast<unsigned>(params.mode) > 1u)
-    return status::error(errc::invalid_argument, fn, "params.mode", "expected a protected_mode value, got %d",
-                         static_cast<int>(params.mode));
+  KVEVICT_RETURN_IF_ERROR(check_selection_params(params, fn));
   if (out.num_heads != scores.rows)
     return status::error(errc::invalid_shape, fn, "out.num_heads", "expected %lld (scores.rows), got %lld",
                          static_cast<long long>(scores.rows), static_cast<long long>(out.num_heads));
@@ -336,9 +350,7 @@ inline std::size_t select_workspace_size(std::int64_t num_rows) noexcept {
 /// one-block prefix sum that builds the row descriptors, then select_rows').
 inline status select(const_score_view scores, budget b, const selection_params& params, keep_list_view out,
                      workspace_span ws, const launch_options& opt = {}) {
-  if (b.type == budget::kind::ratio && !(b.compression_ratio >= 0.0 && b.compression_ratio <= 1.0))
-    return status::error(errc::invalid_argument, "kvevict::cuda::select", "budget",
-                         "expected a compression ratio in [0, 1], got %g", b.compression_ratio);
+  KVEVICT_RETURN_IF_ERROR(detail::check_budget_ratio(b, "kvevict::cuda::select"));
   return detail::select_matrix(scores, nullptr, b.resolve(scores.cols), params, out, ws, opt);
 }
 
