@@ -181,9 +181,9 @@ __device__ __forceinline__ void load_vector(const fp8_e4m3* p, float* out) {
 __device__ __forceinline__ void load_vector(const fp8_e5m2* p, float* out) {
   load_fp8_vector(p, out);
 }
+/// Widens 16 bytes of 16-bit elements (bf16 or fp16) into out[0 .. 8) (exact).
 template <class T>
-__device__ __forceinline__ void load_vector(const T* p, float* out) {
-  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+__device__ __forceinline__ void widen_16bit_words(const uint4& v, float* out) {
   const unsigned words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -197,6 +197,10 @@ __device__ __forceinline__ void load_vector(const T* p, float* out) {
       out[2 * i + 1] = kvevict::detail::fp16_bits_to_float(hi);
     }
   }
+}
+template <class T>
+__device__ __forceinline__ void load_vector(const T* p, float* out) {
+  widen_16bit_words<T>(__ldg(reinterpret_cast<const uint4*>(p)), out);
 }
 
 /// Butterfly reductions over groups of `width` consecutive lanes (width a power of two <= 32).

@@ -221,23 +221,13 @@ __device__ __forceinline__ decode_key_words<KT> load_key_words(const cache_view<
   return w;
 }
 
-/// Widens a lane's words to its 8 channels (exact).
+/// Widens a lane's words to its 8 channels (exact): 16 bytes of bf16/fp16 (common.cuh's
+/// widening), 8 bytes of fp8.
 template <class KT>
 __device__ __forceinline__ void widen_key_words(const uint4& w, float* out) {
-  const unsigned words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const auto lo = static_cast<std::uint16_t>(words[i] & 0xffffu);
-    const auto hi = static_cast<std::uint16_t>(words[i] >> 16);
-    if (std::is_same<KT, bf16>::value) {
-      out[2 * i] = kvevict::detail::bf16_bits_to_float(lo);
-      out[2 * i + 1] = kvevict::detail::bf16_bits_to_float(hi);
-    } else {
-      out[2 * i] = kvevict::detail::fp16_bits_to_float(lo);
-      out[2 * i + 1] = kvevict::detail::fp16_bits_to_float(hi);
-    }
-  }
+  widen_16bit_words<KT>(w, out);
 }
+
 template <class KT>
 __device__ __forceinline__ void widen_key_words(const uint2& w, float* out) {
   const unsigned words[2] = {w.x, w.y};
