@@ -123,6 +123,13 @@ class arena {
   bool measuring_ = true;
   bool overflowed_ = false;
 };
+
+/// `bytes` carved from `a` when `present` (nothing taken otherwise, not even alignment).
+inline workspace_span take_bytes(arena& a, std::size_t bytes, bool present) noexcept {
+  if (!present) return {};
+  const auto n = bytes > static_cast<std::size_t>(INT64_MAX) ? INT64_MAX : static_cast<std::int64_t>(bytes);
+  return {a.take<unsigned char>(n), bytes};
+}
 }  // namespace detail
 
 KVEVICT_NAMESPACE_END

@@ -38,6 +38,7 @@
 #include "kvevict/budgets/layer_budget.hpp"
 #include "kvevict/budgets/pyramidkv.hpp"
 #include "kvevict/compressor/options.hpp"
+#include "kvevict/compressor/plan.hpp"
 #include "kvevict/compressor/sequence.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/detail/checked.hpp"
@@ -91,19 +92,6 @@ inline std::size_t round_up_64(std::size_t n) noexcept {
                                                           : (n + 63) / 64 * 64;
 }
 
-/// A query view of the last `keep` observations of `q` (all of them when it has fewer).
-template <class T>
-query_view<const T> last_queries(const query_view<const T>& q, std::int64_t keep) noexcept {
-  if (q.num_queries <= keep) return q;
-  query_view<const T> r = q;
-  const std::int64_t skip = q.num_queries - keep;
-  // Policies that read no queries (StreamingLLM, KNorm) accept null data and positions.
-  r.data = q.data != nullptr ? q.data + skip * q.query_stride : nullptr;
-  r.positions = q.positions != nullptr ? q.positions + skip : nullptr;
-  r.num_queries = keep;
-  return r;
-}
-
 }  // namespace detail
 
 class compressor {
@@ -132,7 +120,7 @@ class compressor {
                          static_cast<long long>(UINT32_MAX / static_cast<std::uint64_t>(c.total_heads_)),
                          static_cast<long long>(c.total_heads_), static_cast<long long>(c.options_.limits.max_tokens));
     if (st.ok()) {
-      (void)with_types(c.options_.model.storage, c.options_.model.query_storage, [&](auto t, auto q) {
+      (void)detail::with_types(c.options_.model.storage, c.options_.model.query_storage, [&](auto t, auto q) {
         c.size<typename decltype(t)::type, typename decltype(q)::type>();
         return status();
       });
@@ -243,7 +231,7 @@ class compressor {
              workspace_span ws) const {
     static constexpr const char* fn = "kvevict::compressor::run";
     KVEVICT_RETURN_IF_ERROR(check_planned(fn));
-    return with_types(options_.model.storage, options_.model.query_storage, [&](auto t, auto q) {
+    return detail::with_types(options_.model.storage, options_.model.query_storage, [&](auto t, auto q) {
       return run_typed<typename decltype(t)::type, typename decltype(q)::type>(layer, seqs, num_seqs, reports, ws);
     });
   }
@@ -527,203 +515,12 @@ class compressor {
                          static_cast<int>(sizeof(fields) / sizeof(fields[0])));
   }
 
-  static bool chunkable(policy_kind k) noexcept {
-    return k == policy_kind::streaming_llm || k == policy_kind::knorm || k == policy_kind::h2o ||
-           k == policy_kind::snapkv;
-  }
-
   status check_options(const char* fn) noexcept {
-    model_shape& m = options_.model;
-    if (m.num_layers < 1)
-      return status::error(errc::invalid_shape, fn, "model.num_layers", "expected >= 1, got %lld",
-                           static_cast<long long>(m.num_layers));
-    if (m.num_kv_heads < 1)
-      return status::error(errc::invalid_shape, fn, "model.num_kv_heads", "expected >= 1, got %lld",
-                           static_cast<long long>(m.num_kv_heads));
-    if (m.num_query_heads < 1 || m.num_query_heads % m.num_kv_heads != 0)
-      return status::error(errc::invalid_shape, fn, "model.num_query_heads",
-                           "expected a positive multiple of num_kv_heads = %lld (GQA), got %lld",
-                           static_cast<long long>(m.num_kv_heads), static_cast<long long>(m.num_query_heads));
-    if (m.head_dim < 1)
-      return status::error(errc::invalid_shape, fn, "model.head_dim", "expected >= 1, got %lld",
-                           static_cast<long long>(m.head_dim));
-    if (m.value_head_dim < 0)
-      return status::error(errc::invalid_shape, fn, "model.value_head_dim", "expected >= 0 (0: head_dim), got %lld",
-                           static_cast<long long>(m.value_head_dim));
-    if (m.value_head_dim == 0) m.value_head_dim = m.head_dim;
-    if (static_cast<unsigned>(m.storage) > static_cast<unsigned>(dtype::f8_e5m2))
-      return status::error(errc::invalid_argument, fn, "model.storage", "expected a dtype value, got %d",
-                           static_cast<int>(m.storage));
-    const bool fp8 = m.storage == dtype::f8_e4m3 || m.storage == dtype::f8_e5m2;
-    if (m.query_storage == dtype_query_default) m.query_storage = fp8 ? dtype::bf16 : m.storage;
-    if (fp8 ? static_cast<unsigned>(m.query_storage) > static_cast<unsigned>(dtype::bf16)
-            : m.query_storage != m.storage)
-      return status::error(errc::invalid_argument, fn, "model.query_storage",
-                           "expected %s for %s storage (or dtype_query_default), got %s (%d)",
-                           fp8 ? "f32, f16 or bf16" : to_string(m.storage), to_string(m.storage),
-                           to_string(m.query_storage), static_cast<int>(m.query_storage));
-    const compressor_limits& lim = options_.limits;
-    if (lim.max_sequences < 1)
-      return status::error(errc::invalid_shape, fn, "limits.max_sequences", "expected >= 1, got %lld",
-                           static_cast<long long>(lim.max_sequences));
-    // Selection indexes rows with 32-bit keys; AdaKV ranks a whole layer's candidates.
-    const std::int64_t token_limit = options_.heads == head_allocation::adakv
-                                         ? static_cast<std::int64_t>(UINT32_MAX) / m.num_kv_heads
-                                         : static_cast<std::int64_t>(UINT32_MAX);
-    if (lim.max_tokens < 1 || lim.max_tokens > token_limit)
-      return status::error(errc::invalid_shape, fn, "limits.max_tokens", "expected 1 .. %lld, got %lld",
-                           static_cast<long long>(token_limit), static_cast<long long>(lim.max_tokens));
-    if (lim.max_queries < 0)
-      return status::error(errc::invalid_shape, fn, "limits.max_queries",
-                           "expected >= 0 (0: the policy's window), got %lld", static_cast<long long>(lim.max_queries));
-    if (options_.exec.workers() < 1)
-      return status::error(errc::invalid_argument, fn, "exec.num_workers", "expected >= 1");
-
-    KVEVICT_RETURN_IF_ERROR(check_policy(fn));
-    KVEVICT_RETURN_IF_ERROR(detail::validate_layer_budget(base_budget(), fn));
-    if (static_cast<unsigned>(options_.layers) > 1u)
-      return status::error(errc::invalid_argument, fn, "layers", "expected a layer_allocation value, got %d",
-                           static_cast<int>(options_.layers));
-    if (options_.layers == layer_allocation::pyramidkv &&
-        (!(options_.pyramid_beta >= 1.0) || options_.pyramid_beta == std::numeric_limits<double>::infinity()))
-      return status::error(errc::invalid_argument, fn, "pyramid_beta", "expected a finite beta >= 1, got %g",
-                           options_.pyramid_beta);
-    KVEVICT_RETURN_IF_ERROR(check_contracts(fn));
-    if (options_.limits.max_queries == 0) options_.limits.max_queries = window_;
-    if (window_ > options_.limits.max_queries)
-      return status::error(errc::invalid_shape, fn, "limits.max_queries",
-                           "expected at least the policy's observation window %lld, got %lld",
-                           static_cast<long long>(window_), static_cast<long long>(options_.limits.max_queries));
-    return status();
+    return detail::check_compressor_options(&options_, base_budget(), &window_, fn);
   }
 
-  /// Scope, length mode and compaction, and the combinations no kernel could serve.
-  status check_contracts(const char* fn) const noexcept {
-    if (static_cast<unsigned>(options_.scope) > 2u)
-      return status::error(errc::invalid_argument, fn, "budget.scope", "expected a selection_scope value, got %d",
-                           static_cast<int>(options_.scope));
-    if (static_cast<unsigned>(options_.combine) > 3u)
-      return status::error(errc::invalid_argument, fn, "budget.combine", "expected a scope_combine value, got %d",
-                           static_cast<int>(options_.combine));
-    if (static_cast<unsigned>(options_.lengths) > 1u)
-      return status::error(errc::invalid_argument, fn, "lengths", "expected a length_mode value, got %d",
-                           static_cast<int>(options_.lengths));
-    if (static_cast<unsigned>(options_.compact) > 2u)
-      return status::error(errc::invalid_argument, fn, "compact", "expected a compaction value, got %d",
-                           static_cast<int>(options_.compact));
-    if (options_.lengths == length_mode::uniform && options_.heads == head_allocation::adakv)
-      return status::error(errc::unsupported, fn, "heads",
-                           "AdaKV keeps different counts per head; length_mode::uniform serves one length per sequence "
-                           "(use length_mode::per_head with a varlen or per-head paged kernel)");
-    if (options_.lengths == length_mode::uniform && options_.layers == layer_allocation::pyramidkv)
-      return status::error(errc::unsupported, fn, "layers",
-                           "PyramidKV keeps different counts per layer; length_mode::uniform serves one length per "
-                           "sequence");
-    if (options_.scope == selection_scope::per_sequence && options_.layers == layer_allocation::pyramidkv)
-      return status::error(errc::unsupported, fn, "layers",
-                           "a keep set shared by every layer has one count; PyramidKV gives layers different ones");
-    return status();
-  }
-
-  status check_policy(const char* fn) noexcept {
-    const policy_config& p = options_.policy;
-    const model_shape& m = options_.model;
-    if (static_cast<unsigned>(p.kind) > 5u)
-      return status::error(errc::invalid_argument, fn, "policy.kind", "expected a policy_kind value, got %d",
-                           static_cast<int>(p.kind));
-    if (p.chunk_length < 0)
-      return status::error(errc::invalid_argument, fn, "policy.chunk_length", "expected >= 0 (0: no chunks), got %lld",
-                           static_cast<long long>(p.chunk_length));
-    if (p.chunk_length > 0 && !chunkable(p.kind))
-      return status::error(errc::unsupported, fn, "policy.chunk_length",
-                           "ChunkKV applies to StreamingLLM, KNorm, H2O and SnapKV scores, not to %s",
-                           to_string(p.kind));
-    if (p.chunk_length > 0 && options_.tensor_parallel != nullptr)
-      return status::error(errc::unsupported, fn, "policy.chunk_length",
-                           "ChunkKV sums its scores over every KV head of the layer; with the heads split over ranks "
-                           "(tensor_parallel) that sum is not implemented");
-    switch (p.kind) {
-      case policy_kind::streaming_llm:
-        if (p.streaming_llm.sinks < 0)
-          return status::error(errc::invalid_argument, fn, "policy.streaming_llm.sinks", "expected >= 0, got %lld",
-                               static_cast<long long>(p.streaming_llm.sinks));
-        if (options_.limits.max_tokens > (std::int64_t{1} << 24))
-          return status::error(errc::overflow, fn, "limits.max_tokens",
-                               "StreamingLLM scores token indices as floats: expected at most 2^24 tokens, got %lld",
-                               static_cast<long long>(options_.limits.max_tokens));
-        window_ = 0;
-        break;
-      case policy_kind::knorm:
-        if (p.knorm.protected_tail < 0)
-          return status::error(errc::invalid_argument, fn, "policy.knorm.protected_tail", "expected >= 0, got %lld",
-                               static_cast<long long>(p.knorm.protected_tail));
-        KVEVICT_RETURN_IF_ERROR(check_mode(p.knorm.protect, fn, "policy.knorm.protect"));
-        window_ = 0;
-        break;
-      case policy_kind::h2o:
-        if (p.h2o.recent_window < 0)
-          return status::error(errc::invalid_argument, fn, "policy.h2o.recent_window", "expected >= 0, got %lld",
-                               static_cast<long long>(p.h2o.recent_window));
-        KVEVICT_RETURN_IF_ERROR(check_mode(p.h2o.protect, fn, "policy.h2o.protect"));
-        KVEVICT_RETURN_IF_ERROR(detail::validate_scoring_params(p.h2o.params(), fn));
-        window_ = 1;  // every prompt query observes; at least one is needed
-        if (options_.limits.max_queries == 0) options_.limits.max_queries = options_.limits.max_tokens;
-        break;
-      case policy_kind::snapkv:
-        if (p.snapkv.window < 1)
-          return status::error(errc::invalid_argument, fn, "policy.snapkv.window", "expected >= 1, got %lld",
-                               static_cast<long long>(p.snapkv.window));
-        KVEVICT_RETURN_IF_ERROR(check_mode(p.snapkv.protect, fn, "policy.snapkv.protect"));
-        KVEVICT_RETURN_IF_ERROR(detail::validate_scoring_params(p.snapkv.params(), fn));
-        if (p.snapkv.scoring.window == window_aggregation::weighted)
-          return status::error(errc::unsupported, fn, "policy.snapkv.scoring.window",
-                               "weighted aggregation needs per-call weights; use the building blocks");
-        window_ = p.snapkv.window;
-        break;
-      case policy_kind::deferkv: {
-        const deferkv<float> d(p.deferkv);
-        KVEVICT_RETURN_IF_ERROR(d.check_config(fn));
-        KVEVICT_RETURN_IF_ERROR(check_mode(p.deferkv.protect, fn, "policy.deferkv.protect"));
-        if (p.deferkv.window < 1)
-          return status::error(errc::invalid_argument, fn, "policy.deferkv.window", "expected >= 1, got %lld",
-                               static_cast<long long>(p.deferkv.window));
-        window_ = p.deferkv.window;
-        break;
-      }
-      case policy_kind::dapq:
-        if (p.dapq.pseudo_tokens < 1)
-          return status::error(errc::invalid_argument, fn, "policy.dapq.pseudo_tokens", "expected >= 1, got %lld",
-                               static_cast<long long>(p.dapq.pseudo_tokens));
-        KVEVICT_RETURN_IF_ERROR(check_mode(p.dapq.protect, fn, "policy.dapq.protect"));
-        KVEVICT_RETURN_IF_ERROR(detail::validate_scoring_params(p.dapq.scoring, fn));
-        if (p.dapq.scoring.window == window_aggregation::weighted)
-          return status::error(errc::unsupported, fn, "policy.dapq.scoring.window",
-                               "weighted aggregation needs per-call weights; use the building blocks");
-        if (static_cast<unsigned>(p.dapq.source) > 1u)
-          return status::error(errc::invalid_argument, fn, "policy.dapq.source", "expected a dapq_source value, got %d",
-                               static_cast<int>(p.dapq.source));
-        if (p.dapq.source == dapq_source::rerotated_window) {
-          KVEVICT_RETURN_IF_ERROR(validate_rope_config(p.dapq.rope, fn));
-          if (p.dapq.rope.head_dim != m.head_dim)
-            return status::error(errc::invalid_shape, fn, "policy.dapq.rope.head_dim",
-                                 "expected model.head_dim = %lld, got %lld", static_cast<long long>(m.head_dim),
-                                 static_cast<long long>(p.dapq.rope.head_dim));
-          if (m.head_dim > 1024)
-            return status::error(errc::unsupported, fn, "model.head_dim",
-                                 "re-rotation supports head_dim <= 1024, got %lld", static_cast<long long>(m.head_dim));
-        }
-        window_ = p.dapq.pseudo_tokens;
-        break;
-    }
-    return status();
-  }
-
-  static status check_mode(protected_mode mode, const char* fn, const char* arg) noexcept {
-    if (static_cast<unsigned>(mode) > 1u)
-      return status::error(errc::invalid_argument, fn, arg, "expected a protected_mode value, got %d",
-                           static_cast<int>(mode));
-    return status();
-  }
+  /// The largest protected tail any call may see (DeferKV adds its decoded tokens).
+  selection_params largest_selection() const noexcept { return detail::largest_selection(options_.policy); }
 
   /// The budget a layer call starts from (before PyramidKV sets layer_candidates). The layer
   /// scope is select_layer's; the sequence scope is the compressor's own.
@@ -747,26 +544,6 @@ class compressor {
     s.total_heads = total_heads_;
     s.agree_shapes = false;
     return s;
-  }
-
-  /// The largest protected tail any call may see (DeferKV adds its decoded tokens).
-  selection_params largest_selection() const noexcept {
-    const policy_config& p = options_.policy;
-    switch (p.kind) {
-      case policy_kind::streaming_llm:
-        return {0, protected_mode::inside_budget};
-      case policy_kind::knorm:
-        return {p.knorm.protected_tail, p.knorm.protect};
-      case policy_kind::h2o:
-        return {p.h2o.recent_window, p.h2o.protect};
-      case policy_kind::snapkv:
-        return p.snapkv.selection();
-      case policy_kind::deferkv:
-        return {p.deferkv.window + p.deferkv.delay, p.deferkv.protect};
-      case policy_kind::dapq:
-        return {p.dapq.scoring.protected_tail, p.dapq.protect};
-    }
-    return {};
   }
 
   /// Calls f(policy) with the configured policy object for storage type T (stateless kinds).
@@ -799,34 +576,6 @@ class compressor {
     return status::error(errc::invalid_state, "kvevict::compressor", "policy.kind", "not a scoring policy");
   }
 
-  template <class T>
-  struct type_tag {
-    using type = T;
-  };
-  /// f(type_tag<T>, type_tag<Q>) for the plan's (validated) storage and query types: the one
-  /// place the tags become types (plan's sizing and the runtime-dtype run()).
-  template <class F>
-  static status with_types(dtype storage, dtype queries, F&& f) {
-    auto fp8 = [&](auto t) -> status {
-      if (queries == dtype::f32) return f(t, type_tag<float>{});
-      if (queries == dtype::f16) return f(t, type_tag<fp16>{});
-      return f(t, type_tag<bf16>{});
-    };
-    switch (storage) {
-      case dtype::f32:
-        return f(type_tag<float>{}, type_tag<float>{});
-      case dtype::f16:
-        return f(type_tag<fp16>{}, type_tag<fp16>{});
-      case dtype::f8_e4m3:
-        return fp8(type_tag<fp8_e4m3>{});
-      case dtype::f8_e5m2:
-        return fp8(type_tag<fp8_e5m2>{});
-      case dtype::bf16:
-        break;
-    }
-    return f(type_tag<bf16>{}, type_tag<bf16>{});
-  }
-
   template <class T, class Q>
   void size() noexcept {
     const model_shape& m = options_.model;
@@ -836,10 +585,7 @@ class compressor {
     // PyramidKV may give a layer any share of its candidates: size for all of them.
     if (options_.layers == layer_allocation::pyramidkv) b.layer_candidates = lim.max_tokens;
     const executor& exec = options_.exec;
-    keep_capacity_ = detail::layer_keep_capacity(m.num_kv_heads, lim.max_tokens, largest_selection(), b);
-    head_capacity_ = options_.heads == head_allocation::adakv || b.layer_candidates >= 0
-                         ? lim.max_tokens
-                         : (keep_capacity_ + m.num_kv_heads - 1) / m.num_kv_heads;
+    detail::keep_capacities(options_, base_budget(), &keep_capacity_, &head_capacity_);
     std::size_t evict_bytes = 0, score_bytes = 0;
     if (options_.policy.kind == policy_kind::deferkv) {
       const deferkv<T, Q> d(options_.policy.deferkv);

@@ -9,17 +9,13 @@
 
 #include <cstdint>
 
-#include "kvevict/budgets/adakv.hpp"
-#include "kvevict/budgets/layer_budget.hpp"
+#include "kvevict/budgets/adakv_params.hpp"
+#include "kvevict/budgets/layer_budget_params.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/dtype.hpp"
 #include "kvevict/executor.hpp"
 #include "kvevict/parallel/collective.hpp"
-#include "kvevict/policies/dapq.hpp"
-#include "kvevict/policies/deferkv.hpp"
-#include "kvevict/policies/h2o.hpp"
-#include "kvevict/policies/knorm.hpp"
-#include "kvevict/policies/streaming_llm.hpp"
+#include "kvevict/policies/configs.hpp"
 #include "kvevict/scoring/presets.hpp"
 #include "kvevict/selection/budget.hpp"
 #include "kvevict/selection/scope.hpp"
@@ -42,6 +38,36 @@ struct model_shape {
   /// (default_query_type_t: the storage type, bf16 for fp8).
   dtype query_storage = dtype_query_default;
 };
+
+namespace detail {
+template <class T>
+struct type_tag {
+  using type = T;
+};
+/// f(type_tag<T>, type_tag<Q>) for a model's (validated) storage and query types: the one
+/// place the tags become types (the compressors' sizing and their runtime-dtype run()).
+template <class F>
+auto with_types(dtype storage, dtype queries, F&& f) -> decltype(f(type_tag<float>{}, type_tag<float>{})) {
+  auto fp8 = [&](auto t) {
+    if (queries == dtype::f32) return f(t, type_tag<float>{});
+    if (queries == dtype::f16) return f(t, type_tag<fp16>{});
+    return f(t, type_tag<bf16>{});
+  };
+  switch (storage) {
+    case dtype::f32:
+      return f(type_tag<float>{}, type_tag<float>{});
+    case dtype::f16:
+      return f(type_tag<fp16>{}, type_tag<fp16>{});
+    case dtype::f8_e4m3:
+      return fp8(type_tag<fp8_e4m3>{});
+    case dtype::f8_e5m2:
+      return fp8(type_tag<fp8_e5m2>{});
+    case dtype::bf16:
+      break;
+  }
+  return f(type_tag<bf16>{}, type_tag<bf16>{});
+}
+}  // namespace detail
 
 enum class policy_kind : std::int32_t { streaming_llm, knorm, h2o, snapkv, deferkv, dapq };
 
@@ -153,6 +179,10 @@ struct compressor_limits {
   /// Observation queries per sequence and call; 0 takes the policy's window (SnapKV and
   /// DeferKV W, DapQ N; H2O max_tokens, since every prompt query observes).
   std::int64_t max_queries = 0;
+  /// The most physical blocks of a paged pool the caches' views declare (num_pool_blocks):
+  /// the GPU compressor's compactions size their block bitmaps by it (0: caches are not
+  /// paged). The CPU compressor does not use it.
+  std::int64_t max_pool_blocks = 0;
 };
 
 /// A called-back summary of each successful run(), for engines' metrics and for tests that

@@ -8,9 +8,10 @@
 #include <cstdint>
 
 #include "kvevict/config.hpp"
-#include "kvevict/policies/layer_inputs.hpp"
+#include "kvevict/dtype.hpp"
 #include "kvevict/views/cache_view.hpp"
 #include "kvevict/views/index_ptr.hpp"
+#include "kvevict/views/layer_cache.hpp"
 #include "kvevict/views/query_view.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
@@ -95,6 +96,19 @@ using any_query_view = query_view<const any_element>;
 using any_layer_cache = layer_cache<any_element>;
 
 namespace detail {
+/// A query view of the last `keep` observations of `q` (all of them when it has fewer).
+template <class T>
+query_view<const T> last_queries(const query_view<const T>& q, std::int64_t keep) noexcept {
+  if (q.num_queries <= keep) return q;
+  query_view<const T> r = q;
+  const std::int64_t skip = q.num_queries - keep;
+  // Policies that read no queries (StreamingLLM, KNorm) accept null data and positions.
+  r.data = q.data != nullptr ? q.data + skip * q.query_stride : nullptr;
+  r.positions = q.positions != nullptr ? q.positions + skip : nullptr;
+  r.num_queries = keep;
+  return r;
+}
+
 /// The typed views of an erased sequence (`layers`, when set, is rewritten to `typed_layers`,
 /// [num_layers] filled here).
 template <class T, class Q>

@@ -26,6 +26,7 @@
 #include "kvevict/error.hpp"
 #include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/executor.hpp"
+#include "kvevict/policies/configs.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/rope/rope.hpp"
 #include "kvevict/scoring/observation_scores.hpp"
@@ -36,27 +37,6 @@
 #include "kvevict/workspace.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
-
-/// Where DapQ's observation window comes from.
-enum class dapq_source : std::int32_t {
-  pseudo_tokens,     ///< the paper: N pseudo tokens prefilled after the prompt; their queries observe
-  rerotated_window,  ///< kvevict's variant: the last N post-RoPE prompt queries rotated N positions on
-};
-
-struct dapq_config {
-  std::int64_t pseudo_tokens = 32;  ///< N
-  std::int64_t first = 8;           ///< m: leading prompt tokens in the pseudo content (Llama)
-  std::int64_t last = 24;           ///< n: trailing prompt tokens (m + n = N)
-  /// Scoring of the pseudo window over prompt keys (no prompt tail is protected by default:
-  /// the window is the pseudo tokens, which are all evicted).
-  scoring_params scoring = {softmax_domain::visible,   window_aggregation::mean,     gqa_reduction::mean,
-                            gqa_order::before_pooling, {pooling_kind::max, 7, true}, 0};
-  protected_mode protect = protected_mode::inside_budget;
-  /// evict()'s observation window: pseudo-token queries, or the prompt's last queries
-  /// re-rotated (then `rope` describes the model's RoPE).
-  dapq_source source = dapq_source::pseudo_tokens;
-  rope_config rope;
-};
 
 /// Pseudo content "first m + last n": out[0..m) = prompt[0..m), out[m..m+n) = the last n
 /// prompt tokens. A prompt shorter than m (or n) repeats its ends (indices clamp).

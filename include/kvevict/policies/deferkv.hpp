@@ -41,6 +41,7 @@
 #include "kvevict/error.hpp"
 #include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/executor.hpp"
+#include "kvevict/policies/configs.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/scoring/observation_scores.hpp"
 #include "kvevict/scoring/params.hpp"
@@ -49,31 +50,6 @@
 #include "kvevict/workspace.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
-
-struct deferkv_config {
-  std::int64_t window = 32;        ///< W prompt queries observed at the end of prefill (protected)
-  std::int64_t delay = 1;          ///< d decode steps observed before eviction (the paper's 1..4)
-  double eta = 0.9;                ///< temporal discount in (0, 1] (kvevict's default; see docs)
-  bool decode_feedback = true;     ///< false: ready at the end of prefill (the paper's ablation)
-  bool temporal_weighting = true;  ///< false: every observation weighs 1 (the paper's ablation)
-  softmax_domain domain = softmax_domain::visible;
-  gqa_reduction gqa = gqa_reduction::mean;  ///< mean or sum: the state is per KV head
-  pooling pool = {pooling_kind::max, 7, true};
-  protected_mode protect = protected_mode::on_top_of_budget;
-
-  /// The scoring parameters the state applies (GQA is reduced per observation, i.e. before pooling).
-  constexpr scoring_params params() const noexcept {
-    scoring_params p;
-    p.domain = domain;
-    p.window = window_aggregation::weighted;
-    p.gqa = gqa;
-    p.order = gqa_order::before_pooling;
-    p.pool = pool;
-    p.protected_tail = window;
-    return p;
-  }
-  constexpr double effective_eta() const noexcept { return temporal_weighting ? eta : 1.0; }
-};
 
 namespace detail {
 
@@ -336,20 +312,7 @@ class deferkv {
   }
 
   /// Checks of the configuration (also run by every observation).
-  status check_config(const char* fn) const noexcept {
-    if (config_.window < 0)
-      return status::error(errc::invalid_argument, fn, "config.window", "expected >= 0, got %lld",
-                           static_cast<long long>(config_.window));
-    if (config_.delay < 0)
-      return status::error(errc::invalid_argument, fn, "config.delay", "expected >= 0, got %lld",
-                           static_cast<long long>(config_.delay));
-    if (!(config_.eta > 0.0 && config_.eta <= 1.0))
-      return status::error(errc::invalid_argument, fn, "config.eta", "expected eta in (0, 1], got %g", config_.eta);
-    if (config_.gqa == gqa_reduction::max)
-      return status::error(errc::unsupported, fn, "config.gqa",
-                           "the running state is per KV head, so GQA must be reduced linearly (mean or sum)");
-    return detail::validate_scoring_params(config_.params(), fn);
-  }
+  status check_config(const char* fn) const noexcept { return detail::check_deferkv_config(config_, fn); }
 
   /// The checks observe_decode runs before it touches the state, for callers that must
   /// validate a whole batch first (the compressor): the state's phase, then the inputs.

@@ -17,6 +17,7 @@
 #include "kvevict/error.hpp"
 #include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/executor.hpp"
+#include "kvevict/policies/configs.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/scoring/attention_scores.hpp"
 #include "kvevict/scoring/observation_scores.hpp"
@@ -25,23 +26,6 @@
 #include "kvevict/workspace.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
-
-struct h2o_config {
-  std::int64_t recent_window = 0;  ///< protected tail: the most recent tokens are always kept
-  protected_mode protect = protected_mode::inside_budget;
-  gqa_reduction gqa = gqa_reduction::mean;
-
-  constexpr scoring_params params() const noexcept {
-    scoring_params p;
-    p.domain = softmax_domain::visible;
-    p.window = window_aggregation::visible_mean;
-    p.gqa = gqa;
-    p.order = gqa_order::before_pooling;
-    p.pool = {pooling_kind::none, 1, true};
-    p.protected_tail = recent_window;
-    return p;
-  }
-};
 
 template <class T, class Q = default_query_type_t<T>>
 class h2o : public scoring_policy<h2o<T, Q>, T, Q> {

@@ -16,6 +16,7 @@
 #include "kvevict/error.hpp"
 #include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/executor.hpp"
+#include "kvevict/policies/configs.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/selection/budget.hpp"
 #include "kvevict/shape.hpp"
@@ -23,11 +24,6 @@
 #include "kvevict/workspace.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
-
-struct knorm_config {
-  std::int64_t protected_tail = 0;  ///< last tokens always kept (scored +inf)
-  protected_mode protect = protected_mode::inside_budget;
-};
 
 template <class T, class Q = default_query_type_t<T>>
 class knorm : public scoring_policy<knorm<T, Q>, T, Q> {

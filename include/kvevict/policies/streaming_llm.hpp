@@ -16,6 +16,7 @@
 #include "kvevict/error.hpp"
 #include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/executor.hpp"
+#include "kvevict/policies/configs.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/selection/budget.hpp"
 #include "kvevict/shape.hpp"
@@ -23,10 +24,6 @@
 #include "kvevict/workspace.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
-
-struct streaming_llm_config {
-  std::int64_t sinks = 4;  ///< kvpress's default
-};
 
 template <class T, class Q = default_query_type_t<T>>
 class streaming_llm : public scoring_policy<streaming_llm<T, Q>, T, Q> {

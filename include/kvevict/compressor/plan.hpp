@@ -1,0 +1,257 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_COMPRESSOR_PLAN_HPP
+#define KVEVICT_COMPRESSOR_PLAN_HPP
+
+// The checks a compressor plan makes of its options, and what it derives from them alone,
+// shared by kvevict::compressor and kvevict::cuda::compressor (so both refuse the same
+// options with the same errors). Light: no scoring code.
+
+#include <cstdint>
+#include <limits>
+
+#include "kvevict/budgets/layer_budget_params.hpp"
+#include "kvevict/compressor/options.hpp"
+#include "kvevict/config.hpp"
+#include "kvevict/detail/validate.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/policies/configs.hpp"
+#include "kvevict/rope/rope.hpp"
+#include "kvevict/selection/budget.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace detail {
+
+inline bool chunkable(policy_kind k) noexcept {
+  return k == policy_kind::streaming_llm || k == policy_kind::knorm || k == policy_kind::h2o ||
+         k == policy_kind::snapkv;
+}
+
+inline status check_protected_mode(protected_mode mode, const char* fn, const char* arg) noexcept {
+  if (static_cast<unsigned>(mode) > 1u)
+    return status::error(errc::invalid_argument, fn, arg, "expected a protected_mode value, got %d",
+                         static_cast<int>(mode));
+  return status();
+}
+
+/// Scope, length mode and compaction, and the combinations no kernel could serve.
+inline status check_contracts(const compressor_options& o, const char* fn) noexcept {
+  if (static_cast<unsigned>(o.scope) > 2u)
+    return status::error(errc::invalid_argument, fn, "budget.scope", "expected a selection_scope value, got %d",
+                         static_cast<int>(o.scope));
+  if (static_cast<unsigned>(o.combine) > 3u)
+    return status::error(errc::invalid_argument, fn, "budget.combine", "expected a scope_combine value, got %d",
+                         static_cast<int>(o.combine));
+  if (static_cast<unsigned>(o.lengths) > 1u)
+    return status::error(errc::invalid_argument, fn, "lengths", "expected a length_mode value, got %d",
+                         static_cast<int>(o.lengths));
+  if (static_cast<unsigned>(o.compact) > 2u)
+    return status::error(errc::invalid_argument, fn, "compact", "expected a compaction value, got %d",
+                         static_cast<int>(o.compact));
+  if (o.lengths == length_mode::uniform && o.heads == head_allocation::adakv)
+    return status::error(errc::unsupported, fn, "heads",
+                         "AdaKV keeps different counts per head; length_mode::uniform serves one length per sequence "
+                         "(use length_mode::per_head with a varlen or per-head paged kernel)");
+  if (o.lengths == length_mode::uniform && o.layers == layer_allocation::pyramidkv)
+    return status::error(errc::unsupported, fn, "layers",
+                         "PyramidKV keeps different counts per layer; length_mode::uniform serves one length per "
+                         "sequence");
+  if (o.scope == selection_scope::per_sequence && o.layers == layer_allocation::pyramidkv)
+    return status::error(errc::unsupported, fn, "layers",
+                         "a keep set shared by every layer has one count; PyramidKV gives layers different ones");
+  return status();
+}
+
+inline status check_policy(compressor_options* options, std::int64_t* window, const char* fn) noexcept {
+  compressor_options& o = *options;
+  const policy_config& p = o.policy;
+  const model_shape& m = o.model;
+  if (static_cast<unsigned>(p.kind) > 5u)
+    return status::error(errc::invalid_argument, fn, "policy.kind", "expected a policy_kind value, got %d",
+                         static_cast<int>(p.kind));
+  if (p.chunk_length < 0)
+    return status::error(errc::invalid_argument, fn, "policy.chunk_length", "expected >= 0 (0: no chunks), got %lld",
+                         static_cast<long long>(p.chunk_length));
+  if (p.chunk_length > 0 && !chunkable(p.kind))
+    return status::error(errc::unsupported, fn, "policy.chunk_length",
+                         "ChunkKV applies to StreamingLLM, KNorm, H2O and SnapKV scores, not to %s", to_string(p.kind));
+  if (p.chunk_length > 0 && o.tensor_parallel != nullptr)
+    return status::error(errc::unsupported, fn, "policy.chunk_length",
+                         "ChunkKV sums its scores over every KV head of the layer; with the heads split over ranks "
+                         "(tensor_parallel) that sum is not implemented");
+  switch (p.kind) {
+    case policy_kind::streaming_llm:
+      if (p.streaming_llm.sinks < 0)
+        return status::error(errc::invalid_argument, fn, "policy.streaming_llm.sinks", "expected >= 0, got %lld",
+                             static_cast<long long>(p.streaming_llm.sinks));
+      if (o.limits.max_tokens > (std::int64_t{1} << 24))
+        return status::error(errc::overflow, fn, "limits.max_tokens",
+                             "StreamingLLM scores token indices as floats: expected at most 2^24 tokens, got %lld",
+                             static_cast<long long>(o.limits.max_tokens));
+      *window = 0;
+      break;
+    case policy_kind::knorm:
+      if (p.knorm.protected_tail < 0)
+        return status::error(errc::invalid_argument, fn, "policy.knorm.protected_tail", "expected >= 0, got %lld",
+                             static_cast<long long>(p.knorm.protected_tail));
+      KVEVICT_RETURN_IF_ERROR(check_protected_mode(p.knorm.protect, fn, "policy.knorm.protect"));
+      *window = 0;
+      break;
+    case policy_kind::h2o:
+      if (p.h2o.recent_window < 0)
+        return status::error(errc::invalid_argument, fn, "policy.h2o.recent_window", "expected >= 0, got %lld",
+                             static_cast<long long>(p.h2o.recent_window));
+      KVEVICT_RETURN_IF_ERROR(check_protected_mode(p.h2o.protect, fn, "policy.h2o.protect"));
+      KVEVICT_RETURN_IF_ERROR(detail::validate_scoring_params(p.h2o.params(), fn));
+      *window = 1;  // every prompt query observes; at least one is needed
+      if (o.limits.max_queries == 0) o.limits.max_queries = o.limits.max_tokens;
+      break;
+    case policy_kind::snapkv:
+      if (p.snapkv.window < 1)
+        return status::error(errc::invalid_argument, fn, "policy.snapkv.window", "expected >= 1, got %lld",
+                             static_cast<long long>(p.snapkv.window));
+      KVEVICT_RETURN_IF_ERROR(check_protected_mode(p.snapkv.protect, fn, "policy.snapkv.protect"));
+      KVEVICT_RETURN_IF_ERROR(detail::validate_scoring_params(p.snapkv.params(), fn));
+      if (p.snapkv.scoring.window == window_aggregation::weighted)
+        return status::error(errc::unsupported, fn, "policy.snapkv.scoring.window",
+                             "weighted aggregation needs per-call weights; use the building blocks");
+      *window = p.snapkv.window;
+      break;
+    case policy_kind::deferkv: {
+      KVEVICT_RETURN_IF_ERROR(check_deferkv_config(p.deferkv, fn));
+      KVEVICT_RETURN_IF_ERROR(check_protected_mode(p.deferkv.protect, fn, "policy.deferkv.protect"));
+      if (p.deferkv.window < 1)
+        return status::error(errc::invalid_argument, fn, "policy.deferkv.window", "expected >= 1, got %lld",
+                             static_cast<long long>(p.deferkv.window));
+      *window = p.deferkv.window;
+      break;
+    }
+    case policy_kind::dapq:
+      if (p.dapq.pseudo_tokens < 1)
+        return status::error(errc::invalid_argument, fn, "policy.dapq.pseudo_tokens", "expected >= 1, got %lld",
+                             static_cast<long long>(p.dapq.pseudo_tokens));
+      KVEVICT_RETURN_IF_ERROR(check_protected_mode(p.dapq.protect, fn, "policy.dapq.protect"));
+      KVEVICT_RETURN_IF_ERROR(detail::validate_scoring_params(p.dapq.scoring, fn));
+      if (p.dapq.scoring.window == window_aggregation::weighted)
+        return status::error(errc::unsupported, fn, "policy.dapq.scoring.window",
+                             "weighted aggregation needs per-call weights; use the building blocks");
+      if (static_cast<unsigned>(p.dapq.source) > 1u)
+        return status::error(errc::invalid_argument, fn, "policy.dapq.source", "expected a dapq_source value, got %d",
+                             static_cast<int>(p.dapq.source));
+      if (p.dapq.source == dapq_source::rerotated_window) {
+        KVEVICT_RETURN_IF_ERROR(validate_rope_config(p.dapq.rope, fn));
+        if (p.dapq.rope.head_dim != m.head_dim)
+          return status::error(errc::invalid_shape, fn, "policy.dapq.rope.head_dim",
+                               "expected model.head_dim = %lld, got %lld", static_cast<long long>(m.head_dim),
+                               static_cast<long long>(p.dapq.rope.head_dim));
+        if (m.head_dim > 1024)
+          return status::error(errc::unsupported, fn, "model.head_dim",
+                               "re-rotation supports head_dim <= 1024, got %lld", static_cast<long long>(m.head_dim));
+      }
+      *window = p.dapq.pseudo_tokens;
+      break;
+  }
+  return status();
+}
+
+/// The plan's checks of its options, normalising them on the way (value_head_dim, the
+/// default query type, max_queries); *window: the policy's observation window. `base`: the
+/// budget a layer call starts from.
+inline status check_compressor_options(compressor_options* options, const layer_budget& base, std::int64_t* window,
+                                       const char* fn) noexcept {
+  compressor_options& o = *options;
+  model_shape& m = o.model;
+  if (m.num_layers < 1)
+    return status::error(errc::invalid_shape, fn, "model.num_layers", "expected >= 1, got %lld",
+                         static_cast<long long>(m.num_layers));
+  if (m.num_kv_heads < 1)
+    return status::error(errc::invalid_shape, fn, "model.num_kv_heads", "expected >= 1, got %lld",
+                         static_cast<long long>(m.num_kv_heads));
+  if (m.num_query_heads < 1 || m.num_query_heads % m.num_kv_heads != 0)
+    return status::error(errc::invalid_shape, fn, "model.num_query_heads",
+                         "expected a positive multiple of num_kv_heads = %lld (GQA), got %lld",
+                         static_cast<long long>(m.num_kv_heads), static_cast<long long>(m.num_query_heads));
+  if (m.head_dim < 1)
+    return status::error(errc::invalid_shape, fn, "model.head_dim", "expected >= 1, got %lld",
+                         static_cast<long long>(m.head_dim));
+  if (m.value_head_dim < 0)
+    return status::error(errc::invalid_shape, fn, "model.value_head_dim", "expected >= 0 (0: head_dim), got %lld",
+                         static_cast<long long>(m.value_head_dim));
+  if (m.value_head_dim == 0) m.value_head_dim = m.head_dim;
+  if (static_cast<unsigned>(m.storage) > static_cast<unsigned>(dtype::f8_e5m2))
+    return status::error(errc::invalid_argument, fn, "model.storage", "expected a dtype value, got %d",
+                         static_cast<int>(m.storage));
+  const bool fp8 = m.storage == dtype::f8_e4m3 || m.storage == dtype::f8_e5m2;
+  if (m.query_storage == dtype_query_default) m.query_storage = fp8 ? dtype::bf16 : m.storage;
+  if (fp8 ? static_cast<unsigned>(m.query_storage) > static_cast<unsigned>(dtype::bf16) : m.query_storage != m.storage)
+    return status::error(errc::invalid_argument, fn, "model.query_storage",
+                         "expected %s for %s storage (or dtype_query_default), got %s (%d)",
+                         fp8 ? "f32, f16 or bf16" : to_string(m.storage), to_string(m.storage),
+                         to_string(m.query_storage), static_cast<int>(m.query_storage));
+  const compressor_limits& lim = o.limits;
+  if (lim.max_sequences < 1)
+    return status::error(errc::invalid_shape, fn, "limits.max_sequences", "expected >= 1, got %lld",
+                         static_cast<long long>(lim.max_sequences));
+  // Selection indexes rows with 32-bit keys; AdaKV ranks a whole layer's candidates.
+  const std::int64_t token_limit = o.heads == head_allocation::adakv
+                                       ? static_cast<std::int64_t>(UINT32_MAX) / m.num_kv_heads
+                                       : static_cast<std::int64_t>(UINT32_MAX);
+  if (lim.max_tokens < 1 || lim.max_tokens > token_limit)
+    return status::error(errc::invalid_shape, fn, "limits.max_tokens", "expected 1 .. %lld, got %lld",
+                         static_cast<long long>(token_limit), static_cast<long long>(lim.max_tokens));
+  if (lim.max_queries < 0)
+    return status::error(errc::invalid_shape, fn, "limits.max_queries",
+                         "expected >= 0 (0: the policy's window), got %lld", static_cast<long long>(lim.max_queries));
+  if (o.exec.workers() < 1) return status::error(errc::invalid_argument, fn, "exec.num_workers", "expected >= 1");
+
+  KVEVICT_RETURN_IF_ERROR(check_policy(&o, window, fn));
+  KVEVICT_RETURN_IF_ERROR(validate_layer_budget(base, fn));
+  if (static_cast<unsigned>(o.layers) > 1u)
+    return status::error(errc::invalid_argument, fn, "layers", "expected a layer_allocation value, got %d",
+                         static_cast<int>(o.layers));
+  if (o.layers == layer_allocation::pyramidkv &&
+      (!(o.pyramid_beta >= 1.0) || o.pyramid_beta == std::numeric_limits<double>::infinity()))
+    return status::error(errc::invalid_argument, fn, "pyramid_beta", "expected a finite beta >= 1, got %g",
+                         o.pyramid_beta);
+  KVEVICT_RETURN_IF_ERROR(check_contracts(o, fn));
+  if (o.limits.max_queries == 0) o.limits.max_queries = *window;
+  if (*window > o.limits.max_queries)
+    return status::error(errc::invalid_shape, fn, "limits.max_queries",
+                         "expected at least the policy's observation window %lld, got %lld",
+                         static_cast<long long>(*window), static_cast<long long>(o.limits.max_queries));
+  return status();
+}
+
+/// The largest protected tail any call may see (DeferKV adds its decoded tokens).
+inline selection_params largest_selection(const policy_config& p) noexcept {
+  switch (p.kind) {
+    case policy_kind::streaming_llm:
+      return {0, protected_mode::inside_budget};
+    case policy_kind::knorm:
+      return {p.knorm.protected_tail, p.knorm.protect};
+    case policy_kind::h2o:
+      return {p.h2o.recent_window, p.h2o.protect};
+    case policy_kind::snapkv:
+      return p.snapkv.selection();
+    case policy_kind::deferkv:
+      return {p.deferkv.window + p.deferkv.delay, p.deferkv.protect};
+    case policy_kind::dapq:
+      return {p.dapq.scoring.protected_tail, p.dapq.protect};
+  }
+  return {};
+}
+
+/// Keep-list entries one eviction may write (compressor::keep_capacity) and the most tokens
+/// one head may keep (keep_capacity_per_head), for the limits and the budget a layer call
+/// starts from (PyramidKV may give a layer any share of its candidates: sized for all).
+inline void keep_capacities(const compressor_options& o, layer_budget b, std::int64_t* keep,
+                            std::int64_t* per_head) noexcept {
+  const std::int64_t heads = o.model.num_kv_heads, tokens = o.limits.max_tokens;
+  if (o.layers == layer_allocation::pyramidkv) b.layer_candidates = tokens;
+  *keep = layer_keep_capacity(heads, tokens, largest_selection(o.policy), b);
+  *per_head = o.heads == head_allocation::adakv || b.layer_candidates >= 0 ? tokens : (*keep + heads - 1) / heads;
+}
+
+}  // namespace detail
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_COMPRESSOR_PLAN_HPP
