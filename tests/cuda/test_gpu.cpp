@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <string>
@@ -35,6 +36,7 @@
 #include "kvevict/selection/select.hpp"
 #include "kvevict/views/layouts.hpp"
 #include "reference/reference.hpp"
+#include "shared_pool.hpp"
 #include "support/test_cache.hpp"
 
 using kvevict::bf16;
@@ -199,8 +201,9 @@ void check_obs(const shape& s, test::layout lay, const kvevict::scoring_params& 
 
 /// Every combination of the parameter sweep by default. KVEVICT_GPU_SWEEP_STRIDE=k checks
 /// every k-th one only: a fixed subset (k = 7 keeps 69 of 480, with every pair of parameter
-/// values, which the test verifies), for the sanitizer runs of the CPU simulator. A GPU runs
-/// them all.
+/// values, which the test verifies), for the sanitizer runs of the CPU simulator; the layout
+/// sweeps of scoring and compaction and AdaKV's largest shape are trimmed there too (each
+/// says how). A GPU, and the simulator's Release run in the gcc stage, run them all.
 std::size_t sweep_stride() {
   const char* env = std::getenv("KVEVICT_GPU_SWEEP_STRIDE");
   const long k = env != nullptr ? std::strtol(env, nullptr, 10) : 1;
@@ -215,9 +218,21 @@ const kvevict::scoring_params kKvpress =
 
 TEST_CASE("GPU observation scores: every layout and storage type", "[gpu][gpu_scoring]") {
   const shape shapes[] = {{2, 2, 16, 70, 5}, {1, 4, 64, 300, 8}, {2, 3, 40, 129, 30}, {2, 2, 128, 1000, 32}};
+  // Sanitizer runs (KVEVICT_GPU_SWEEP_STRIDE > 1) take the 1000-token shape, 70% of this test's
+  // time, in one layout of each kind only (strided, token-major, transposed, paged, per-head
+  // tables); the three smaller shapes still cover every layout and type.
+  const bool trimmed = sweep_stride() > 1;
+  const auto long_shape_layout = [](test::layout l) {
+    return l == test::layout::contiguous || l == test::layout::token_major || l == test::layout::transposed ||
+           l == test::layout::paged_hnd || l == test::layout::paged_per_head;
+  };
   std::uint64_t seed = 1;
   for (const shape& s : shapes)
     for (test::layout lay : test::kAllLayouts) {
+      if (trimmed && s.tokens >= 1000 && !long_shape_layout(lay)) {
+        ++seed;
+        continue;
+      }
       kvevict::scoring_params p = kKvpress;
       p.protected_tail = s.window;
       obs_case c;
@@ -1097,11 +1112,15 @@ TEST_CASE("GPU AdaKV head budgets equal the CPU's and feed the selection without
     std::int64_t rows, cols, tail;
   };
   const shape_case shapes[] = {{1, 37, 0}, {8, 300, 5}, {5, 1000, 32}, {4, 4500, 7}};
+  const bool trimmed = sweep_stride() > 1;
   for (const shape_case& sc : shapes)
     for (int kind : {0, 1, 2, 3})
       for (double alpha : {0.0, 0.2, 0.5, 1.0}) {
         const std::int64_t c = sc.cols - sc.tail;
         for (std::int64_t b : {std::int64_t{0}, std::int64_t{1}, std::int64_t{7}, c / 3, c - 1, c, c + 5}) {
+          // Sanitizer runs: the 4500-token shape (the select's many tiles) with the two budgets
+          // that select inside the row; the edge budgets run on the smaller shapes.
+          if (trimmed && sc.cols > 4000 && b != c / 3 && b != c - 1) continue;
           INFO("Hkv " << sc.rows << " L " << sc.cols << " P " << sc.tail << " kind " << kind << " alpha " << alpha
                       << " B " << b);
           const auto scores = score_matrix(sc.rows, sc.cols, seed++, kind);
@@ -1393,10 +1412,16 @@ TEST_CASE("GPU compaction into fresh blocks of the source's pool (prefix-shared 
 
 TEST_CASE("GPU compaction: every layout pair against the definition", "[gpu][gpu_compact]") {
   std::uint64_t seed = 3000;
-  for (test::layout kl : test::kAllLayouts)
-    for (test::layout vl : test::kAllLayouts) {
-      check_compact<bf16, bf16>(kl, vl, 4, 300, 128, 128, seed++);
-      check_compact<fp16, fp16>(kl, vl, 3, 77, 40, 24, seed++);
+  // Sanitizer runs (KVEVICT_GPU_SWEEP_STRIDE = k > 1): the pairs whose layouts are 0 or k apart
+  // in kAllLayouts, so that every K layout and every V layout still runs, each with two partners.
+  const std::size_t stride = sweep_stride(), n = std::size(test::kAllLayouts);
+  for (std::size_t ki = 0; ki < n; ++ki)
+    for (std::size_t vi = 0; vi < n; ++vi, seed += 2) {
+      const std::size_t apart = (vi + n - ki) % n;
+      if (stride > 1 && apart != 0 && apart != stride % n) continue;
+      const test::layout kl = test::kAllLayouts[ki], vl = test::kAllLayouts[vi];
+      check_compact<bf16, bf16>(kl, vl, 4, 300, 128, 128, seed);
+      check_compact<fp16, fp16>(kl, vl, 3, 77, 40, 24, seed + 1);
     }
   // fp8: rows of 45 bytes (byte copies) and of 128 (16-byte copies).
   for (test::layout kl : test::kAllLayouts) {
@@ -1755,51 +1780,14 @@ TEST_CASE("GPU selection scopes refuse bad arguments by name and write nothing",
 
 namespace {
 
-/// A layer's paged pool shared by several sequences: sequence s owns the table entries
-/// [first[s], first[s] + ceil(L_s / 16)), so its token j is the pool's token 16 * first[s] + j.
-template <class T>
-struct shared_pool {
-  test::test_cache<T> pool;
-  std::vector<std::int64_t> first;
-
-  shared_pool(test::layout lay, std::int64_t heads, const std::vector<std::int64_t>& lengths, std::int64_t dim,
-              std::uint64_t seed) {
-    std::int64_t blocks = 0;
-    for (std::int64_t l : lengths) {
-      first.push_back(blocks);
-      blocks += (l + 15) / 16;
-    }
-    pool = test::make_cache<T>(lay, heads, blocks * 16, dim,
-                               test::normal(static_cast<std::size_t>(heads * blocks * 16 * dim), seed), 16, seed + 1);
-  }
-  gpu::side<T> side(std::size_t s, std::int64_t tokens) {
-    gpu::side<T> out{pool.view, gpu::buffer_of(pool.buffer), &pool.table};
-    out.view.num_tokens = tokens;
-    out.view.block_table = pool.table.data() + first[s];
-    return out;
-  }
-  /// The pool after compacting sequence s by (offsets, indices), applied to `buf`.
-  void apply(std::vector<T>* buf, std::size_t s, const std::vector<std::int64_t>& offsets,
-             const std::vector<std::int64_t>& indices) const {
-    const std::int64_t base = 16 * first[s];
-    for (std::int64_t h = 0; h < pool.heads; ++h)
-      for (std::int64_t i = 0; i < offsets[static_cast<std::size_t>(h + 1)] - offsets[static_cast<std::size_t>(h)]; ++i)
-        for (std::int64_t c = 0; c < pool.dim; ++c) {
-          const std::int64_t src = indices[static_cast<std::size_t>(offsets[static_cast<std::size_t>(h)] + i)];
-          (*buf)[static_cast<std::size_t>(pool.offset(h, base + i, c))] =
-              pool.buffer[static_cast<std::size_t>(pool.offset(h, base + src, c))];
-        }
-  }
-};
-
 /// A batch of five sequences of one layer: four in the shared K and V pools (ragged lengths,
 /// one of a single token), one with caches of its own (contiguous K, transposed V).
 template <class KT, class VT>
 struct compaction_batch {
   static constexpr std::int64_t heads = 3;
   std::vector<std::int64_t> lengths{100, 37, 16, 1};
-  shared_pool<KT> kpool;
-  shared_pool<VT> vpool;
+  gpu::shared_pool<KT> kpool;
+  gpu::shared_pool<VT> vpool;
   test::test_cache<KT> own_k;
   test::test_cache<VT> own_v;
   std::vector<gpu::batch_compaction<KT, VT>> seqs;

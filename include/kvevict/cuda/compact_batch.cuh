@@ -145,6 +145,35 @@ struct pool_id {
 
 }  // namespace detail
 
+namespace detail {
+
+/// A validated batched compaction: its descriptors in the staging buffer, its workspace
+/// carved (descriptors at `base`, then the status word and bitmaps), its grid.
+struct batch_launch {
+  unsigned char* base = nullptr;
+  std::uint32_t* words = nullptr;
+  std::size_t word_bytes = 0;
+  const void* staging = nullptr;
+  std::size_t desc_bytes = 0;
+  std::int64_t blocks = 1;
+  std::int64_t n = 0;
+};
+
+/// The enqueue both batched compactions begin with: the status word and bitmaps cleared, the
+/// descriptors copied from the staging buffer.
+inline status enqueue_batch_words(const batch_launch& l, const launch_options& opt, const char* fn) {
+  KVEVICT_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(l.words, 0, l.word_bytes, opt.stream), fn, "cudaMemsetAsync"));
+  return cuda_status(cudaMemcpyAsync(l.base, l.staging, l.desc_bytes, cudaMemcpyHostToDevice, opt.stream), fn,
+                     "cudaMemcpyAsync");
+}
+
+/// Grid (blocks, sequences): every sequence's kernels run as blockIdx.y.
+inline launch_config batch_config(const batch_launch& l, const launch_options& opt) noexcept {
+  return {dim3(static_cast<unsigned>(l.blocks), static_cast<unsigned>(l.n)), dim3(compact_threads), 0, opt.stream};
+}
+
+}  // namespace detail
+
 /// Host staging bytes `compact_batch` needs for n sequences (the descriptors it copies).
 inline std::size_t compact_batch_staging_size(std::int64_t num_sequences) noexcept {
   return static_cast<std::size_t>(num_sequences < 0 ? 0 : num_sequences) * sizeof(detail::compact_args);
@@ -162,26 +191,20 @@ std::size_t compact_batch_workspace_size(const cache_view<KT>& keys, const cache
          static_cast<std::size_t>(max_sequences < 0 ? 0 : max_sequences) * detail::staged_bytes(d);
 }
 
-/// Compacts every sequence of a batch in place, for one layer, as compact does for one.
-///
-///   seqs:    [n] host array of compaction_sequence (device views and keep-lists)
-///   ws:      device memory, >= compact_batch_workspace_size(a sequence's views, n, the
-///            largest keep capacity)
-///   staging: host memory, >= compact_batch_staging_size(n) bytes; page-locked for the copy
-///            to be asynchronous; kept alive and unchanged until the stream passes this call
-///
-/// Every sequence is validated on the host first (errors name "seqs[i]...."), and nothing
-/// is enqueued if one fails. Then a memset, one copy and three kernels. A problem found on
-/// the device in any sequence raises its flag and moves nothing in any sequence.
+namespace detail {
+
+/// compact_batch's host half: every check, the descriptors written to the staging buffer and
+/// the workspace carved; nothing enqueued (a caller with more to validate, such as the
+/// compressor, enqueues once everything passed).
 template <class KT, class VT>
-status compact_batch(const compaction_sequence<KT, VT>* seqs, std::int64_t n, workspace_span ws, void* staging,
-                     std::size_t staging_bytes, const launch_options& opt = {}) {
+status prepare_compact_batch(const compaction_sequence<KT, VT>* seqs, std::int64_t n, workspace_span ws, void* staging,
+                             std::size_t staging_bytes, const launch_options& opt, const char* fn, batch_launch* out) {
   static_assert(!std::is_const<KT>::value && !std::is_const<VT>::value,
                 "kvevict::cuda::compact_batch writes the cache: pass views of mutable elements");
   static_assert(std::is_trivially_copyable<detail::compact_args>::value, "descriptors are copied as bytes");
   static_assert(sizeof(detail::compact_args) >= 2 * sizeof(detail::base_entry), "staging holds the base check");
   static_assert(alignof(detail::compact_args) >= alignof(detail::base_entry), "staging holds the base check");
-  static constexpr const char* fn = "kvevict::cuda::compact_batch";
+  *out = batch_launch{};
   KVEVICT_RETURN_IF_ERROR(detail::check_batch_count(seqs, n, fn));
   if (n == 0) return status();
   const std::size_t desc_bytes = compact_batch_staging_size(n);
@@ -254,18 +277,41 @@ status compact_batch(const compaction_sequence<KT, VT>* seqs, std::int64_t n, wo
     offset += detail::staged_bytes(d);
   }
 
-  KVEVICT_RETURN_IF_ERROR(
-      detail::cuda_status(cudaMemsetAsync(status_word, 0, l.word_bytes, opt.stream), fn, "cudaMemsetAsync"));
-  KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
-      cudaMemcpyAsync(base, staging, desc_bytes, cudaMemcpyHostToDevice, opt.stream), fn, "cudaMemcpyAsync"));
-  const auto* dev = reinterpret_cast<const detail::compact_args*>(base);
-  const detail::launch_config cfg{dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(n)),
-                                  dim3(detail::compact_threads), 0, opt.stream};
-  KVEVICT_RETURN_IF_ERROR(
-      detail::launch(fn, "compact_validate_batch_kernel", cfg, detail::compact_validate_batch_kernel<>, dev));
-  KVEVICT_RETURN_IF_ERROR(
-      detail::launch(fn, "compact_move_batch_kernel<gather>", cfg, detail::compact_move_batch_kernel<>, dev, true));
-  return detail::launch(fn, "compact_move_batch_kernel<scatter>", cfg, detail::compact_move_batch_kernel<>, dev, false);
+  *out = batch_launch{base, status_word, l.word_bytes, staging, desc_bytes, blocks, n};
+  return status();
+}
+
+/// compact_batch's device half: a memset, the descriptor copy and three kernels.
+inline status enqueue_compact_batch(const batch_launch& l, const launch_options& opt, const char* fn) {
+  if (l.n == 0) return status();
+  KVEVICT_RETURN_IF_ERROR(enqueue_batch_words(l, opt, fn));
+  const auto* dev = reinterpret_cast<const compact_args*>(l.base);
+  const launch_config cfg = batch_config(l, opt);
+  KVEVICT_RETURN_IF_ERROR(launch(fn, "compact_validate_batch_kernel", cfg, compact_validate_batch_kernel<>, dev));
+  KVEVICT_RETURN_IF_ERROR(launch(fn, "compact_move_batch_kernel<gather>", cfg, compact_move_batch_kernel<>, dev, true));
+  return launch(fn, "compact_move_batch_kernel<scatter>", cfg, compact_move_batch_kernel<>, dev, false);
+}
+
+}  // namespace detail
+
+/// Compacts every sequence of a batch in place, for one layer, as compact does for one.
+///
+///   seqs:    [n] host array of compaction_sequence (device views and keep-lists)
+///   ws:      device memory, >= compact_batch_workspace_size(a sequence's views, n, the
+///            largest keep capacity)
+///   staging: host memory, >= compact_batch_staging_size(n) bytes; page-locked for the copy
+///            to be asynchronous; kept alive and unchanged until the stream passes this call
+///
+/// Every sequence is validated on the host first (errors name "seqs[i]...."), and nothing
+/// is enqueued if one fails. Then a memset, one copy and three kernels. A problem found on
+/// the device in any sequence raises its flag and moves nothing in any sequence.
+template <class KT, class VT>
+status compact_batch(const compaction_sequence<KT, VT>* seqs, std::int64_t n, workspace_span ws, void* staging,
+                     std::size_t staging_bytes, const launch_options& opt = {}) {
+  static constexpr const char* fn = "kvevict::cuda::compact_batch";
+  detail::batch_launch l;
+  KVEVICT_RETURN_IF_ERROR(detail::prepare_compact_batch(seqs, n, ws, staging, staging_bytes, opt, fn, &l));
+  return detail::enqueue_compact_batch(l, opt, fn);
 }
 
 /// One sequence of a batched out-of-place compaction: as compact_into takes it.
@@ -298,27 +344,17 @@ std::size_t compact_into_batch_workspace_size(const cache_view<const KT>& src_ke
                                        (p.value_bits > 0 ? detail::bitmap_words(p.value_bits) : 0));
 }
 
-/// Copies the kept rows of every sequence of a batch into fresh memory, for one layer, as
-/// compact_into does for one: a memset, one copy and three kernels per call.
-///
-///   seqs:    [n] host array of compaction_into_sequence (device views and keep-lists);
-///            paged destinations of a batch in one K pool and one V pool
-///   ws:      device memory, >= compact_into_batch_workspace_size(a sequence's views, n)
-///   staging: host memory, >= compact_into_batch_staging_size(n); page-locked; kept alive and
-///            unchanged until the stream passes this call
-///
-/// Host errors name "seqs[i]...." and enqueue nothing. On the device, all or nothing: a bad
-/// keep-list, an id out of range, a head keeping more rows than its destination holds, or a
-/// destination block that a source of the batch uses or that two destinations reach raises
-/// its flag and writes no destination row and no output of any sequence. Sources are never
-/// written.
+namespace detail {
+
+/// compact_into_batch's host half (see prepare_compact_batch).
 template <class KT, class VT>
-status compact_into_batch(const compaction_into_sequence<KT, VT>* seqs, std::int64_t n, workspace_span ws,
-                          void* staging, std::size_t staging_bytes, const launch_options& opt = {}) {
+status prepare_compact_into_batch(const compaction_into_sequence<KT, VT>* seqs, std::int64_t n, workspace_span ws,
+                                  void* staging, std::size_t staging_bytes, const launch_options& opt, const char* fn,
+                                  batch_launch* out) {
+  *out = batch_launch{};
   static_assert(!std::is_const<KT>::value && !std::is_const<VT>::value,
                 "kvevict::cuda::compact_into_batch: name the element types without const");
   static_assert(std::is_trivially_copyable<detail::compact_into_args>::value, "descriptors are copied as bytes");
-  static constexpr const char* fn = "kvevict::cuda::compact_into_batch";
   KVEVICT_RETURN_IF_ERROR(detail::check_batch_count(seqs, n, fn));
   if (n == 0) return status();
   const std::size_t desc_bytes = compact_into_batch_staging_size(n);
@@ -389,18 +425,46 @@ status compact_into_batch(const compaction_into_sequence<KT, VT>* seqs, std::int
     a.v.bitmap = plan.value_shares_key_bitmap ? key_bitmap : (plan.value_bits > 0 ? value_bitmap : nullptr);
   }
 
+  *out = batch_launch{base, status_word, word_bytes, staging, desc_bytes, blocks, n};
+  return status();
+}
+
+/// compact_into_batch's device half: a memset, the descriptor copy and three kernels.
+inline status enqueue_compact_into_batch(const batch_launch& l, const launch_options& opt, const char* fn) {
+  if (l.n == 0) return status();
+  KVEVICT_RETURN_IF_ERROR(enqueue_batch_words(l, opt, fn));
+  const auto* dev = reinterpret_cast<const compact_into_args*>(l.base);
+  const launch_config cfg = batch_config(l, opt);
   KVEVICT_RETURN_IF_ERROR(
-      detail::cuda_status(cudaMemsetAsync(status_word, 0, word_bytes, opt.stream), fn, "cudaMemsetAsync"));
-  KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
-      cudaMemcpyAsync(base, staging, desc_bytes, cudaMemcpyHostToDevice, opt.stream), fn, "cudaMemcpyAsync"));
-  const auto* dev = reinterpret_cast<const detail::compact_into_args*>(base);
-  const detail::launch_config cfg{dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(n)),
-                                  dim3(detail::compact_threads), 0, opt.stream};
-  KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "compact_into_validate_batch_kernel<source>", cfg,
-                                         detail::compact_into_validate_batch_kernel<>, dev, true));
-  KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "compact_into_validate_batch_kernel<destination>", cfg,
-                                         detail::compact_into_validate_batch_kernel<>, dev, false));
-  return detail::launch(fn, "compact_into_copy_batch_kernel", cfg, detail::compact_into_copy_batch_kernel<>, dev);
+      launch(fn, "compact_into_validate_batch_kernel<source>", cfg, compact_into_validate_batch_kernel<>, dev, true));
+  KVEVICT_RETURN_IF_ERROR(launch(fn, "compact_into_validate_batch_kernel<destination>", cfg,
+                                 compact_into_validate_batch_kernel<>, dev, false));
+  return launch(fn, "compact_into_copy_batch_kernel", cfg, compact_into_copy_batch_kernel<>, dev);
+}
+
+}  // namespace detail
+
+/// Copies the kept rows of every sequence of a batch into fresh memory, for one layer, as
+/// compact_into does for one: a memset, one copy and three kernels per call.
+///
+///   seqs:    [n] host array of compaction_into_sequence (device views and keep-lists);
+///            paged destinations of a batch in one K pool and one V pool
+///   ws:      device memory, >= compact_into_batch_workspace_size(a sequence's views, n)
+///   staging: host memory, >= compact_into_batch_staging_size(n); page-locked; kept alive and
+///            unchanged until the stream passes this call
+///
+/// Host errors name "seqs[i]...." and enqueue nothing. On the device, all or nothing: a bad
+/// keep-list, an id out of range, a head keeping more rows than its destination holds, or a
+/// destination block that a source of the batch uses or that two destinations reach raises
+/// its flag and writes no destination row and no output of any sequence. Sources are never
+/// written.
+template <class KT, class VT>
+status compact_into_batch(const compaction_into_sequence<KT, VT>* seqs, std::int64_t n, workspace_span ws,
+                          void* staging, std::size_t staging_bytes, const launch_options& opt = {}) {
+  static constexpr const char* fn = "kvevict::cuda::compact_into_batch";
+  detail::batch_launch l;
+  KVEVICT_RETURN_IF_ERROR(detail::prepare_compact_into_batch(seqs, n, ws, staging, staging_bytes, opt, fn, &l));
+  return detail::enqueue_compact_into_batch(l, opt, fn);
 }
 
 }  // namespace cuda

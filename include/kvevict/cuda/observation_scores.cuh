@@ -668,6 +668,55 @@ status observation_scores(query_view<QT> queries_in, cache_view<KT> keys_in, con
   return detail::launch_finalize(f, keys.num_heads, opt.stream, fn);
 }
 
+namespace detail {
+
+/// A validated observation_state call: what enqueue_observation_state launches.
+template <class Q, class K>
+struct state_observation {
+  obs_plan<Q, K> plan;
+  score_view state;
+  float eta = 1.0f;
+  gqa_reduction gqa = gqa_reduction::mean;
+  std::int64_t dim = 0;
+};
+
+/// observation_state's host half: every check and the kernel arguments; nothing enqueued.
+template <class Q, class K>
+status prepare_observation_state(const query_view<const Q>& queries, const cache_view<const K>& keys,
+                                 const scoring_params& params, float eta, score_view state, workspace_span ws,
+                                 const observation_inputs& in, const launch_options& opt, const char* fn,
+                                 state_observation<Q, K>* out) {
+  if (params.window == window_aggregation::mean || params.window == window_aggregation::visible_mean)
+    return status::error(errc::invalid_argument, fn, "params.window",
+                         "the state is un-normalised: expected sum, weighted or max (normalise at finalisation)");
+  if (!(eta >= 0.0f && eta <= 1.0f))
+    return status::error(errc::invalid_argument, fn, "eta", "expected eta in [0, 1], got %g", static_cast<double>(eta));
+  KVEVICT_RETURN_IF_ERROR(obs_prepare(queries, keys, params, ws, in, opt, fn, &out->plan));
+  const obs_dims& dims = out->plan.dims;
+  KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_matrix_view(state, keys.num_heads, dims.candidates, fn, "state"));
+  KVEVICT_RETURN_IF_ERROR(check_device_pointer(state.data, opt, fn, "state.data"));
+  out->state = state;
+  out->eta = eta;
+  out->gqa = params.gqa;
+  out->dim = keys.head_dim;
+  return status();
+}
+
+/// observation_state's device half: the scoring passes, then the fold into the state.
+template <class Q, class K>
+status enqueue_observation_state(const state_observation<Q, K>& o, const launch_options& opt, const char* fn) {
+  const obs_dims& dims = o.plan.dims;
+  if (dims.candidates == 0) return status();
+  KVEVICT_RETURN_IF_ERROR(obs_run_passes(o.plan, o.dim, opt, fn));
+  const std::int64_t n = dims.kv_heads * dims.candidates;
+  return launch(fn, "obs_state_kernel",
+                {dim3(static_cast<unsigned>(stride_grid(n, 256, 4096))), dim3(256), 0, opt.stream}, obs_state_kernel<>,
+                o.plan.ws.acc, dims.candidates, static_cast<int>(dims.group), o.gqa, o.state.data, o.state.row_stride,
+                o.eta, dims.kv_heads);
+}
+
+}  // namespace detail
+
 /// The window's attention folded into a running, un-normalised state per KV head, for
 /// DeferKV's prefill observation on the GPU (then decode_observation for the decode steps and
 /// finalize_state_scores with scale 1/Z):
@@ -688,25 +737,10 @@ status observation_state(query_view<QT> queries_in, cache_view<KT> keys_in, cons
   static constexpr const char* fn = "kvevict::cuda::observation_state";
   using Q = std::remove_cv_t<QT>;
   using K = std::remove_cv_t<KT>;
-  const query_view<const Q> queries = queries_in;
-  const cache_view<const K> keys = keys_in;
-  if (params.window == window_aggregation::mean || params.window == window_aggregation::visible_mean)
-    return status::error(errc::invalid_argument, fn, "params.window",
-                         "the state is un-normalised: expected sum, weighted or max (normalise at finalisation)");
-  if (!(eta >= 0.0f && eta <= 1.0f))
-    return status::error(errc::invalid_argument, fn, "eta", "expected eta in [0, 1], got %g", static_cast<double>(eta));
-  detail::obs_plan<Q, K> plan;
-  KVEVICT_RETURN_IF_ERROR(detail::obs_prepare(queries, keys, params, ws, in, opt, fn, &plan));
-  const detail::obs_dims& dims = plan.dims;
-  KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_matrix_view(state, keys.num_heads, dims.candidates, fn, "state"));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(state.data, opt, fn, "state.data"));
-  if (dims.candidates == 0) return status();
-  KVEVICT_RETURN_IF_ERROR(detail::obs_run_passes(plan, keys.head_dim, opt, fn));
-  const std::int64_t n = dims.kv_heads * dims.candidates;
-  return detail::launch(fn, "obs_state_kernel",
-                        {dim3(static_cast<unsigned>(detail::stride_grid(n, 256, 4096))), dim3(256), 0, opt.stream},
-                        detail::obs_state_kernel<>, plan.ws.acc, dims.candidates, static_cast<int>(dims.group),
-                        params.gqa, state.data, state.row_stride, eta, dims.kv_heads);
+  detail::state_observation<Q, K> o;
+  KVEVICT_RETURN_IF_ERROR(detail::prepare_observation_state(
+      query_view<const Q>(queries_in), cache_view<const K>(keys_in), params, eta, state, ws, in, opt, fn, &o));
+  return detail::enqueue_observation_state(o, opt, fn);
 }
 
 }  // namespace cuda
