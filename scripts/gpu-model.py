@@ -533,6 +533,18 @@ def select_shared_kernels(s: Shape, g: Gpu):
     return [prep, sel, cast]
 
 
+def compressor_kernels(s: Shape, g: Gpu, n):
+    """cuda::compressor's run for one SnapKV layer of n sequences of L/n tokens keeping B/n per
+    head, in place: the batched scoring, the row descriptors copied and every sequence's rows
+    selected in one launch (uniform budgets: counts known on the host), then the batched
+    compaction (bench_gpu.cu "compressor_layer")."""
+    one = replace(s, tokens=s.tokens // n, budget=s.budget // n)
+    copy = Kernel("memcpy", "row descriptors and offsets to the device (cudaMemcpyAsync)", 1, 1,
+                  chain_cycles=g.hbm_latency_cycles)
+    _, rows = select_kernels(one, g, one.hkv * n)
+    return obs_batch_kernels(s, g, n) + [copy, rows] + compact_batch_kernels(s, g, n)
+
+
 def calls(s: Shape, g: Gpu):
     """The API calls scripts/gpu-check times, each with its kernels in stream order. Keys match
     the benchmark's (bench/cuda/bench_gpu.cu)."""
@@ -570,6 +582,8 @@ def calls(s: Shape, g: Gpu):
                                compact_into_batch_kernels(s, g, BATCH)),
         "scope_layer": ("one keep set per layer: combine_head_scores (normalised max) + select_shared",
                         scope_kernels(s, g, s.hkv) + select_shared_kernels(s, g)),
+        "compressor_layer": (f"cuda::compressor run, {BATCH} sequences x {s.tokens // BATCH} tokens (SnapKV, in place)",
+                             compressor_kernels(s, g, BATCH)),
     }
 
 

@@ -11,6 +11,8 @@
 //   cuda::finalize_state_scores  scores from a running state (normalise, pool, +inf tail)
 //   cuda::select / select_rows exact top-B of many ragged rows in one launch (radix select)
 //   cuda::compact              in-place compaction of K and V (staged, hazard-free)
+//   cuda::select_layer         a layer's keep set under uniform, PyramidKV or AdaKV budgets
+//   cuda::compressor           the compressor plan (SnapKV, DeferKV) driving all of the above
 //
 // Conventions: every call returns a kvevict::status (no exceptions), has a workspace-size
 // query, takes a caller-owned device workspace and a stream (launch_options), never
@@ -21,6 +23,7 @@
 #include "kvevict/cuda/compact.cuh"
 #include "kvevict/cuda/compact_batch.cuh"
 #include "kvevict/cuda/compact_into.cuh"
+#include "kvevict/cuda/compressor.cuh"
 #include "kvevict/cuda/decode_observation.cuh"
 #include "kvevict/cuda/device_flags.hpp"
 #include "kvevict/cuda/finalize.cuh"
@@ -28,6 +31,7 @@
 #include "kvevict/cuda/observation_scores_batch.cuh"
 #include "kvevict/cuda/scope.cuh"
 #include "kvevict/cuda/select.cuh"
+#include "kvevict/cuda/select_layer.cuh"
 #include "kvevict/cuda/select_row.hpp"
 #include "kvevict/views/layouts.hpp"
 

@@ -1,0 +1,432 @@
+// kvevict::cuda::compressor against kvevict::compressor: the same model, options and calls
+// (every layer of a batch of sequences with ragged prompts, an idle sequence, DeferKV's decode
+// steps), compared call for call -- reports, the device outputs (head lengths, kept positions,
+// padded indices) and every cache buffer afterwards -- and its refusals, which must leave
+// every cache, state, output and report as it was.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "compressor_runner.hpp"
+#include "kvevict/compressor/compressor.hpp"
+#include "kvevict/scoring/presets.hpp"
+#include "shared_pool.hpp"
+#include "support/test_cache.hpp"
+
+using kvevict::bf16;
+using kvevict::fp8_e4m3;
+
+namespace {
+
+constexpr std::int64_t kLayers = 2, kHq = 4, kHkv = 2, kDim = 40, kValueDim = 24;
+
+/// The model and the sequences of a scenario; options.policy and the budgets vary.
+kvevict::compressor_options base_options(kvevict::dtype storage, kvevict::dtype queries) {
+  kvevict::compressor_options o;
+  o.model = {kLayers, kHq, kHkv, kDim, kValueDim, storage, queries};
+  kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+  w.window = 6;
+  o.policy = kvevict::policy::snapkv(w);
+  o.per_head = kvevict::budget::tokens(20);
+  o.limits.max_sequences = 4;
+  o.limits.max_tokens = 80;
+  o.limits.max_pool_blocks = 64;
+  return o;
+}
+
+/// Caches, queries and the calls of one scenario: every layer at prefill_end, then `steps`
+/// decode steps of every layer. Sequence 1 is idle throughout. Paged: the sequences of a layer
+/// share a K pool (vLLM NHD) and a V pool (FlashInfer HND); otherwise each has its own
+/// contiguous K and transposed V. Out of place: destinations of the same kinds.
+template <class T, class Q>
+struct scenario {
+  kvevict::compressor_options options;
+  bool paged = true;
+  std::vector<std::int64_t> prompts{61, 0, 37, 16};
+  std::int64_t steps = 0;
+  std::vector<gpu::shared_pool<T>> kpools, vpools, dkpools, dvpools;  // [layer]
+  std::vector<test::test_cache<T>> own_k, own_v, own_dk, own_dv;      // [layer * seqs + s]
+  std::vector<test::test_queries<Q>> queries;                         // [(layer * seqs + s) * (1 + steps) + k]
+  std::vector<gpu::compressor_call<T, Q>> calls;
+
+  std::size_t seqs() const { return prompts.size(); }
+  std::size_t at(std::int64_t layer, std::size_t s) const { return static_cast<std::size_t>(layer) * seqs() + s; }
+  bool out_of_place() const { return options.compact == kvevict::compaction::out_of_place; }
+  bool idle(std::size_t s) const { return prompts[s] == 0; }
+
+  scenario(const kvevict::compressor_options& o, bool paged_caches, std::int64_t decode_steps, std::uint64_t seed,
+           bool engine_lse = false)
+      : options(o), paged(paged_caches), steps(decode_steps) {
+    std::vector<std::int64_t> lengths;
+    for (std::int64_t p : prompts) lengths.push_back(std::max<std::int64_t>(p + steps, 1));
+    for (std::int64_t l = 0; l < kLayers; ++l) {
+      const std::uint64_t ls = seed + 1000 * static_cast<std::uint64_t>(l);
+      if (paged) {
+        kpools.emplace_back(test::layout::paged_nhd, kHkv, lengths, kDim, ls);
+        vpools.emplace_back(test::layout::paged_hnd, kHkv, lengths, kValueDim, ls + 10);
+        if (out_of_place()) {  // fresh blocks: destinations pools of their own
+          dkpools.emplace_back(test::layout::paged_nhd, kHkv, lengths, kDim, ls + 20);
+          dvpools.emplace_back(test::layout::paged_hnd, kHkv, lengths, kValueDim, ls + 30);
+        }
+      }
+      for (std::size_t s = 0; s < seqs(); ++s) {
+        const std::int64_t n = lengths[s];
+        const std::uint64_t ss = ls + 100 * (s + 1);
+        const auto dense = [&](std::int64_t dim, std::uint64_t sd) {
+          return test::normal(static_cast<std::size_t>(kHkv * n * dim), sd);
+        };
+        own_k.push_back(test::make_cache<T>(test::layout::contiguous, kHkv, n, kDim, dense(kDim, ss)));
+        own_v.push_back(test::make_cache<T>(test::layout::transposed, kHkv, n, kValueDim, dense(kValueDim, ss + 1)));
+        own_dk.push_back(test::make_cache<T>(test::layout::contiguous, kHkv, n, kDim, dense(kDim, ss + 2)));
+        own_dv.push_back(test::make_cache<T>(test::layout::transposed, kHkv, n, kValueDim, dense(kValueDim, ss + 3)));
+        const std::int64_t w = std::min<std::int64_t>(prompts[s], 9);  // more rows than the window: the last are used
+        std::vector<std::int64_t> pos;
+        for (std::int64_t t = 0; t < w; ++t) pos.push_back(prompts[s] - w + t);
+        queries.push_back(test::make_queries<Q>(kHq, std::max<std::int64_t>(w, 1), kDim,
+                                                test::normal(static_cast<std::size_t>(kHq * 9 * kDim), ss + 4, 2.0),
+                                                pos.empty() ? std::vector<std::int64_t>{0} : pos));
+        for (std::int64_t k = 1; k <= steps; ++k)
+          queries.push_back(test::make_queries<Q>(kHq, 1, kDim,
+                                                  test::normal(static_cast<std::size_t>(kHq * kDim), ss + 10 + k, 2.0),
+                                                  {prompts[s] + k - 1}));
+      }
+    }
+    const bool defer = options.policy.kind == kvevict::policy_kind::deferkv;
+    for (std::int64_t k = 0; k <= steps; ++k)
+      for (std::int64_t l = 0; l < kLayers; ++l) {
+        gpu::compressor_call<T, Q> call;
+        call.layer = l;
+        for (std::size_t s = 0; s < seqs(); ++s) {
+          gpu::compressor_sequence<T, Q> q;
+          if (!idle(s)) {
+            const std::int64_t n = prompts[s] + k;
+            q.event = k == 0 ? kvevict::sequence_event::prefill_end : kvevict::sequence_event::decode;
+            q.k = kside(l, s, n);
+            q.v = vside(l, s, n);
+            if (out_of_place()) {
+              q.dst_k = dside(l, s, true);
+              q.dst_v = dside(l, s, false);
+            }
+            const test::test_queries<Q>& tq =
+                queries[at(l, s) * static_cast<std::size_t>(1 + steps) + static_cast<std::size_t>(k)];
+            q.queries = tq.view;
+            q.qbuf = gpu::buffer_of(tq.buffer);
+            if (s == 2)  // unsorted, spaced positions (llama.cpp cells after a shift)
+              for (std::int64_t j = 0; j < n; ++j) q.key_positions.push_back(3 * ((j * 7) % n) + 1);
+            if (engine_lse && k == 0) {  // rows W' + 2 apart: the last window rows must be picked
+              const std::int64_t rows = tq.view.num_queries, stride = rows + 2;
+              for (std::int64_t h = 0; h < kHq; ++h)
+                for (std::int64_t t = 0; t < stride; ++t)
+                  q.lse.push_back(3.0f + 0.25f * static_cast<float>(h) + 0.125f * static_cast<float>(t % 5));
+              q.lse_head_stride = stride;
+            }
+          }
+          q.state = defer ? static_cast<int>(s) : -1;
+          call.seqs.push_back(q);
+        }
+        calls.push_back(call);
+      }
+  }
+
+  gpu::side<T> kside(std::int64_t l, std::size_t s, std::int64_t n) {
+    if (paged) return kpools[static_cast<std::size_t>(l)].side(s, n);
+    test::test_cache<T>& c = own_k[at(l, s)];
+    gpu::side<T> out{c.view, gpu::buffer_of(c.buffer), &c.table};
+    out.view.num_tokens = n;
+    return out;
+  }
+  gpu::side<T> vside(std::int64_t l, std::size_t s, std::int64_t n) {
+    if (paged) return vpools[static_cast<std::size_t>(l)].side(s, n);
+    test::test_cache<T>& c = own_v[at(l, s)];
+    gpu::side<T> out{c.view, gpu::buffer_of(c.buffer), &c.table};
+    out.view.num_tokens = n;
+    return out;
+  }
+  gpu::side<T> dside(std::int64_t l, std::size_t s, bool keys) {
+    const std::int64_t n = std::max<std::int64_t>(prompts[s] + steps, 1);
+    if (paged) return (keys ? dkpools : dvpools)[static_cast<std::size_t>(l)].side(s, n);
+    test::test_cache<T>& c = (keys ? own_dk : own_dv)[at(l, s)];
+    return gpu::side<T>{c.view, gpu::buffer_of(c.buffer), &c.table};
+  }
+};
+
+template <class T>
+void require_bytes(const std::vector<unsigned char>& got, const gpu::host_buffer& want) {
+  REQUIRE(got.size() == want.bytes);
+  REQUIRE(std::memcmp(got.data(), want.data, want.bytes) == 0);
+}
+
+/// Runs the scenario on the GPU (device copies), then on the CPU over the host caches, call
+/// by call, and compares.
+template <class T, class Q>
+void check_against_cpu(scenario<T, Q>& sc) {
+  const gpu::compressor_session_result g = gpu::compressor_session<T, Q>(sc.options, sc.calls, 4);
+  INFO(g.plan.message());
+  REQUIRE(g.plan.ok());
+  REQUIRE(g.calls.size() == sc.calls.size());
+
+  kvevict::compressor cpu;
+  REQUIRE(kvevict::compressor::plan(sc.options, &cpu).ok());
+  REQUIRE(cpu.keep_capacity() == g.keep_capacity);
+  REQUIRE(cpu.keep_capacity_per_head() == g.keep_capacity_per_head);
+  kvevict::workspace ws(cpu.workspace_size());
+  std::vector<std::vector<std::uint64_t>> states(sc.seqs());
+  for (auto& st : states) {
+    st.assign(cpu.sequence_state_size() / 8 + 1, 0);
+    REQUIRE(cpu.reset_sequence(st.data(), st.size() * 8).ok());
+  }
+  const std::int64_t cap = cpu.keep_capacity(), head_cap = cpu.keep_capacity_per_head();
+  std::int64_t evictions = 0;
+  for (std::size_t i = 0; i < sc.calls.size(); ++i) {
+    const gpu::compressor_call<T, Q>& call = sc.calls[i];
+    const gpu::compressor_call_result& gc = g.calls[i];
+    INFO("call " << i << " (layer " << call.layer << "): " << gc.st.message());
+    REQUIRE(gc.st.ok());
+    REQUIRE(gc.flags == 0u);
+    const std::size_t n = call.seqs.size();
+    std::vector<kvevict::sequence_io<T, Q>> io(n);
+    std::vector<std::vector<std::int64_t>> lengths(n, std::vector<std::int64_t>(kHkv, -7)),
+        kept(n, std::vector<std::int64_t>(static_cast<std::size_t>(cap), -7)),
+        padded(n, std::vector<std::int64_t>(static_cast<std::size_t>(kHkv * head_cap), -7));
+    for (std::size_t s = 0; s < n; ++s) {
+      const gpu::compressor_sequence<T, Q>& q = call.seqs[s];
+      io[s].event = q.event;
+      io[s].keys = q.k.view;
+      io[s].values = q.v.view;
+      io[s].dst_keys = q.dst_k.view;
+      io[s].dst_values = q.dst_v.view;
+      io[s].queries = q.queries;
+      io[s].key_positions = q.key_positions.empty() ? kvevict::index_ptr(nullptr) : q.key_positions.data();
+      io[s].lse = q.lse.empty() ? nullptr : q.lse.data();
+      io[s].lse_head_stride = q.lse_head_stride;
+      io[s].state = q.state >= 0 ? states[static_cast<std::size_t>(q.state)].data() : nullptr;
+      io[s].head_lengths = lengths[s].data();
+      io[s].kept_positions = kept[s].data();
+      io[s].padded_indices = padded[s].data();
+    }
+    std::vector<kvevict::sequence_report> reports(n);
+    const kvevict::status st = cpu.run(call.layer, io.data(), static_cast<std::int64_t>(n), reports.data(), ws);
+    INFO(st.message());
+    REQUIRE(st.ok());
+    for (std::size_t s = 0; s < n; ++s) {
+      INFO("seqs[" << s << "]");
+      const kvevict::sequence_report &c = reports[s], &r = gc.reports[s];
+      REQUIRE(r.action == c.action);
+      REQUIRE(r.next_position == -1);
+      const gpu::compressor_sequence_result& out = gc.seqs[s];
+      if (c.action != kvevict::sequence_action::evicted) {
+        REQUIRE(r.length == c.length);
+        for (std::int64_t x : out.head_lengths) REQUIRE(x == -7);
+        for (std::int64_t x : out.padded) REQUIRE(x == -7);
+        continue;
+      }
+      ++evictions;
+      REQUIRE(r.kept == c.kept);
+      if (sc.options.heads == kvevict::head_allocation::adakv) {
+        REQUIRE(r.length == -1);  // on the device only
+        REQUIRE(*std::max_element(out.head_lengths.begin(), out.head_lengths.end()) == c.length);
+      } else {
+        REQUIRE(r.length == c.length);
+        REQUIRE(r.next_slot == c.next_slot);
+        REQUIRE(r.dropped == c.dropped);
+        REQUIRE(r.freed_blocks == c.freed_blocks);
+      }
+      REQUIRE(out.head_lengths == lengths[s]);
+      REQUIRE(std::equal(kept[s].begin(), kept[s].begin() + c.kept, out.kept_positions.begin()));
+      REQUIRE(out.padded == padded[s]);
+    }
+    // Every buffer the call saw, as the CPU left it.
+    for (std::size_t s = 0; s < n; ++s) {
+      const gpu::compressor_sequence<T, Q>& q = call.seqs[s];
+      if (q.k.buf.data == nullptr) continue;
+      require_bytes<T>(gc.seqs[s].keys, q.k.buf);
+      require_bytes<T>(gc.seqs[s].values, q.v.buf);
+      if (q.dst_k.buf.data != nullptr) {
+        require_bytes<T>(gc.seqs[s].dst_keys, q.dst_k.buf);
+        require_bytes<T>(gc.seqs[s].dst_values, q.dst_v.buf);
+      }
+    }
+  }
+  REQUIRE(evictions == kLayers * 3);  // every layer of the three active sequences
+}
+
+kvevict::compressor_options deferkv_options(kvevict::dtype storage, kvevict::dtype queries, std::int64_t delay) {
+  kvevict::compressor_options o = base_options(storage, queries);
+  kvevict::deferkv_config d;
+  d.window = 5;
+  d.delay = delay;
+  d.eta = 0.8;
+  o.policy = kvevict::policy::deferkv(d);
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("GPU compressor: SnapKV equals kvevict::compressor, call for call", "[gpu][gpu_compressor]") {
+  using kvevict::dtype;
+  SECTION("bf16, shared paged pools, uniform budget, in place") {
+    scenario<bf16, bf16> sc(base_options(dtype::bf16, dtype::bf16), true, 0, 11);
+    check_against_cpu(sc);
+  }
+  SECTION("bf16, shared paged pools, PyramidKV layers and AdaKV heads, ratio budget, in place") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    o.per_head = kvevict::budget::ratio(0.4);
+    o.heads = kvevict::head_allocation::adakv;
+    o.layers = kvevict::layer_allocation::pyramidkv;
+    scenario<bf16, bf16> sc(o, true, 0, 12);
+    check_against_cpu(sc);
+  }
+  SECTION("float, own strided caches, one keep set per layer, keep-list only") {
+    kvevict::compressor_options o = base_options(dtype::f32, dtype::f32);
+    o.scope = kvevict::selection_scope::per_layer;
+    o.combine = kvevict::scope_combine::normalized_mean;
+    o.compact = kvevict::compaction::keep_list_only;
+    o.lengths = kvevict::length_mode::uniform;
+    scenario<float, float> sc(o, false, 0, 13);
+    check_against_cpu(sc);
+  }
+  SECTION("bf16, own strided caches, the engine's log-sum-exp (one pass), rows a stride apart") {
+    scenario<bf16, bf16> sc(base_options(dtype::bf16, dtype::bf16), false, 0, 15, true);
+    check_against_cpu(sc);
+  }
+  SECTION("fp8 e4m3 keys and values, bf16 queries, into fresh paged blocks") {
+    kvevict::compressor_options o = base_options(dtype::f8_e4m3, dtype::bf16);
+    o.compact = kvevict::compaction::out_of_place;
+    o.per_head = kvevict::budget::tokens(12);
+    scenario<fp8_e4m3, bf16> sc(o, true, 0, 14);
+    check_against_cpu(sc);
+  }
+}
+
+TEST_CASE("GPU compressor: DeferKV observes prefill and decode steps, then evicts as the CPU does",
+          "[gpu][gpu_compressor]") {
+  using kvevict::dtype;
+  SECTION("bf16, shared paged pools, delay 2, PyramidKV, in place") {
+    kvevict::compressor_options o = deferkv_options(dtype::bf16, dtype::bf16, 2);
+    o.layers = kvevict::layer_allocation::pyramidkv;
+    scenario<bf16, bf16> sc(o, true, 2, 21);
+    check_against_cpu(sc);
+  }
+  SECTION("float, own strided caches, delay 1, AdaKV, into fresh memory") {
+    kvevict::compressor_options o = deferkv_options(dtype::f32, dtype::f32, 1);
+    o.heads = kvevict::head_allocation::adakv;
+    o.compact = kvevict::compaction::out_of_place;
+    scenario<float, float> sc(o, false, 1, 22);
+    check_against_cpu(sc);
+  }
+  SECTION("fp8 keys, no decode feedback: evicted at the end of prefill, one keep set per layer") {
+    kvevict::compressor_options o = deferkv_options(dtype::f8_e4m3, dtype::bf16, 1);
+    o.policy.deferkv.decode_feedback = false;
+    o.scope = kvevict::selection_scope::per_layer;
+    scenario<fp8_e4m3, bf16> sc(o, true, 0, 23);
+    check_against_cpu(sc);
+  }
+}
+
+TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by name",
+          "[gpu][gpu_errors][gpu_compressor]") {
+  using kvevict::dtype;
+  const kvevict::compressor_options base = base_options(dtype::bf16, dtype::bf16);
+  struct expect {
+    kvevict::compressor_options o;
+    kvevict::errc code;
+    std::string arg;
+  };
+  std::vector<expect> cases;
+  cases.push_back({base, kvevict::errc::unsupported, "policy.kind"});
+  cases.back().o.policy = kvevict::policy::h2o();
+  cases.push_back({base, kvevict::errc::unsupported, "policy.chunk_length"});
+  cases.back().o.policy = base.policy.chunked(8);
+  cases.push_back({base, kvevict::errc::unsupported, "scope"});
+  cases.back().o.scope = kvevict::selection_scope::per_sequence;
+  cases.push_back({base, kvevict::errc::unsupported, "adakv.normalize"});
+  cases.back().o.heads = kvevict::head_allocation::adakv;
+  cases.back().o.adakv.normalize = true;
+  cases.push_back({base, kvevict::errc::invalid_shape, "limits.max_pool_blocks"});
+  cases.back().o.limits.max_pool_blocks = -1;
+  cases.push_back({base, kvevict::errc::invalid_shape, "model.num_kv_heads"});  // the CPU plan's checks first
+  cases.back().o.model.num_kv_heads = 0;
+  for (const expect& c : cases) {
+    const kvevict::status st = gpu::compressor_plan(c.o);
+    INFO(c.arg << ": " << st.message());
+    REQUIRE(st.code() == c.code);
+    REQUIRE(std::string(st.argument()) == c.arg);
+  }
+  REQUIRE(gpu::compressor_plan(base).ok());
+}
+
+TEST_CASE("GPU compressor: a refused call changes nothing, and the next call goes on as the CPU's",
+          "[gpu][gpu_errors][gpu_compressor]") {
+  using kvevict::dtype;
+  // DeferKV with delay 2: a bad decode call between two good ones must not advance any state.
+  kvevict::compressor_options o = deferkv_options(dtype::bf16, dtype::bf16, 2);
+  scenario<bf16, bf16> sc(o, true, 2, 31);
+  struct bad_call {
+    const char* what;
+    std::function<void(gpu::compressor_call<bf16, bf16>*)> spoil;
+    kvevict::errc code;
+    std::string arg;
+  };
+  const std::vector<bad_call> cases = {
+      {"a decode step with the wrong token count",
+       [](gpu::compressor_call<bf16, bf16>* c) {
+         c->seqs[3].k.view.num_tokens += 1, c->seqs[3].v.view.num_tokens += 1;
+       },
+       kvevict::errc::invalid_shape, "seqs[3].keys.num_tokens"},
+      {"a pool larger than limits.max_pool_blocks",
+       [](gpu::compressor_call<bf16, bf16>* c) { c->seqs[2].v.view.num_pool_blocks = 65; },
+       kvevict::errc::invalid_shape, "seqs[2].values.num_pool_blocks"},
+      {"block reference counts",
+       [](gpu::compressor_call<bf16, bf16>* c) {
+         c->seqs[0].block_refcounts = {1, 2, 1};
+       },
+       kvevict::errc::unsupported, "seqs[0].block_refcounts"},
+      {"two sequences on one state", [](gpu::compressor_call<bf16, bf16>* c) { c->seqs[2].state = 0; },
+       kvevict::errc::invalid_argument, "seqs[2].state"},
+  };
+  for (const bad_call& b : cases) {
+    INFO(b.what);
+    // The calls: prefill of both layers, decode step 1 of layer 0 spoiled, then every call.
+    std::vector<gpu::compressor_call<bf16, bf16>> calls(sc.calls.begin(), sc.calls.begin() + kLayers);
+    gpu::compressor_call<bf16, bf16> spoiled = sc.calls[static_cast<std::size_t>(kLayers)];
+    b.spoil(&spoiled);
+    calls.push_back(spoiled);
+    calls.insert(calls.end(), sc.calls.begin() + kLayers, sc.calls.end());
+    const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(o, calls, 4);
+    REQUIRE(g.plan.ok());
+    const gpu::compressor_call_result& bad = g.calls[static_cast<std::size_t>(kLayers)];
+    INFO(bad.st.message());
+    REQUIRE(bad.st.code() == b.code);
+    REQUIRE(std::string(bad.st.argument()) == b.arg);
+    for (std::size_t s = 0; s < spoiled.seqs.size(); ++s) {
+      REQUIRE(bad.reports[s].length == -9);  // untouched
+      if (spoiled.seqs[s].k.buf.data == nullptr) continue;
+      require_bytes<bf16>(bad.seqs[s].keys, spoiled.seqs[s].k.buf);
+      require_bytes<bf16>(bad.seqs[s].values, spoiled.seqs[s].v.buf);
+      for (std::int64_t x : bad.seqs[s].head_lengths) REQUIRE(x == -7);
+    }
+    // The session went on from the states before the refused call: its results are the
+    // CPU's for the good calls alone.
+    scenario<bf16, bf16> again(o, true, 2, 31);
+    gpu::compressor_session_result trimmed = g;
+    trimmed.calls.erase(trimmed.calls.begin() + kLayers);
+    std::vector<gpu::compressor_call<bf16, bf16>> good = again.calls;
+    const gpu::compressor_session_result ref = gpu::compressor_session<bf16, bf16>(o, good, 4);
+    REQUIRE(ref.calls.size() == trimmed.calls.size());
+    for (std::size_t i = 0; i < ref.calls.size(); ++i) {
+      INFO("call " << i);
+      REQUIRE(trimmed.calls[i].st.ok());
+      for (std::size_t s = 0; s < ref.calls[i].seqs.size(); ++s) {
+        REQUIRE(trimmed.calls[i].reports[s].action == ref.calls[i].reports[s].action);
+        REQUIRE(trimmed.calls[i].seqs[s].keys == ref.calls[i].seqs[s].keys);
+        REQUIRE(trimmed.calls[i].seqs[s].values == ref.calls[i].seqs[s].values);
+        REQUIRE(trimmed.calls[i].seqs[s].padded == ref.calls[i].seqs[s].padded);
+      }
+    }
+  }
+}
