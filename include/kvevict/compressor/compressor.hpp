@@ -202,12 +202,7 @@ class compressor {
     static constexpr const char* fn = "kvevict::compressor::reset_sequence";
     KVEVICT_RETURN_IF_ERROR(check_planned(fn));
     if (state_bytes_ == 0) return status();
-    if (state == nullptr) return status::error(errc::null_pointer, fn, "state", "expected non-null");
-    if (reinterpret_cast<std::uintptr_t>(state) % 8 != 0)
-      return status::error(errc::invalid_argument, fn, "state", "expected 8-byte alignment");
-    if (bytes < state_bytes_)
-      return status::error(errc::invalid_shape, fn, "bytes", "expected at least %zu (sequence_state_size), got %zu",
-                           state_bytes_, bytes);
+    KVEVICT_RETURN_IF_ERROR(detail::check_state_memory(state, bytes, state_bytes_, fn, "state", "sequence_state_size"));
     const model_shape& m = options_.model;
     if (layer_state_bytes_ > 0) {
       const deferkv<float> policy(options_.policy.deferkv);  // the state layout does not depend on the type
@@ -340,21 +335,8 @@ class compressor {
   status check_run(std::int64_t layer, const sequence_io<T, Q>* seqs, std::int64_t num_seqs,
                    const sequence_report* reports, workspace_span ws, run_layout* lay) const {
     static constexpr const char* fn = "kvevict::compressor::run";
-    if (dtype_of<T>::value != options_.model.storage)
-      return status::error(errc::invalid_argument, fn, "seqs", "expected %s views (the plan's storage type), got %s",
-                           to_string(options_.model.storage), to_string(dtype_of<T>::value));
-    if (dtype_of<Q>::value != options_.model.query_storage)
-      return status::error(errc::invalid_argument, fn, "seqs", "expected %s queries (the plan's query_storage), got %s",
-                           to_string(options_.model.query_storage), to_string(dtype_of<Q>::value));
-    if (layer < 0 || layer >= options_.model.num_layers)
-      return status::error(errc::out_of_range, fn, "layer", "expected a layer in [0, %lld), got %lld",
-                           static_cast<long long>(options_.model.num_layers), static_cast<long long>(layer));
-    if (num_seqs < 0 || num_seqs > options_.limits.max_sequences)
-      return status::error(errc::invalid_shape, fn, "num_seqs", "expected 0 .. %lld (limits.max_sequences), got %lld",
-                           static_cast<long long>(options_.limits.max_sequences), static_cast<long long>(num_seqs));
-    if (num_seqs > 0 && seqs == nullptr) return status::error(errc::null_pointer, fn, "seqs", "expected non-null");
-    if (num_seqs > 0 && reports == nullptr)
-      return status::error(errc::null_pointer, fn, "reports", "expected non-null");
+    KVEVICT_RETURN_IF_ERROR(
+        detail::check_run_call(options_, dtype_of<T>::value, dtype_of<Q>::value, layer, num_seqs, seqs, reports, fn));
     detail::arena a(ws);
     carve(a, lay);
     if (a.overflowed())
@@ -880,35 +862,15 @@ class compressor {
     const policy_kind kind = options_.policy.kind;
     if (kind == policy_kind::streaming_llm || kind == policy_kind::knorm) return status();
     if (kind == policy_kind::deferkv && !what.observe) return status();  // scored from the state
-    const model_shape& m = options_.model;
     KVEVICT_RETURN_IF_ERROR(detail::validate_query_view(io.queries, fn, detail::io_name(s, "queries")));
-    if (io.queries.num_heads != m.num_query_heads || io.queries.head_dim != m.head_dim)
-      return status::error(errc::invalid_shape, fn, detail::io_name(s, "queries"),
-                           "expected the model's [%lld query heads, d = %lld], got [%lld, %lld]",
-                           static_cast<long long>(m.num_query_heads), static_cast<long long>(m.head_dim),
-                           static_cast<long long>(io.queries.num_heads), static_cast<long long>(io.queries.head_dim));
     const bool decode = io.event == sequence_event::decode;
-    if (decode && io.queries.num_queries != 1)
-      return status::error(errc::invalid_shape, fn, detail::io_name(s, "queries.num_queries"),
-                           "expected the decode step's query (1 per head), got %lld",
-                           static_cast<long long>(io.queries.num_queries));
+    KVEVICT_RETURN_IF_ERROR(detail::check_sequence_queries(options_, scoring_domain(), io.queries, decode, io.lse,
+                                                           io.lse_head_stride, s, fn));
     const query_view<const Q> q = decode ? io.queries : prefill_queries(io);
     if (q.num_queries > options_.limits.max_queries)
       return status::error(errc::invalid_shape, fn, detail::io_name(s, "queries.num_queries"),
                            "expected at most limits.max_queries = %lld, got %lld",
                            static_cast<long long>(options_.limits.max_queries), static_cast<long long>(q.num_queries));
-    if (io.lse != nullptr) {
-      if (kind == policy_kind::deferkv)
-        return status::error(errc::unsupported, fn, detail::io_name(s, "lse"),
-                             "DeferKV normalises its own observations; pass no LSE");
-      if (scoring_domain() != softmax_domain::visible)
-        return status::error(errc::unsupported, fn, detail::io_name(s, "lse"),
-                             "an engine log-sum-exp covers every visible key; the policy normalises over candidates");
-      if (io.lse_head_stride != 0 && io.lse_head_stride < io.queries.num_queries)
-        return status::error(errc::invalid_stride, fn, detail::io_name(s, "lse_head_stride"),
-                             "expected 0 or >= %lld, got %lld", static_cast<long long>(io.queries.num_queries),
-                             static_cast<long long>(io.lse_head_stride));
-    }
     if (kind == policy_kind::dapq) {
       const std::int64_t prompt = dapq<T, Q>(options_.policy.dapq).prompt_tokens(io.keys.num_tokens, q.num_queries);
       if (prompt < 0)
@@ -966,17 +928,7 @@ class compressor {
   /// The layer's budget for a sequence of `tokens` scored tokens under selection `sel`.
   layer_budget budget_for(std::int64_t layer, std::int64_t tokens, const selection_params& sel,
                           const run_layout& lay) const noexcept {
-    layer_budget b = base_budget();
-    if (options_.layers == layer_allocation::pyramidkv) {
-      const std::int64_t protect = sel.protected_tail < tokens ? sel.protected_tail : tokens;
-      const std::int64_t mean = candidates_kept(options_.per_head.resolve(tokens), tokens, sel);
-      // Validated shapes: this cannot fail (capacity >= window, layers >= 1, beta >= 1).
-      if (pyramidkv_layer_budgets(mean + protect, protect, options_.model.num_layers, tokens, lay.layer_budgets,
-                                  options_.pyramid_beta)
-              .ok())
-        b.layer_candidates = lay.layer_budgets[layer];
-    }
-    return b;
+    return detail::layer_budget_for(options_, base_budget(), layer, tokens, sel, lay.layer_budgets);
   }
 
   /// One past the newest token's position: a decode step's query position, else the

@@ -6,17 +6,21 @@
 // shared by kvevict::compressor and kvevict::cuda::compressor (so both refuse the same
 // options with the same errors). Light: no scoring code.
 
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 
 #include "kvevict/budgets/layer_budget_params.hpp"
+#include "kvevict/budgets/pyramidkv.hpp"
 #include "kvevict/compressor/options.hpp"
 #include "kvevict/config.hpp"
+#include "kvevict/detail/in_sequence.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/policies/configs.hpp"
 #include "kvevict/rope/rope.hpp"
 #include "kvevict/selection/budget.hpp"
+#include "kvevict/views/query_view.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
 namespace detail {
@@ -249,6 +253,82 @@ inline void keep_capacities(const compressor_options& o, layer_budget b, std::in
   if (o.layers == layer_allocation::pyramidkv) b.layer_candidates = tokens;
   *keep = layer_keep_capacity(heads, tokens, largest_selection(o.policy), b);
   *per_head = o.heads == head_allocation::adakv || b.layer_candidates >= 0 ? tokens : (*keep + heads - 1) / heads;
+}
+
+/// run()'s checks of its call: the element types against the plan's, the layer, the batch.
+inline status check_run_call(const compressor_options& o, dtype storage, dtype queries, std::int64_t layer,
+                             std::int64_t n, const void* seqs, const void* reports, const char* fn) noexcept {
+  if (storage != o.model.storage)
+    return status::error(errc::invalid_argument, fn, "seqs", "expected %s views (the plan's storage type), got %s",
+                         to_string(o.model.storage), to_string(storage));
+  if (queries != o.model.query_storage)
+    return status::error(errc::invalid_argument, fn, "seqs", "expected %s queries (the plan's query_storage), got %s",
+                         to_string(o.model.query_storage), to_string(queries));
+  if (layer < 0 || layer >= o.model.num_layers)
+    return status::error(errc::out_of_range, fn, "layer", "expected a layer in [0, %lld), got %lld",
+                         static_cast<long long>(o.model.num_layers), static_cast<long long>(layer));
+  if (n < 0 || n > o.limits.max_sequences)
+    return status::error(errc::invalid_shape, fn, "num_seqs", "expected 0 .. %lld (limits.max_sequences), got %lld",
+                         static_cast<long long>(o.limits.max_sequences), static_cast<long long>(n));
+  if (n > 0 && seqs == nullptr) return status::error(errc::null_pointer, fn, "seqs", "expected non-null");
+  if (n > 0 && reports == nullptr) return status::error(errc::null_pointer, fn, "reports", "expected non-null");
+  return status();
+}
+
+/// A sequence's observation queries against the model (its query heads and d; one query at a
+/// decode step) and its engine LSE against the policy (`domain`: the one it normalises over).
+template <class Q>
+status check_sequence_queries(const compressor_options& o, softmax_domain domain, const query_view<const Q>& q,
+                              bool decode, const float* lse, std::int64_t lse_head_stride, std::int64_t s,
+                              const char* fn) noexcept {
+  const model_shape& m = o.model;
+  if (q.num_heads != m.num_query_heads || q.head_dim != m.head_dim)
+    return status::error(errc::invalid_shape, fn, io_name(s, "queries"),
+                         "expected the model's [%lld query heads, d = %lld], got [%lld, %lld]",
+                         static_cast<long long>(m.num_query_heads), static_cast<long long>(m.head_dim),
+                         static_cast<long long>(q.num_heads), static_cast<long long>(q.head_dim));
+  if (decode && q.num_queries != 1)
+    return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
+                         "expected the decode step's query (1 per head), got %lld",
+                         static_cast<long long>(q.num_queries));
+  if (lse == nullptr) return status();
+  if (o.policy.kind == policy_kind::deferkv)
+    return status::error(errc::unsupported, fn, io_name(s, "lse"),
+                         "DeferKV normalises its own observations; pass no LSE");
+  if (domain != softmax_domain::visible)
+    return status::error(errc::unsupported, fn, io_name(s, "lse"),
+                         "an engine log-sum-exp covers every visible key; the policy normalises over candidates");
+  if (lse_head_stride != 0 && lse_head_stride < q.num_queries)
+    return status::error(errc::invalid_stride, fn, io_name(s, "lse_head_stride"), "expected 0 or >= %lld, got %lld",
+                         static_cast<long long>(q.num_queries), static_cast<long long>(lse_head_stride));
+  return status();
+}
+
+/// The budget of layer `layer` for a call scoring `tokens` tokens under `sel`, from the budget
+/// every layer starts from: PyramidKV's share of the layers' candidates (layer_budgets:
+/// [num_layers] scratch), as both compressors give it.
+inline layer_budget layer_budget_for(const compressor_options& o, layer_budget b, std::int64_t layer,
+                                     std::int64_t tokens, const selection_params& sel,
+                                     std::int64_t* layer_budgets) noexcept {
+  if (o.layers != layer_allocation::pyramidkv) return b;
+  const std::int64_t protect = sel.protected_tail < tokens ? sel.protected_tail : tokens;
+  const std::int64_t mean = candidates_kept(o.per_head.resolve(tokens), tokens, sel);
+  // Validated shapes: this cannot fail (capacity >= window, layers >= 1, beta >= 1).
+  if (pyramidkv_layer_budgets(mean + protect, protect, o.model.num_layers, tokens, layer_budgets, o.pyramid_beta).ok())
+    b.layer_candidates = layer_budgets[layer];
+  return b;
+}
+
+/// reset_sequence's checks of the caller's state memory: non-null, 8-byte aligned, at least
+/// `need` bytes (`size_fn` names the size query).
+inline status check_state_memory(const void* state, std::size_t bytes, std::size_t need, const char* fn,
+                                 const char* arg, const char* size_fn) noexcept {
+  if (state == nullptr) return status::error(errc::null_pointer, fn, arg, "expected non-null");
+  if (reinterpret_cast<std::uintptr_t>(state) % 8 != 0)
+    return status::error(errc::invalid_argument, fn, arg, "expected 8-byte alignment");
+  if (bytes < need)
+    return status::error(errc::invalid_shape, fn, "bytes", "expected at least %zu (%s), got %zu", need, size_fn, bytes);
+  return status();
 }
 
 }  // namespace detail

@@ -234,12 +234,8 @@ class compressor {
     static constexpr const char* fn = "kvevict::cuda::compressor::reset_sequence";
     KVEVICT_RETURN_IF_ERROR(check_planned(fn));
     if (host_state_bytes_ == 0) return status();
-    if (host_state == nullptr) return status::error(errc::null_pointer, fn, "host_state", "expected non-null");
-    if (reinterpret_cast<std::uintptr_t>(host_state) % 8 != 0)
-      return status::error(errc::invalid_argument, fn, "host_state", "expected 8-byte alignment");
-    if (bytes < host_state_bytes_)
-      return status::error(errc::invalid_shape, fn, "bytes", "expected at least %zu (host_state_size), got %zu",
-                           host_state_bytes_, bytes);
+    KVEVICT_RETURN_IF_ERROR(
+        kvevict::detail::check_state_memory(host_state, bytes, host_state_bytes_, fn, "host_state", "host_state_size"));
     detail::host_state_header h;
     h.magic = detail::host_state_magic;
     h.layers = options_.model.num_layers;
@@ -270,20 +266,8 @@ class compressor {
                   "run<T, Q>: T is float, fp16, bf16, fp8_e4m3 or fp8_e5m2");
     static_assert(is_query_type<Q>::value && !std::is_const<Q>::value, "run<T, Q>: Q is float, fp16 or bf16");
     KVEVICT_RETURN_IF_ERROR(check_planned(fn));
-    if (dtype_of<T>::value != options_.model.storage)
-      return status::error(errc::invalid_argument, fn, "seqs", "expected %s views (the plan's storage type), got %s",
-                           to_string(options_.model.storage), to_string(dtype_of<T>::value));
-    if (dtype_of<Q>::value != options_.model.query_storage)
-      return status::error(errc::invalid_argument, fn, "seqs", "expected %s queries (the plan's query_storage), got %s",
-                           to_string(options_.model.query_storage), to_string(dtype_of<Q>::value));
-    if (layer < 0 || layer >= options_.model.num_layers)
-      return status::error(errc::out_of_range, fn, "layer", "expected a layer in [0, %lld), got %lld",
-                           static_cast<long long>(options_.model.num_layers), static_cast<long long>(layer));
-    if (n < 0 || n > options_.limits.max_sequences)
-      return status::error(errc::invalid_shape, fn, "num_seqs", "expected 0 .. %lld (limits.max_sequences), got %lld",
-                           static_cast<long long>(options_.limits.max_sequences), static_cast<long long>(n));
-    if (n > 0 && seqs == nullptr) return status::error(errc::null_pointer, fn, "seqs", "expected non-null");
-    if (n > 0 && reports == nullptr) return status::error(errc::null_pointer, fn, "reports", "expected non-null");
+    KVEVICT_RETURN_IF_ERROR(
+        kvevict::detail::check_run_call(options_, dtype_of<T>::value, dtype_of<Q>::value, layer, n, seqs, reports, fn));
     if (n == 0) return status();
     device_layout dev;
     kvevict::detail::arena da(ws);
@@ -681,21 +665,6 @@ class compressor {
     return score_view{static_cast<float*>(io.state) + layer * heads * tokens, heads, candidates, tokens};
   }
 
-  /// The layer's budget for L scored tokens under `sel` (PyramidKV's share, as the CPU's).
-  layer_budget budget_for(std::int64_t layer, std::int64_t tokens, const selection_params& sel,
-                          std::int64_t* layer_budgets) const noexcept {
-    layer_budget b = base_budget();
-    if (options_.layers == layer_allocation::pyramidkv) {
-      const std::int64_t protect = sel.protected_tail < tokens ? sel.protected_tail : tokens;
-      const std::int64_t mean = candidates_kept(options_.per_head.resolve(tokens), tokens, sel);
-      if (pyramidkv_layer_budgets(mean + protect, protect, options_.model.num_layers, tokens, layer_budgets,
-                                  options_.pyramid_beta)
-              .ok())
-        b.layer_candidates = layer_budgets[layer];
-    }
-    return b;
-  }
-
   /// What the event does, as kvevict::compressor decides it, with every host check of the
   /// sequence against the plan.
   template <class T, class Q, class H>
@@ -775,34 +744,16 @@ class compressor {
     // The queries the call reads.
     const bool reads_queries = defers() ? p.observe != detail::sequence_step::none : p.evict;
     if (reads_queries) {
-      if (io.queries.num_heads != m.num_query_heads || io.queries.head_dim != m.head_dim)
-        return status::error(errc::invalid_shape, fn, io_name(s, "queries"),
-                             "expected the model's [%lld query heads, d = %lld], got [%lld, %lld]",
-                             static_cast<long long>(m.num_query_heads), static_cast<long long>(m.head_dim),
-                             static_cast<long long>(io.queries.num_heads), static_cast<long long>(io.queries.head_dim));
       const bool decode = io.event == sequence_event::decode;
-      if (decode && io.queries.num_queries != 1)
-        return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
-                             "expected the decode step's query (1 per head), got %lld",
-                             static_cast<long long>(io.queries.num_queries));
+      KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_sequence_queries(options_, scoring_params_of().domain, io.queries,
+                                                                      decode, io.lse, io.lse_head_stride, s, fn));
       if (!decode && io.queries.num_queries < 1)
         return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
                              "expected the prompt's last queries (up to %lld), got none",
                              static_cast<long long>(window_));
-      if (io.lse != nullptr) {
-        if (defers())
-          return status::error(errc::unsupported, fn, io_name(s, "lse"),
-                               "DeferKV normalises its own observations; pass no LSE");
-        if (scoring_params_of().domain != softmax_domain::visible)
-          return status::error(errc::unsupported, fn, io_name(s, "lse"),
-                               "an engine log-sum-exp covers every visible key; the policy normalises over candidates");
-        if (io.lse_head_stride != 0 && io.lse_head_stride < io.queries.num_queries)
-          return status::error(errc::invalid_stride, fn, io_name(s, "lse_head_stride"),
-                               "expected 0 or >= %lld, got %lld", static_cast<long long>(io.queries.num_queries),
-                               static_cast<long long>(io.lse_head_stride));
-      }
     }
-    if (p.evict) p.budget = budget_for(layer, L, p.sel, host.layer_budgets);
+    if (p.evict)
+      p.budget = kvevict::detail::layer_budget_for(options_, base_budget(), layer, L, p.sel, host.layer_budgets);
     return status();
   }
 
