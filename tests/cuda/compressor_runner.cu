@@ -30,6 +30,7 @@ compressor_session_result compressor_session(const kvevict::compressor_options& 
 
   mirror session;  // what outlives the calls: the workspace and the sequences' states
   const kvevict::workspace_span ws{session.alloc_bytes(c.workspace_size()), c.workspace_size()};
+  if (ws.data != nullptr) cudaMemset(ws.data, 0xff, ws.size);
   void* staging = nullptr;
   if (cudaMallocHost(&staging, std::max<std::size_t>(c.staging_size(), 1)) != cudaSuccess) {
     r.plan = status::error(errc::unsupported, "gpu::compressor_session", "staging", "cudaMallocHost failed");
@@ -39,6 +40,7 @@ compressor_session_result compressor_session(const kvevict::compressor_options& 
   std::vector<std::vector<std::uint64_t>> host_states(static_cast<std::size_t>(num_states));
   for (std::size_t i = 0; i < states.size(); ++i) {
     states[i] = c.sequence_state_size() > 0 ? session.alloc_bytes(c.sequence_state_size()) : nullptr;
+    if (states[i] != nullptr) cudaMemset(states[i], 0xff, c.sequence_state_size());
     host_states[i].assign(c.host_state_size() / 8 + 1, 0);
     const status reset = c.reset_sequence(host_states[i].data(), host_states[i].size() * 8);
     if (!reset.ok()) r.plan = reset;
@@ -60,11 +62,13 @@ compressor_session_result compressor_session(const kvevict::compressor_options& 
       const compressor_sequence<T, Q>& q = call.seqs[s];
       kvevict::cuda::sequence_io<T, Q>& io = ios[s];
       io.event = q.event;
-      io.keys = device_view(m, q.k.view, q.k.buf, table(q.k));
-      io.values = device_view(m, q.v.view, q.v.buf, table(q.v));
+      // The caches live on the device for the whole session (an engine's), so that every
+      // call sees what the earlier ones did to them.
+      io.keys = device_view(session, q.k.view, q.k.buf, table(q.k));
+      io.values = device_view(session, q.v.view, q.v.buf, table(q.v));
       if (q.dst_k.view.data != nullptr) {
-        io.dst_keys = device_view(m, q.dst_k.view, q.dst_k.buf, table(q.dst_k));
-        io.dst_values = device_view(m, q.dst_v.view, q.dst_v.buf, table(q.dst_v));
+        io.dst_keys = device_view(session, q.dst_k.view, q.dst_k.buf, table(q.dst_k));
+        io.dst_values = device_view(session, q.dst_v.view, q.dst_v.buf, table(q.dst_v));
       }
       if (q.qbuf.data != nullptr) io.queries = device_queries(m, q.queries, q.qbuf);
       if (!q.key_positions.empty()) io.key_positions = m.fresh_copy(q.key_positions);
@@ -94,9 +98,9 @@ compressor_session_result compressor_session(const kvevict::compressor_options& 
     for (std::size_t s = 0; s < n; ++s) {
       const compressor_sequence<T, Q>& q = call.seqs[s];
       compressor_sequence_result out;
-      const auto back = [&m](const host_buffer& b) {
+      const auto back = [&session](const host_buffer& b) {
         return b.data == nullptr ? std::vector<unsigned char>{}
-                                 : m.get(static_cast<const unsigned char*>(m.put(b)), b.bytes);
+                                 : session.get(static_cast<const unsigned char*>(session.put(b)), b.bytes);
       };
       out.keys = back(q.k.buf);
       out.values = back(q.v.buf);
@@ -109,6 +113,9 @@ compressor_session_result compressor_session(const kvevict::compressor_options& 
       }
       cr.seqs.push_back(std::move(out));
     }
+    for (void* st : states)
+      cr.states.push_back(st == nullptr ? std::vector<unsigned char>{}
+                                        : m.get(static_cast<const unsigned char*>(st), c.sequence_state_size()));
     cr.flags = m.read_flags();
     r.calls.push_back(std::move(cr));
   }

@@ -13,8 +13,9 @@
 
 namespace gpu {
 
-/// One sequence of a call: host views into host buffers (per call mirrored to fresh device
-/// memory; buffers given by one host pointer become one device buffer).
+/// One sequence of a call: host views into host buffers. A buffer is copied to the device the
+/// first time a call of the session names it and stays there (buffers given by one host
+/// pointer are one device buffer), so later calls see what earlier ones did to it.
 template <class T, class Q>
 struct compressor_sequence {
   kvevict::sequence_event event = kvevict::sequence_event::idle;
@@ -44,7 +45,8 @@ struct compressor_sequence_result {
 struct compressor_call_result {
   kvevict::status st;
   std::vector<kvevict::sequence_report> reports;
-  std::vector<compressor_sequence_result> seqs;
+  std::vector<compressor_sequence_result> seqs;    ///< the session's buffers after the call
+  std::vector<std::vector<unsigned char>> states;  ///< every state slot's device bytes afterwards
   std::uint32_t flags = 0;
 };
 
@@ -55,7 +57,8 @@ struct compressor_session_result {
 };
 
 /// Plans kvevict::cuda::compressor from `options` and runs `calls` in order with
-/// `num_states` persistent sequence states.
+/// `num_states` persistent sequence states. The workspace and the states start as 0xff bytes
+/// (NaN floats, -1 indices): a read of anything not written first shows.
 template <class T, class Q>
 compressor_session_result compressor_session(const kvevict::compressor_options& options,
                                              const std::vector<compressor_call<T, Q>>& calls, int num_states);

@@ -48,6 +48,10 @@ struct scenario {
   kvevict::compressor_options options;
   bool paged = true;
   std::vector<std::int64_t> prompts{61, 0, 37, 16};
+  /// Sequence 3 starts a step late: its prefill_end shares a batch with the others' first
+  /// decode step, and their calls after eviction (decode steps that do nothing) share one with
+  /// its last.
+  std::vector<std::int64_t> offsets{0, 0, 0, 1};
   std::int64_t steps = 0;
   std::vector<gpu::shared_pool<T>> kpools, vpools, dkpools, dvpools;  // [layer]
   std::vector<test::test_cache<T>> own_k, own_v, own_dk, own_dv;      // [layer * seqs + s]
@@ -97,15 +101,16 @@ struct scenario {
       }
     }
     const bool defer = options.policy.kind == kvevict::policy_kind::deferkv;
-    for (std::int64_t k = 0; k <= steps; ++k)
+    for (std::int64_t step = 0; step <= steps + 1; ++step)
       for (std::int64_t l = 0; l < kLayers; ++l) {
         gpu::compressor_call<T, Q> call;
         call.layer = l;
         for (std::size_t s = 0; s < seqs(); ++s) {
           gpu::compressor_sequence<T, Q> q;
-          if (!idle(s)) {
+          const std::int64_t k = std::min(step - offsets[s], steps);  // past `steps`: a decode after eviction
+          if (!idle(s) && k >= 0) {
             const std::int64_t n = prompts[s] + k;
-            q.event = k == 0 ? kvevict::sequence_event::prefill_end : kvevict::sequence_event::decode;
+            q.event = step == offsets[s] ? kvevict::sequence_event::prefill_end : kvevict::sequence_event::decode;
             q.k = kside(l, s, n);
             q.v = vside(l, s, n);
             if (out_of_place()) {
@@ -118,7 +123,7 @@ struct scenario {
             q.qbuf = gpu::buffer_of(tq.buffer);
             if (s == 2)  // unsorted, spaced positions (llama.cpp cells after a shift)
               for (std::int64_t j = 0; j < n; ++j) q.key_positions.push_back(3 * ((j * 7) % n) + 1);
-            if (engine_lse && k == 0) {  // rows W' + 2 apart: the last window rows must be picked
+            if (engine_lse && step == offsets[s]) {  // rows W' + 2 apart: the last window rows must be picked
               const std::int64_t rows = tq.view.num_queries, stride = rows + 2;
               for (std::int64_t h = 0; h < kHq; ++h)
                 for (std::int64_t t = 0; t < stride; ++t)
@@ -226,18 +231,22 @@ void check_against_cpu(scenario<T, Q>& sc) {
         continue;
       }
       ++evictions;
-      REQUIRE(r.kept == c.kept);
-      if (sc.options.heads == kvevict::head_allocation::adakv) {
-        REQUIRE(r.length == -1);  // on the device only
+      if (sc.options.heads == kvevict::head_allocation::adakv) {  // on the device only
+        REQUIRE(r.length == -1);
+        REQUIRE(r.kept == -1);
         REQUIRE(*std::max_element(out.head_lengths.begin(), out.head_lengths.end()) == c.length);
+        std::int64_t total = 0;
+        for (std::int64_t x : out.head_lengths) total += x;
+        REQUIRE(total == c.kept);
       } else {
+        REQUIRE(r.kept == c.kept);
         REQUIRE(r.length == c.length);
         REQUIRE(r.next_slot == c.next_slot);
         REQUIRE(r.dropped == c.dropped);
         REQUIRE(r.freed_blocks == c.freed_blocks);
       }
       REQUIRE(out.head_lengths == lengths[s]);
-      REQUIRE(std::equal(kept[s].begin(), kept[s].begin() + c.kept, out.kept_positions.begin()));
+      REQUIRE(out.kept_positions == kept[s]);  // the kept entries, then -7 (untouched) past them
       REQUIRE(out.padded == padded[s]);
     }
     // Every buffer the call saw, as the CPU left it.
@@ -252,7 +261,7 @@ void check_against_cpu(scenario<T, Q>& sc) {
       }
     }
   }
-  REQUIRE(evictions == kLayers * 3);  // every layer of the three active sequences
+  REQUIRE(evictions == kLayers * 3);  // every layer of the three active sequences, once
 }
 
 kvevict::compressor_options deferkv_options(kvevict::dtype storage, kvevict::dtype queries, std::int64_t delay) {
@@ -291,7 +300,9 @@ TEST_CASE("GPU compressor: SnapKV equals kvevict::compressor, call for call", "[
     check_against_cpu(sc);
   }
   SECTION("bf16, own strided caches, the engine's log-sum-exp (one pass), rows a stride apart") {
-    scenario<bf16, bf16> sc(base_options(dtype::bf16, dtype::bf16), false, 0, 15, true);
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    o.per_head = kvevict::budget::ratio(0.3);
+    scenario<bf16, bf16> sc(o, false, 0, 15, true);
     check_against_cpu(sc);
   }
   SECTION("fp8 e4m3 keys and values, bf16 queries, into fresh paged blocks") {
@@ -317,6 +328,13 @@ TEST_CASE("GPU compressor: DeferKV observes prefill and decode steps, then evict
     o.heads = kvevict::head_allocation::adakv;
     o.compact = kvevict::compaction::out_of_place;
     scenario<float, float> sc(o, false, 1, 22);
+    check_against_cpu(sc);
+  }
+  SECTION("float, shared paged pools, delay 3, uniform ratio budget, keep-lists only") {
+    kvevict::compressor_options o = deferkv_options(dtype::f32, dtype::f32, 3);
+    o.per_head = kvevict::budget::ratio(0.5);
+    o.compact = kvevict::compaction::keep_list_only;
+    scenario<float, float> sc(o, true, 3, 24);
     check_against_cpu(sc);
   }
   SECTION("fp8 keys, no decode feedback: evicted at the end of prefill, one keep set per layer") {
@@ -351,6 +369,16 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
   cases.back().o.limits.max_pool_blocks = -1;
   cases.push_back({base, kvevict::errc::invalid_shape, "model.num_kv_heads"});  // the CPU plan's checks first
   cases.back().o.model.num_kv_heads = 0;
+  cases.push_back({base, kvevict::errc::overflow, "model.num_kv_heads"});  // the kernels' limits
+  cases.back().o.model.num_kv_heads = cases.back().o.model.num_query_heads = 70000;
+  cases.push_back({base, kvevict::errc::overflow, "limits.max_tokens"});
+  cases.back().o.limits.max_tokens = std::int64_t{1} << 31;
+  cases.push_back({base, kvevict::errc::overflow, "limits.max_tokens"});  // AdaKV ranks Hkv x L in one row
+  cases.back().o.heads = kvevict::head_allocation::adakv;
+  cases.back().o.limits.max_tokens = std::int64_t{1} << 30;
+  static const kvevict::collective group{};
+  cases.push_back({base, kvevict::errc::unsupported, "tensor_parallel"});
+  cases.back().o.tensor_parallel = &group;
   for (const expect& c : cases) {
     const kvevict::status st = gpu::compressor_plan(c.o);
     INFO(c.arg << ": " << st.message());
@@ -363,9 +391,12 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
 TEST_CASE("GPU compressor: a refused call changes nothing, and the next call goes on as the CPU's",
           "[gpu][gpu_errors][gpu_compressor]") {
   using kvevict::dtype;
-  // DeferKV with delay 2: a bad decode call between two good ones must not advance any state.
+  // DeferKV with delay 2: the call of layer 0 at decode step 2 evicts sequences 0 and 2 and
+  // observes sequence 3's first step; spoiled, it must change nothing, and the session must go
+  // on as if it had never been made.
   kvevict::compressor_options o = deferkv_options(dtype::bf16, dtype::bf16, 2);
   scenario<bf16, bf16> sc(o, true, 2, 31);
+  const std::size_t at = 2 * kLayers;  // [prefill, step 1, step 2, step 3] x layers
   struct bad_call {
     const char* what;
     std::function<void(gpu::compressor_call<bf16, bf16>*)> spoil;
@@ -388,45 +419,81 @@ TEST_CASE("GPU compressor: a refused call changes nothing, and the next call goe
        kvevict::errc::unsupported, "seqs[0].block_refcounts"},
       {"two sequences on one state", [](gpu::compressor_call<bf16, bf16>* c) { c->seqs[2].state = 0; },
        kvevict::errc::invalid_argument, "seqs[2].state"},
+      {"K outside device memory (found when sequence 2's step is prepared, after sequence 0's)",
+       [](gpu::compressor_call<bf16, bf16>* c) { c->seqs[2].k.view.data = nullptr; }, kvevict::errc::invalid_argument,
+       "seqs[2].keys.data"},
   };
+  const gpu::compressor_session_result ref = gpu::compressor_session<bf16, bf16>(o, sc.calls, 4);
+  REQUIRE(ref.plan.ok());
   for (const bad_call& b : cases) {
     INFO(b.what);
-    // The calls: prefill of both layers, decode step 1 of layer 0 spoiled, then every call.
-    std::vector<gpu::compressor_call<bf16, bf16>> calls(sc.calls.begin(), sc.calls.begin() + kLayers);
-    gpu::compressor_call<bf16, bf16> spoiled = sc.calls[static_cast<std::size_t>(kLayers)];
+    std::vector<gpu::compressor_call<bf16, bf16>> calls = sc.calls;
+    gpu::compressor_call<bf16, bf16> spoiled = sc.calls[at];
     b.spoil(&spoiled);
-    calls.push_back(spoiled);
-    calls.insert(calls.end(), sc.calls.begin() + kLayers, sc.calls.end());
+    calls.insert(calls.begin() + static_cast<std::ptrdiff_t>(at), spoiled);
     const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(o, calls, 4);
     REQUIRE(g.plan.ok());
-    const gpu::compressor_call_result& bad = g.calls[static_cast<std::size_t>(kLayers)];
+    const gpu::compressor_call_result& bad = g.calls[at];
     INFO(bad.st.message());
     REQUIRE(bad.st.code() == b.code);
     REQUIRE(std::string(bad.st.argument()) == b.arg);
+    REQUIRE(bad.states == g.calls[at - 1].states);  // no device state moved
+    // The layer's pools as the same layer's previous call left them (step 1; the other layer's
+    // call in between does not touch them).
+    const gpu::compressor_call_result& before = ref.calls[at - kLayers];
     for (std::size_t s = 0; s < spoiled.seqs.size(); ++s) {
       REQUIRE(bad.reports[s].length == -9);  // untouched
       if (spoiled.seqs[s].k.buf.data == nullptr) continue;
-      require_bytes<bf16>(bad.seqs[s].keys, spoiled.seqs[s].k.buf);
-      require_bytes<bf16>(bad.seqs[s].values, spoiled.seqs[s].v.buf);
-      for (std::int64_t x : bad.seqs[s].head_lengths) REQUIRE(x == -7);
+      REQUIRE(bad.seqs[s].keys == before.seqs[s].keys);
+      REQUIRE(bad.seqs[s].values == before.seqs[s].values);
+      for (const auto* v : {&bad.seqs[s].head_lengths, &bad.seqs[s].kept_positions, &bad.seqs[s].padded})
+        for (std::int64_t x : *v) REQUIRE(x == -7);
     }
-    // The session went on from the states before the refused call: its results are the
-    // CPU's for the good calls alone.
-    scenario<bf16, bf16> again(o, true, 2, 31);
-    gpu::compressor_session_result trimmed = g;
-    trimmed.calls.erase(trimmed.calls.begin() + kLayers);
-    std::vector<gpu::compressor_call<bf16, bf16>> good = again.calls;
-    const gpu::compressor_session_result ref = gpu::compressor_session<bf16, bf16>(o, good, 4);
-    REQUIRE(ref.calls.size() == trimmed.calls.size());
-    for (std::size_t i = 0; i < ref.calls.size(); ++i) {
+    // Every later call as in the session without the refused one (host states untouched too:
+    // a decode step's token count is checked against them).
+    REQUIRE(g.calls.size() == ref.calls.size() + 1);
+    for (std::size_t i = at; i < ref.calls.size(); ++i) {
       INFO("call " << i);
-      REQUIRE(trimmed.calls[i].st.ok());
-      for (std::size_t s = 0; s < ref.calls[i].seqs.size(); ++s) {
-        REQUIRE(trimmed.calls[i].reports[s].action == ref.calls[i].reports[s].action);
-        REQUIRE(trimmed.calls[i].seqs[s].keys == ref.calls[i].seqs[s].keys);
-        REQUIRE(trimmed.calls[i].seqs[s].values == ref.calls[i].seqs[s].values);
-        REQUIRE(trimmed.calls[i].seqs[s].padded == ref.calls[i].seqs[s].padded);
+      const gpu::compressor_call_result &x = g.calls[i + 1], &y = ref.calls[i];
+      REQUIRE(x.st.ok());
+      REQUIRE(x.states == y.states);
+      for (std::size_t s = 0; s < y.seqs.size(); ++s) {
+        REQUIRE(x.reports[s].action == y.reports[s].action);
+        REQUIRE(x.seqs[s].keys == y.seqs[s].keys);
+        REQUIRE(x.seqs[s].values == y.seqs[s].values);
+        REQUIRE(x.seqs[s].padded == y.seqs[s].padded);
       }
     }
   }
+}
+
+TEST_CASE("GPU compressor: errors found by a batched call name the run's sequence",
+          "[gpu][gpu_errors][gpu_compressor]") {
+  using kvevict::dtype;
+  // SnapKV in place over caches of their own: sequence 3's K a view of sequence 2's buffer. The
+  // compaction batch (sequences 0, 2, 3 of the run: its 0, 1, 2) refuses the shared buffer
+  // before anything is enqueued, and the error names the run's sequence 3.
+  scenario<bf16, bf16> sc(base_options(dtype::bf16, dtype::bf16), false, 0, 41);
+  std::vector<gpu::compressor_call<bf16, bf16>> calls{sc.calls[static_cast<std::size_t>(kLayers)]};  // step 1, layer 0
+  gpu::compressor_call<bf16, bf16>& c = calls[0];
+  REQUIRE(c.seqs[3].event == kvevict::sequence_event::prefill_end);
+  c.seqs[0].event = c.seqs[2].event = kvevict::sequence_event::prefill_end;  // all three evict here
+  c.seqs[0].k.view.num_tokens = c.seqs[0].v.view.num_tokens = sc.prompts[0];
+  c.seqs[2].k.view.num_tokens = c.seqs[2].v.view.num_tokens = sc.prompts[2];
+  gpu::compressor_call<bf16, bf16> good = c;
+  c.seqs[3].k = c.seqs[2].k;  // the first 16 tokens of sequence 2's K buffer
+  c.seqs[3].k.view.num_tokens = sc.prompts[3];
+  const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(sc.options, calls, 4);
+  REQUIRE(g.plan.ok());
+  INFO(g.calls[0].st.message());
+  REQUIRE(g.calls[0].st.code() == kvevict::errc::invalid_argument);
+  REQUIRE(std::string(g.calls[0].st.argument()) == "seqs[3].keys.data");
+  for (std::size_t s = 0; s < c.seqs.size(); ++s) {
+    REQUIRE(g.calls[0].reports[s].length == -9);
+    if (c.seqs[s].k.buf.data == nullptr) continue;
+    require_bytes<bf16>(g.calls[0].seqs[s].keys, c.seqs[s].k.buf);
+    for (std::int64_t x : g.calls[0].seqs[s].padded) REQUIRE(x == -7);
+  }
+  // The unspoiled batch passes.
+  REQUIRE(gpu::compressor_session<bf16, bf16>(sc.options, {good}, 4).calls[0].st.ok());
 }

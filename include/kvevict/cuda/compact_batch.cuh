@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <type_traits>
 
@@ -97,25 +98,30 @@ struct base_entry {
 };
 
 /// Refuses a base pointer shared by two entries of which one is written (sorted in place:
-/// n log n, no allocation); the error names the last sequence's written view and the first
-/// other view on that pointer.
+/// n log n, no allocation). The error names the last sequence's written view on a shared
+/// pointer and the first other view there; of several shared pointers, the one whose named
+/// view comes first (sequence, then field name), whatever the addresses.
 inline status check_distinct_bases(base_entry* bases, std::int64_t nb, const char* fn) {
   std::sort(bases, bases + nb, [](const base_entry& x, const base_entry& y) {
     return std::less<const void*>()(x.data, y.data) || (x.data == y.data && x.seq < y.seq);
   });
+  std::int64_t named = -1, other = -1;
   for (std::int64_t i = 0; i < nb;) {
     std::int64_t end = i + 1, writer = bases[i].writes ? i : -1;  // the group's last written entry
     for (; end < nb && bases[end].data == bases[i].data; ++end)
       if (bases[end].writes) writer = end;
-    if (end - i > 1 && writer >= 0) {
-      const base_entry& other = bases[writer == i ? i + 1 : i];
-      return status::error(errc::invalid_argument, fn, kvevict::detail::io_name(bases[writer].seq, bases[writer].field),
-                           "expected memory of its own, got the base pointer of seqs[%lld].%s",
-                           static_cast<long long>(other.seq), other.field);
+    if (end - i > 1 && writer >= 0 &&
+        (named < 0 || bases[writer].seq < bases[named].seq ||
+         (bases[writer].seq == bases[named].seq && std::strcmp(bases[writer].field, bases[named].field) < 0))) {
+      named = writer;
+      other = writer == i ? i + 1 : i;
     }
     i = end;
   }
-  return status();
+  if (named < 0) return status();
+  return status::error(errc::invalid_argument, fn, kvevict::detail::io_name(bases[named].seq, bases[named].field),
+                       "expected memory of its own, got the base pointer of seqs[%lld].%s",
+                       static_cast<long long>(bases[other].seq), bases[other].field);
 }
 
 /// Which pool a batch's paged views live in (the first paged view's), and whether `v` is in it.

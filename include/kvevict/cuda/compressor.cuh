@@ -43,6 +43,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -128,8 +129,8 @@ struct sequence_step {
 /// from a CSR keep-list: grid (chunks of the row, Hkv).
 template <int Unused = 0>
 __global__ void keep_outputs_kernel(const std::int64_t* offsets, const std::int64_t* indices, std::int64_t cap,
-                                    index_ptr key_positions, std::int64_t* padded, std::int64_t* head_lengths,
-                                    std::int64_t* positions) {
+                                    std::int64_t tokens, index_ptr key_positions, std::int64_t* padded,
+                                    std::int64_t* head_lengths, std::int64_t* positions) {
   const std::int64_t h = blockIdx.y;
   const std::int64_t begin = offsets[h], n = offsets[h + 1] - begin;
   if (head_lengths != nullptr && blockIdx.x == 0 && threadIdx.x == 0) head_lengths[h] = n;
@@ -137,23 +138,41 @@ __global__ void keep_outputs_kernel(const std::int64_t* offsets, const std::int6
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t index = i < n ? indices[begin + i] : -1;
     if (padded != nullptr) padded[h * cap + i] = index;
-    if (positions != nullptr && i < n) positions[begin + i] = key_positions != nullptr ? key_positions[index] : index;
+    // (An index outside [0, L) -- a selection flagged and not written -- is not looked up.)
+    if (positions != nullptr && i < n)
+      positions[begin + i] = key_positions != nullptr && index >= 0 && index < tokens ? key_positions[index] : index;
   }
 }
 
-/// `st`, from a batched call over a subset of the sequences (its "seqs[i]" the subset's i),
-/// renamed to the run's sequence seq_of[i].
+/// `text` with every "seqs[i]" (i < n, an index into a subset of the run's sequences) written
+/// as "seqs[seq_of[i]]", into out[size].
+inline void renumber_text(const char* text, const std::int64_t* seq_of, std::int64_t n, char* out,
+                          std::size_t size) noexcept {
+  std::size_t o = 0;
+  while (*text != '\0' && o + 1 < size) {
+    char* end = nullptr;
+    const long long i = std::strncmp(text, "seqs[", 5) == 0 ? std::strtoll(text + 5, &end, 10) : -1;
+    if (end != nullptr && end != text + 5 && *end == ']' && i >= 0 && i < n) {
+      const int w = std::snprintf(out + o, size - o, "seqs[%lld]", static_cast<long long>(seq_of[i]));
+      o = w < 0 ? o : (o + static_cast<std::size_t>(w) < size ? o + static_cast<std::size_t>(w) : size - 1);
+      text = end + 1;
+    } else {
+      out[o++] = *text++;
+    }
+  }
+  out[o] = '\0';
+}
+
+/// `st`, from a batched call over a subset of the sequences (its "seqs[i]" the subset's i, in
+/// the argument and in the message), renamed to the run's sequences seq_of[i].
 inline status renumbered(const status& st, const std::int64_t* seq_of, std::int64_t n, const char* fn) noexcept {
   if (st.ok()) return st;
-  const char* arg = st.argument();
-  if (std::strncmp(arg, "seqs[", 5) != 0) return st;
-  char* end = nullptr;
-  const long long i = std::strtoll(arg + 5, &end, 10);
-  if (end == nullptr || end[0] != ']' || end[1] != '.' || i < 0 || i >= n) return st;
   const char* text = std::strstr(st.message(), ": ");
-  text = text != nullptr ? std::strstr(text + 2, ": ") : nullptr;
-  return kvevict::detail::in_sequence(status::error(st.code(), fn, end + 2, "%s", text != nullptr ? text + 2 : ""),
-                                      seq_of[i], fn);
+  text = text != nullptr ? std::strstr(text + 2, ": ") : nullptr;  // past "function: argument: "
+  char arg[2 * status::max_argument], message[512];
+  renumber_text(st.argument(), seq_of, n, arg, sizeof(arg));
+  renumber_text(text != nullptr ? text + 2 : st.message(), seq_of, n, message, sizeof(message));
+  return status::error(st.code(), fn, arg, "%s", message);
 }
 
 }  // namespace detail
@@ -194,6 +213,18 @@ class compressor {
       return status::error(errc::unsupported, fn, "adakv.normalize",
                            "AdaKV's per-head normalisation is not implemented on the GPU");
     KVEVICT_RETURN_IF_ERROR(detail::check_pooling_fits(c.scoring_params_of().pool, fn));
+    // The kernels' 32-bit limits, refused here so that no run() stops half-way through its
+    // enqueues (selection tiles rows of L keys; AdaKV ranks a layer's Hkv * L candidates in
+    // one row; grids put the KV heads on y).
+    if (o.model.num_kv_heads > 65535)
+      return status::error(errc::overflow, fn, "model.num_kv_heads", "expected at most 65535 on the GPU, got %lld",
+                           static_cast<long long>(o.model.num_kv_heads));
+    const std::int64_t rows = o.heads == head_allocation::adakv ? o.model.num_kv_heads : 1;
+    if (!detail::fits_int32(kvevict::detail::saturating_mul(rows, o.limits.max_tokens), detail::select_tile))
+      return status::error(errc::overflow, fn, "limits.max_tokens",
+                           "expected %s below 2^31 - %lld on the GPU, got %lld tokens",
+                           rows > 1 ? "Hkv x max_tokens (AdaKV)" : "max_tokens",
+                           static_cast<long long>(detail::select_tile), static_cast<long long>(o.limits.max_tokens));
     kvevict::detail::keep_capacities(o, c.base_budget(), &c.keep_capacity_, &c.head_capacity_);
     (void)kvevict::detail::with_types(o.model.storage, o.model.query_storage, [&c](auto t, auto q) {
       c.size<typename decltype(t)::type, typename decltype(q)::type>();
@@ -250,8 +281,8 @@ class compressor {
   ///   seqs:    [n] host array (n <= limits.max_sequences) of device views (cuda::sequence_io)
   ///   reports: [n] host out. As kvevict::compressor reports, except what only the device
   ///            knows: next_position is -1 (the engine's position counter applies), and under
-  ///            AdaKV length, next_slot, dropped and (unless out_of_place) freed_blocks are -1
-  ///            (the kept lengths are in the device's head_lengths); kept is exact.
+  ///            AdaKV length, next_slot, kept, dropped and (unless out_of_place) freed_blocks
+  ///            are -1 (the kept lengths are in the device's head_lengths).
   ///   ws:      device memory, >= workspace_size()
   ///   staging: host memory, >= staging_size() (see there)
   ///   opt:     stream, device flag word, pointer checks
@@ -490,19 +521,19 @@ class compressor {
     const std::int64_t seqs = options_.limits.max_sequences, heads = options_.model.num_kv_heads;
     unsigned char* block = a.take<unsigned char>(static_cast<std::int64_t>(selection_block_bytes()));
     *rows = reinterpret_cast<select_row*>(block);
-    *offsets =
-        block == nullptr
-            ? nullptr
-            : reinterpret_cast<std::int64_t*>(block + detail::compact_round_up(saturating_mul(
-                                                          static_cast<std::size_t>(seqs * heads), sizeof(select_row))));
+    *offsets = block == nullptr
+                   ? nullptr
+                   : reinterpret_cast<std::int64_t*>(
+                         block + detail::compact_round_up(saturating_mul(
+                                     static_cast<std::size_t>(saturating_mul(seqs, heads)), sizeof(select_row))));
   }
   std::size_t selection_block_bytes() const noexcept {
     using kvevict::detail::saturating_add;
     using kvevict::detail::saturating_mul;
     const auto seqs = static_cast<std::size_t>(options_.limits.max_sequences);
     const auto heads = static_cast<std::size_t>(options_.model.num_kv_heads);
-    return saturating_add(detail::compact_round_up(saturating_mul(seqs * heads, sizeof(select_row))),
-                          saturating_mul(seqs * (heads + 1), sizeof(std::int64_t)));
+    return saturating_add(detail::compact_round_up(saturating_mul(saturating_mul(seqs, heads), sizeof(select_row))),
+                          saturating_mul(saturating_mul(seqs, heads + 1), sizeof(std::int64_t)));
   }
 
   /// Sequence s's rows in the batched selection (from `first` on) and its offsets, on the host:
@@ -719,8 +750,10 @@ class compressor {
       return status::error(errc::invalid_shape, fn, io_name(s, "keys.num_tokens"),
                            "expected 0 .. limits.max_tokens = %lld, got %lld",
                            static_cast<long long>(options_.limits.max_tokens), static_cast<long long>(L));
-    KVEVICT_RETURN_IF_ERROR(check_pool(io.keys, s, "keys.num_pool_blocks"));
-    KVEVICT_RETURN_IF_ERROR(check_pool(io.values, s, "values.num_pool_blocks"));
+    if (p.evict && options_.compact == compaction::in_place) {  // the bitmaps' bound
+      KVEVICT_RETURN_IF_ERROR(check_pool(io.keys, s, "keys.num_pool_blocks"));
+      KVEVICT_RETURN_IF_ERROR(check_pool(io.values, s, "values.num_pool_blocks"));
+    }
     if (p.evict && options_.compact == compaction::out_of_place) {
       if (io.dst_keys.data == nullptr || io.dst_values.data == nullptr)
         return status::error(errc::null_pointer, fn,
@@ -737,6 +770,8 @@ class compressor {
             "expected room for %lld rows (the most a head may keep), got %lld", static_cast<long long>(most),
             static_cast<long long>(io.dst_keys.num_tokens < io.dst_values.num_tokens ? io.dst_keys.num_tokens
                                                                                      : io.dst_values.num_tokens));
+      KVEVICT_RETURN_IF_ERROR(check_pool(io.keys, s, "keys.num_pool_blocks"));  // sources are marked too
+      KVEVICT_RETURN_IF_ERROR(check_pool(io.values, s, "values.num_pool_blocks"));
       KVEVICT_RETURN_IF_ERROR(check_pool(io.dst_keys, s, "dst_keys.num_pool_blocks"));
       KVEVICT_RETURN_IF_ERROR(check_pool(io.dst_values, s, "dst_values.num_pool_blocks"));
     }
@@ -778,6 +813,13 @@ class compressor {
                            "expected sequence_state_size() = %zu bytes of device memory", state_bytes_);
     const deferkv_config& cfg = options_.policy.deferkv;
     const detail::host_layer_state now = *layer_record(io.host_state, layer);
+    const bool started = now.phase != detail::phase_empty;
+    if (now.phase < detail::phase_empty || now.phase > detail::phase_evicted || now.prompt_tokens < 0 ||
+        now.steps < 0 || now.prompt_tokens + now.steps > options_.limits.max_tokens ||
+        (started && !(now.z > 0.0 && now.z <= std::numeric_limits<double>::max())))
+      return status::error(errc::invalid_state, fn, io_name(s, "host_state"),
+                           "layer %lld's record was overwritten: reset_sequence() when the sequence starts",
+                           static_cast<long long>(layer));
     const bool fed_back = cfg.decode_feedback && cfg.delay > 0;
     const std::int64_t L = io.keys.num_tokens;
     p->after = now;
@@ -797,8 +839,12 @@ class compressor {
       p->after.z = z;
       p->after.phase = fed_back ? detail::phase_prefilled : detail::phase_ready;
     } else if (now.phase == detail::phase_evicted) {
-      return status();  // decoding goes on after eviction
-    } else if (now.phase == detail::phase_ready) {
+      return status();                              // decoding goes on after eviction
+    } else if (now.phase == detail::phase_ready) {  // (run() evicts in the call that makes a layer ready)
+      if (L != now.prompt_tokens + now.steps)
+        return status::error(errc::invalid_shape, fn, io_name(s, "keys.num_tokens"),
+                             "expected prompt + decoded tokens = %lld, got %lld",
+                             static_cast<long long>(now.prompt_tokens + now.steps), static_cast<long long>(L));
       p->evict = true;
     } else if (now.phase == detail::phase_empty) {
       return status::error(errc::invalid_state, fn, io_name(s, "event"),
@@ -894,7 +940,8 @@ class compressor {
   }
 
   /// padded_indices, and head_lengths / kept_positions when nothing is compacted (the
-  /// compactions write those on success).
+  /// compactions write those, on success only). padded_indices is the selected keep set even
+  /// when the device then refuses the compaction (its flag says so).
   template <class T, class Q>
   status enqueue_keep_outputs(const sequence_io<T, Q>& io, const keep_list_view& keep, const launch_options& opt,
                               const char* fn) const {
@@ -906,8 +953,8 @@ class compressor {
     const unsigned chunks = static_cast<unsigned>(detail::stride_grid(cap, 256, 64));
     return detail::launch(fn, "keep_outputs_kernel",
                           {dim3(chunks, static_cast<unsigned>(keep.num_heads)), dim3(256), 0, opt.stream},
-                          detail::keep_outputs_kernel<>, keep.offsets, keep.indices, head_capacity_, io.key_positions,
-                          io.padded_indices, lengths, positions);
+                          detail::keep_outputs_kernel<>, keep.offsets, keep.indices, head_capacity_, io.keys.num_tokens,
+                          io.key_positions, io.padded_indices, lengths, positions);
   }
 
   template <class T, class Q>
@@ -921,17 +968,14 @@ class compressor {
     r.action = sequence_action::evicted;
     const std::int64_t heads = options_.model.num_kv_heads, L = p.tokens;
     const std::int64_t protect = p.sel.protected_tail < L ? p.sel.protected_tail : L;
-    const std::int64_t candidates = L - protect;
     const layer_budget& b = p.budget;
     const bool allocates = kvevict::detail::allocates(b);
     const std::int64_t mean = allocates ? kvevict::detail::mean_candidates(b, L, p.sel) : 0;
-    std::int64_t per_head = -1;  // unknown on the host under AdaKV
-    if (b.heads == head_allocation::adakv) {
-      r.kept = heads * ((mean < candidates ? mean : candidates) + protect);
-    } else {
-      per_head = allocates ? mean + protect : tokens_kept(b.per_head.resolve(L), L, p.sel);
-      r.kept = heads * per_head;
-    }
+    // AdaKV's per-head counts (and their sum: each head's share is rounded) are the device's.
+    const std::int64_t per_head = b.heads == head_allocation::adakv
+                                      ? -1
+                                      : (allocates ? mean + protect : tokens_kept(b.per_head.resolve(L), L, p.sel));
+    r.kept = per_head >= 0 ? heads * per_head : -1;
     r.length = per_head;
     r.next_slot = per_head;
     r.dropped = per_head >= 0 ? L - per_head : -1;
