@@ -507,12 +507,7 @@ class compressor {
   /// The budget a layer call starts from (before PyramidKV sets layer_candidates). The layer
   /// scope is select_layer's; the sequence scope is the compressor's own.
   layer_budget base_budget() const noexcept {
-    layer_budget b;
-    b.per_head = options_.per_head;
-    b.heads = options_.heads;
-    b.adakv = options_.adakv;
-    b.scope = options_.scope == selection_scope::per_layer ? selection_scope::per_layer : selection_scope::per_head;
-    b.combine = options_.combine;
+    layer_budget b = detail::base_layer_budget(options_);
     b.shard = shard();
     return b;
   }

@@ -331,6 +331,18 @@ inline status check_state_memory(const void* state, std::size_t bytes, std::size
   return status();
 }
 
+/// The budget a layer call starts from (before PyramidKV sets layer_candidates): the options'
+/// per-head budget, head allocation and combine rule. The per-layer scope is select_layer's;
+/// the per-sequence scope is the compressor's own, so its layers select per head.
+inline layer_budget base_layer_budget(const compressor_options& o) noexcept {
+  layer_budget b;
+  b.per_head = o.per_head;
+  b.heads = o.heads;
+  b.adakv = o.adakv;
+  b.scope = o.scope == selection_scope::per_layer ? selection_scope::per_layer : selection_scope::per_head;
+  b.combine = o.combine;
+  return b;
+}
 }  // namespace detail
 KVEVICT_NAMESPACE_END
 

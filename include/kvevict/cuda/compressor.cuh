@@ -497,16 +497,7 @@ class compressor {
 
   /// The budget select_layer sees, sized for the largest call (PyramidKV may give a layer any
   /// share of its candidates).
-  layer_budget base_budget() const noexcept {
-    layer_budget b;
-    b.per_head = options_.per_head;
-    b.heads = options_.heads;
-    b.adakv = options_.adakv;
-    // The per-sequence scope is the compressor's own (refused by plan on the GPU).
-    b.scope = options_.scope == selection_scope::per_layer ? selection_scope::per_layer : selection_scope::per_head;
-    b.combine = options_.combine;
-    return b;
-  }
+  layer_budget base_budget() const noexcept { return kvevict::detail::base_layer_budget(options_); }
 
   /// Whether every evicting sequence's keep counts are known on the host (uniform heads, one
   /// keep set per head: B, or PyramidKV's share, plus the tail), so that one launch selects

@@ -222,16 +222,8 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-/// The selection parameters, as every device selection checks them.
-inline status check_selection_params(const selection_params& params, const char* fn) noexcept {
-  if (params.protected_tail < 0)
-    return status::error(errc::invalid_argument, fn, "params.protected_tail", "expected >= 0, got %lld",
-                         static_cast<long long>(params.protected_tail));
-  if (static_cast<unsigned>(params.mode) > 1u)
-    return status::error(errc::invalid_argument, fn, "params.mode", "expected a protected_mode value, got %d",
-                         static_cast<int>(params.mode));
-  return status();
-}
+/// The selection parameters, as every selection checks them (detail/validate.hpp).
+using kvevict::detail::check_selection_params;
 
 /// A ratio budget within [0, 1] (token budgets are checked once resolved).
 inline status check_budget_ratio(const budget& b, const char* fn) noexcept {

@@ -14,6 +14,7 @@
 #include "kvevict/detail/checked.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/scoring/params.hpp"
+#include "kvevict/selection/budget.hpp"
 #include "kvevict/selection/keep_list.hpp"
 #include "kvevict/views/cache_view.hpp"
 #include "kvevict/views/matrix_view.hpp"
@@ -289,6 +290,17 @@ inline status validate_scoring_params(const scoring_params& p, const char* fn) n
   if (p.protected_tail < 0)
     return status::error(errc::invalid_argument, fn, "params.protected_tail", "expected >= 0, got %lld",
                          static_cast<long long>(p.protected_tail));
+  return status();
+}
+
+/// A selection's protected tail and mode, as every selection (CPU and device) checks them.
+inline status check_selection_params(const selection_params& params, const char* fn) noexcept {
+  if (params.protected_tail < 0)
+    return status::error(errc::invalid_argument, fn, "params.protected_tail", "expected >= 0, got %lld",
+                         static_cast<long long>(params.protected_tail));
+  if (static_cast<unsigned>(params.mode) > 1u)
+    return status::error(errc::invalid_argument, fn, "params.mode", "expected a protected_mode value, got %d",
+                         static_cast<int>(params.mode));
   return status();
 }
 

@@ -47,12 +47,7 @@ inline status select_impl(const const_score_view& scores, const std::int64_t* he
   if (scores.cols > static_cast<std::int64_t>(std::numeric_limits<std::uint32_t>::max()))
     return status::error(errc::overflow, fn, "scores.cols", "expected fewer than 2^32 tokens per row, got %lld",
                          static_cast<long long>(scores.cols));
-  if (params.protected_tail < 0)
-    return status::error(errc::invalid_argument, fn, "params.protected_tail", "expected >= 0, got %lld",
-                         static_cast<long long>(params.protected_tail));
-  if (static_cast<unsigned>(params.mode) > 1u)
-    return status::error(errc::invalid_argument, fn, "params.mode", "expected a protected_mode value, got %d",
-                         static_cast<int>(params.mode));
+  KVEVICT_RETURN_IF_ERROR(detail::check_selection_params(params, fn));
   const std::int64_t heads = scores.rows, tokens = scores.cols;
   if (out.num_heads != heads)
     return status::error(errc::invalid_shape, fn, "out.num_heads", "expected %lld (scores.rows), got %lld",
