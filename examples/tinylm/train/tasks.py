@@ -8,6 +8,7 @@ Vocabulary (256 ids):
     0 PAD   1 BOS   2 [N] (needle)   3 [Q] (question, single/multi-key)
     4 [QM] (question, multi-value)   5 [VAR]   6 ->   7 [TRK] (question, var. tracking)
     8..11  ordinals #1..#4 (multi-value)   12..15 unused
+    12 [ALL] (question, list every needle value; long-answer tasks only)   13..15 unused
     16..127  filler words (112)
     128..191 key words (64), also variable names in variable tracking
     192..255 value words (64), also the tracked values in variable tracking
@@ -22,6 +23,16 @@ Tasks (eval settings in EVAL_TASKS):
                  ("src -> dst": dst takes the value of src)
                  (statements of a chain appear in chain order; chains interleaved);
                  question "[TRK] V"; answer "X1 X2 ... Xh"
+Long-answer tasks (RULER-style, Fidelity 2; used by the 4-layer model, see LONG_TASKS and
+LONG_EVAL_TASKS; the four tasks above are generated exactly as before):
+    longneedle : n needles "[N] k1 k2 v1 .. vL" (L >= 16 at eval), distinct keys; one is asked
+                 with "[Q] k1 k2"; answer "v1 .. vL"
+    gather     : m keys, each with `nn` needles "[N] k1 k2 v1 .. vk" (no ordinal, needles of
+                 all keys shuffled); question "[QM] k1 k2"; answer = the values of that key's
+                 needles concatenated in CONTEXT order (nn * k >= 16 at eval)
+    longchain  : the vartrack generator with long chains (12-16 hops) and a distractor chain
+    listall    : n needles "[N] k1 k2 v1 v2 v3" with distinct keys; question "[ALL] [ALL]";
+                 answer = every needle's values, needles in context order (3n tokens)
 Filler is i.i.d. uniform over the filler words; needles are put at uniformly random
 depths of the context.
 """
@@ -30,6 +41,7 @@ import numpy as np
 PAD, BOS, NDL, Q, QM, VAR, ARROW, TRK = 0, 1, 2, 3, 4, 5, 6, 7
 ORD0 = 8                     # #1 = 8 ... #4 = 11
 MAX_ORD = 4
+ALL = 12                     # [ALL]: "list every needle value in order" (listall only)
 FILLER = np.arange(16, 128)
 KEYS = np.arange(128, 192)
 VALUES = np.arange(192, 256)
@@ -46,8 +58,25 @@ EVAL_TASKS = {
 }
 
 
+# long-answer tasks (Fidelity 2) and their held-out settings: every answer is >= 16 tokens
+LONG_TASKS = ("longneedle", "gather", "longchain", "listall")
+LONG_EVAL_TASKS = {
+    "longneedle": dict(n_needles=2, val_len=16),
+    "gather": dict(n_keys=2, n_needles=4, val_len=4),
+    "longchain": dict(n_chains=2, n_hops=16),
+    "listall": dict(n_needles=6),
+}
+ALL_TASKS = TASKS + LONG_TASKS
+
+
+def eval_kw(task):
+    """Held-out settings of any task (the four original ones or the long-answer ones)."""
+    return dict(EVAL_TASKS[task] if task in EVAL_TASKS else LONG_EVAL_TASKS[task])
+
+
 def token_name(t):
-    names = {PAD: "<pad>", BOS: "<bos>", NDL: "[N]", Q: "[Q]", QM: "[QM]", VAR: "[VAR]", ARROW: "->", TRK: "[TRK]"}
+    names = {PAD: "<pad>", BOS: "<bos>", NDL: "[N]", Q: "[Q]", QM: "[QM]", VAR: "[VAR]", ARROW: "->", TRK: "[TRK]",
+             ALL: "[ALL]"}
     if t in names:
         return names[t]
     if ORD0 <= t < ORD0 + MAX_ORD:
@@ -107,7 +136,28 @@ def make_example(rng, task, ctx_len, n_questions=1, **kw):
                 ans += [ORD0 + j] + vals[i][j]
             qa.append(([QM] + keys[i], ans))
         rng.shuffle(needles)
-    elif task == "vartrack":
+    elif task == "longneedle":
+        n, L = kw.get("n_needles", 2), kw.get("val_len", 16)
+        kvs = _kv_needles(rng, n, val_len=L)
+        needles = [[NDL] + k + v for k, v in kvs]
+        qa = [([Q] + k, v) for k, v in kvs]
+    elif task == "gather":
+        m, nn_, vl = kw.get("n_keys", 2), kw.get("n_needles", 4), kw.get("val_len", 4)
+        keys = rng.choice(KEYS, size=m * 2, replace=False).reshape(m, 2).tolist()
+        vals = rng.choice(VALUES, size=m * nn_ * vl, replace=False).reshape(m, nn_, vl).tolist()
+        needles = [(i, [NDL] + keys[i] + vals[i][j]) for i in range(m) for j in range(nn_)]
+        perm = rng.permutation(len(needles))
+        needles = [needles[i] for i in perm]
+        qa = []
+        for i in range(m):   # the answer follows the (shuffled) context order
+            qa.append(([QM] + keys[i], [t for g, nd in needles if g == i for t in nd[3:]]))
+        needles = [nd for _, nd in needles]
+    elif task == "listall":
+        n = kw.get("n_needles", 6)
+        kvs = _kv_needles(rng, n)
+        needles = [[NDL] + k + v for k, v in kvs]
+        qa = [([ALL, ALL], [t for _, v in kvs for t in v])]
+    elif task in ("vartrack", "longchain"):
         c, h = kw.get("n_chains", 2), kw.get("n_hops", 4)
         names = rng.choice(KEYS, size=c * h, replace=False).reshape(c, h).tolist()
         vals = rng.choice(VALUES, size=c, replace=False).tolist()
@@ -149,7 +199,7 @@ def copy_source(ids, ctx_end, task, qtok, y):
     the token y itself inside the relevant needle. Used only to supervise one
     retrieval head during training (see train.py)."""
     cand = [p for p in range(1, ctx_end) if ids[p] == y]
-    if task == "vartrack":
+    if task in ("vartrack", "longchain"):
         cand = [p for p in cand if ids[p - 1] == ARROW]
     elif task == "multivalue" and ORD0 <= y < ORD0 + MAX_ORD:
         cand = [p for p in cand if ids[p - 1] == qtok[-1]]
@@ -174,7 +224,7 @@ def make_train_sequence(rng, task, ctx_len, aux=True, **kw):
     qend = [-1] * len(ids)       # for answer tokens: position of the question's last token
     for qtok, ans in qa:
         ids += qtok
-        tgt += [0, 0] + [1 if aux else 0] * (len(qtok) - 2)
+        tgt += [0, 0] + [1 if aux else 0] * (len(qtok) - 2)   # every question has >= 2 tokens
         qend += [-1] * len(qtok)
         last = len(ids) - 1
         ids += ans
@@ -211,6 +261,38 @@ def sample_train_kw(rng, task, ctx_len, fill=0.8):
         while m * nv * 6 > budget and nv > 1:
             nv -= 1
         return dict(n_keys=m, n_values=nv)
+    if task == "longneedle":
+        n = rng.randint(1, 4)
+        L = rng.randint(8, 25)
+        while n * (L + 3) > budget and n > 1:
+            n -= 1
+        while (n * (L + 3) > budget or n * L > len(VALUES)) and L > 3:
+            L -= 1
+        while n * L > len(VALUES):
+            n -= 1
+        return dict(n_needles=n, val_len=L)
+    if task == "gather":
+        m = rng.randint(1, 4)
+        nn_ = rng.randint(2, 6)
+        vl = rng.randint(2, 7)
+        while (m * nn_ * (vl + 3) > budget or m * nn_ * vl > len(VALUES)) and m > 1:
+            m -= 1
+        while (m * nn_ * (vl + 3) > budget or m * nn_ * vl > len(VALUES)) and vl > 1:
+            vl -= 1
+        while (m * nn_ * (vl + 3) > budget or m * nn_ * vl > len(VALUES)) and nn_ > 2:
+            nn_ -= 1
+        return dict(n_keys=m, n_needles=nn_, val_len=vl)
+    if task == "longchain":
+        c = rng.randint(2, 4)           # the asked chain and 1-2 distractor chains
+        h = rng.randint(8, 17)
+        while c * h * 4 > budget and c > 2:
+            c -= 1
+        while c * h * 4 > budget and h > 2:
+            h -= 1
+        return dict(n_chains=c, n_hops=h)
+    if task == "listall":
+        hi = max(2, min(10, budget // 6))
+        return dict(n_needles=rng.randint(2, hi + 1))
     if task == "vartrack":
         c = rng.randint(1, 4)
         h = rng.randint(2, 6)
@@ -223,7 +305,16 @@ def sample_train_kw(rng, task, ctx_len, fill=0.8):
 
 
 if __name__ == "__main__":
+    import sys
     rng = np.random.RandomState(0)
+    if "--long" in sys.argv:
+        for t in LONG_TASKS:
+            p, a = make_prompt(rng, t, 160, **LONG_EVAL_TASKS[t])
+            print(t, " ".join(token_name(x) for x in p), "->", " ".join(token_name(x) for x in a))
+            ids, m, src, qsrc = make_train_sequence(rng, t, 128, **sample_train_kw(rng, t, 128))
+            print("  train:", " ".join(token_name(x) + ("*%d/%d" % (sr, q) if mm else "")
+                                       for x, mm, sr, q in zip(ids, m, src, qsrc)))
+        sys.exit(0)
     for t in TASKS:
         p, a = make_prompt(rng, t, 48, **EVAL_TASKS[t]) if t != "multikey" else make_prompt(rng, t, 48, n_needles=3)
         print(t, " ".join(token_name(x) for x in p), "->", " ".join(token_name(x) for x in a))
