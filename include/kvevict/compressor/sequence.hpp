@@ -27,10 +27,12 @@ enum class sequence_event : std::int32_t {
 /// tokens were written (the engine's attention has run on them); the queries are this step's
 /// post-RoPE queries, in time order, with their positions:
 ///   prefill_end: at least the policy's observation window (compressor::observation_window():
-///                SnapKV/DeferKV the last W prompt queries, DapQ the N pseudo queries or, for
-///                its re-rotated variant, the last N prompt queries, H2O every prompt query it
-///                should count); more rows are fine, the last ones are used. StreamingLLM and
-///                KNorm read none.
+///                SnapKV/DeferKV the last W prompt queries, or all of a shorter prompt; DapQ the
+///                N pseudo queries or, for its re-rotated variant, the last N prompt queries;
+///                H2O every prompt query); more rows are fine, the last ones are used. Fewer are
+///                refused (seqs[i].queries.num_queries): with chunked prefill, keep the last W
+///                queries of the earlier chunks and hand the whole window with the last chunk.
+///                StreamingLLM and KNorm read none.
 ///   decode:      the step's query (one per query head). Only DeferKV reads it.
 template <class T, class Q = default_query_type_t<T>>
 struct sequence_io {
@@ -53,6 +55,9 @@ struct sequence_io {
   /// Blocks shared by prefix caching (paged caches): references to each block of the pool
   /// (> 1: shared) or a bitmap of shared blocks. In place, an eviction that would write a
   /// shared block is refused (the call fails, naming the block): use compaction::out_of_place.
+  /// Required with every paged sequence compacted in place under block_sharing::marked
+  /// (compressor_options::sharing). A block reached by two sequences of one call is refused in
+  /// place whether marked or not.
   const std::int32_t* block_refcounts = nullptr;
   const std::uint32_t* shared_blocks = nullptr;
   /// compaction::out_of_place: where this layer's kept rows go (fresh blocks of the same layout;
