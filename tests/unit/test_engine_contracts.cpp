@@ -980,3 +980,175 @@ TEST_CASE("int64 block tables: ids past the pool and pools past int32 are refuse
   CHECK(vcopy == vpool);
   CHECK(r.max_length == r32.max_length);
 }
+
+namespace {
+/// One strided float sequence of `l` tokens (room for `cap`) and its last `w` queries.
+struct strided_sequence {
+  static constexpr i64 hq = 4, hkv = 2, d = 8;
+  i64 l, cap;
+  std::vector<float> k, v, q;
+  std::vector<i64> qpos;
+  strided_sequence(i64 tokens, i64 capacity, i64 w, std::uint64_t seed) : l(tokens), cap(capacity) {
+    const auto kd = test::normal(static_cast<std::size_t>(hkv * cap * d), seed);
+    const auto vd = test::normal(static_cast<std::size_t>(hkv * cap * d), seed + 1);
+    const auto qd = test::normal(static_cast<std::size_t>(hq * w * d), seed + 2, 1.5);
+    k.assign(kd.begin(), kd.end());
+    v.assign(vd.begin(), vd.end());
+    q.assign(qd.begin(), qd.end());
+    for (i64 t = 0; t < w; ++t) qpos.push_back(l - w + t);
+  }
+  kvevict::sequence_io<float> io(kvevict::sequence_event event) {
+    kvevict::sequence_io<float> s;
+    s.event = event;
+    s.keys = kvevict::hf_contiguous(k.data(), hkv, l, d, cap);
+    s.values = kvevict::hf_contiguous(v.data(), hkv, l, d, cap);
+    s.queries = kvevict::contiguous_queries<const float>(q.data(), hq, static_cast<i64>(qpos.size()), d, qpos.data());
+    return s;
+  }
+};
+}  // namespace
+
+// Issue 26: a 300-token sequence keeping 150 rows per head was refused out of place unless
+// its destination had room for 300 (a bound from limits.max_tokens, not from its length).
+TEST_CASE("out of place: the destination needs room for what this sequence can keep", "[contracts]") {
+  constexpr i64 l = 300, w = 4;
+  for (const auto heads : {kvevict::head_allocation::uniform, kvevict::head_allocation::adakv}) {
+    INFO("heads " << static_cast<int>(heads));
+    kvevict::compressor_options opt;
+    opt.model = {1, strided_sequence::hq, strided_sequence::hkv, strided_sequence::d, 0, kvevict::dtype::f32};
+    kvevict::window_config wc = kvevict::presets::kvpress_snapkv();
+    wc.window = w;
+    opt.policy = kvevict::policy::snapkv(wc);
+    opt.per_head = kvevict::budget::ratio(0.5);
+    opt.heads = heads;
+    opt.compact = kvevict::compaction::out_of_place;
+    opt.limits.max_tokens = 1024;
+    kvevict::compressor c;
+    REQUIRE(kvevict::compressor::plan(opt, &c).ok());
+    const i64 room = c.keep_capacity_per_head(l);
+    CHECK(room <= c.keep_capacity_per_head());
+    CHECK(room <= l);
+    if (heads == kvevict::head_allocation::uniform) CHECK(room <= l / 2 + w);
+    CHECK(c.keep_capacity_per_head(0) == 0);
+    CHECK(c.keep_capacity_per_head(5000) == c.keep_capacity_per_head());
+
+    strided_sequence seq(l, l, w, 91);
+    std::vector<float> dk(static_cast<std::size_t>(strided_sequence::hkv * room * strided_sequence::d), -1.0f), dv = dk;
+    auto io = seq.io(kvevict::sequence_event::prefill_end);
+    std::vector<i64> lengths(strided_sequence::hkv);
+    io.head_lengths = lengths.data();
+    kvevict::workspace ws(c.workspace_size());
+    kvevict::sequence_report r;
+    // One row short: refused, nothing written.
+    io.dst_keys = kvevict::hf_contiguous(dk.data(), strided_sequence::hkv, room - 1, strided_sequence::d, room);
+    io.dst_values = kvevict::hf_contiguous(dv.data(), strided_sequence::hkv, room - 1, strided_sequence::d, room);
+    const std::uint64_t before = test::fnv(test::fnv(test::fnv(test::fnv_seed, seq.k), dk), dv);
+    kvevict::status st = c.run(0, &io, 1, &r, ws);
+    CHECK(st.code() == kvevict::errc::invalid_shape);
+    CHECK(std::string(st.argument()) == "seqs[0].dst_keys.num_tokens");
+    CHECK(test::fnv(test::fnv(test::fnv(test::fnv_seed, seq.k), dk), dv) == before);
+    // Exactly `room` rows: served, and the rows are the in-place result's.
+    io.dst_keys.num_tokens = io.dst_values.num_tokens = room;
+    st = c.run(0, &io, 1, &r, ws);
+    INFO(st.message());
+    REQUIRE(st.ok());
+    REQUIRE(r.action == kvevict::sequence_action::evicted);
+    CHECK(r.length <= room);
+
+    strided_sequence same(l, l, w, 91);
+    kvevict::compressor in_place;
+    opt.compact = kvevict::compaction::in_place;
+    REQUIRE(kvevict::compressor::plan(opt, &in_place).ok());
+    auto io2 = same.io(kvevict::sequence_event::prefill_end);
+    std::vector<i64> lengths2(strided_sequence::hkv);
+    io2.head_lengths = lengths2.data();
+    kvevict::workspace ws2(in_place.workspace_size());
+    REQUIRE(in_place.run(0, &io2, 1, &r, ws2).ok());
+    CHECK(lengths2 == lengths);
+    const auto moved = kvevict::hf_contiguous(same.k.data(), strided_sequence::hkv, l, strided_sequence::d, l);
+    const auto copied = kvevict::hf_contiguous(dk.data(), strided_sequence::hkv, room, strided_sequence::d, room);
+    for (i64 h = 0; h < strided_sequence::hkv; ++h)
+      for (i64 j = 0; j < lengths[static_cast<std::size_t>(h)]; ++j)
+        CHECK(std::memcmp(moved.row(h, j), copied.row(h, j), sizeof(float) * strided_sequence::d) == 0);
+  }
+}
+
+// Issue 26: NaN queries are absorbed by design, but nothing told the engine.
+TEST_CASE("reports count the non-finite queries and keys a call scored with", "[contracts]") {
+  constexpr i64 l = 40, w = 4;
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  {  // SnapKV at prefill_end: the window's queries and every key
+    kvevict::compressor_options opt;
+    opt.model = {1, strided_sequence::hq, strided_sequence::hkv, strided_sequence::d, 0, kvevict::dtype::f32};
+    kvevict::window_config wc = kvevict::presets::kvpress_snapkv();
+    wc.window = w;
+    opt.policy = kvevict::policy::snapkv(wc);
+    opt.per_head = kvevict::budget::tokens(12);
+    opt.limits.max_tokens = l;
+    opt.limits.max_queries = w + 2;
+    kvevict::compressor c;
+    REQUIRE(kvevict::compressor::plan(opt, &c).ok());
+    kvevict::workspace ws(c.workspace_size());
+    kvevict::sequence_report r;
+    strided_sequence clean(l, l, w + 2, 5);
+    auto io = clean.io(kvevict::sequence_event::prefill_end);
+    REQUIRE(c.run(0, &io, 1, &r, ws).ok());
+    CHECK(r.nonfinite_queries == 0);
+    CHECK(r.nonfinite_keys == 0);
+
+    strided_sequence bad(l, l, w + 2, 5);
+    const auto q = kvevict::contiguous_queries<float>(bad.q.data(), strided_sequence::hq, w + 2, strided_sequence::d,
+                                                      bad.qpos.data());
+    q.at(0, 0, 1) = nan;  // before the window: not read
+    q.at(1, 3, 2) = inf;
+    q.at(3, 5, 0) = nan;
+    const auto k = kvevict::hf_contiguous(bad.k.data(), strided_sequence::hkv, l, strided_sequence::d, l);
+    k.at(1, 7, 3) = nan;
+    k.at(0, 39, 0) = -inf;
+    io = bad.io(kvevict::sequence_event::prefill_end);
+    const kvevict::status st = c.run(0, &io, 1, &r, ws);
+    INFO(st.message());
+    REQUIRE(st.ok());
+    CHECK(r.action == kvevict::sequence_action::evicted);
+    CHECK(r.nonfinite_queries == 2);
+    CHECK(r.nonfinite_keys == 2);
+  }
+  {  // DeferKV (d = 2): the first decode step is observed: its query and its new key
+    kvevict::deferkv_config dc;
+    dc.window = w;
+    dc.delay = 2;
+    kvevict::compressor_options opt;
+    opt.model = {1, strided_sequence::hq, strided_sequence::hkv, strided_sequence::d, 0, kvevict::dtype::f32};
+    opt.policy = kvevict::policy::deferkv(dc);
+    opt.per_head = kvevict::budget::tokens(12);
+    opt.limits.max_tokens = l + 2;
+    kvevict::compressor c;
+    REQUIRE(kvevict::compressor::plan(opt, &c).ok());
+    kvevict::workspace ws(c.workspace_size());
+    std::vector<std::uint64_t> state(c.sequence_state_size() / 8 + 1);
+    REQUIRE(c.reset_sequence(state.data(), state.size() * 8).ok());
+    strided_sequence seq(l, l + 2, w, 8);
+    seq.k[static_cast<std::size_t>(5 * strided_sequence::d)] = nan;  // head 0, token 5: counted at prefill
+    auto io = seq.io(kvevict::sequence_event::prefill_end);
+    io.state = state.data();
+    kvevict::sequence_report r;
+    REQUIRE(c.run(0, &io, 1, &r, ws).ok());
+    CHECK(r.action == kvevict::sequence_action::observed);
+    CHECK(r.nonfinite_keys == 1);
+    CHECK(r.nonfinite_queries == 0);
+    std::vector<float> dq(strided_sequence::hq * strided_sequence::d, 0.25f);
+    dq[3] = inf;
+    std::vector<i64> dpos{l};
+    io.event = kvevict::sequence_event::decode;
+    io.keys.num_tokens = io.values.num_tokens = l + 1;
+    io.keys.at(1, l, 2) = nan;  // the step's new key
+    io.queries =
+        kvevict::contiguous_queries<const float>(dq.data(), strided_sequence::hq, 1, strided_sequence::d, dpos.data());
+    const kvevict::status st = c.run(0, &io, 1, &r, ws);
+    INFO(st.message());
+    REQUIRE(st.ok());
+    CHECK(r.action == kvevict::sequence_action::observed);
+    CHECK(r.nonfinite_queries == 1);
+    CHECK(r.nonfinite_keys == 1);  // only the newest key is read at a decode step
+  }
+}

@@ -29,6 +29,7 @@
 // scopes select across the group with the single-process results.
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -87,6 +88,14 @@ struct scope_state {
 };
 constexpr std::uint64_t sequence_state_magic = 0x7173766576656b76ull;  // "vkevevsq"
 constexpr std::size_t sequence_state_offset = 64;
+
+/// Elements of a row (n of them, `stride` apart) that are NaN or infinite.
+template <class T>
+std::int64_t count_nonfinite(const T* row, std::int64_t n, std::int64_t stride) noexcept {
+  std::int64_t k = 0;
+  for (std::int64_t c = 0; c < n; ++c) k += std::isfinite(to_float(row[c * stride])) ? 0 : 1;
+  return k;
+}
 
 inline std::size_t round_up_64(std::size_t n) noexcept {
   return n > std::numeric_limits<std::size_t>::max() - 63 ? std::numeric_limits<std::size_t>::max()
@@ -162,6 +171,14 @@ class compressor {
   std::int64_t keep_capacity() const noexcept { return keep_capacity_; }
   /// Columns of sequence_io::padded_indices: the most tokens one head may keep.
   std::int64_t keep_capacity_per_head() const noexcept { return head_capacity_; }
+  /// The most tokens one head may keep at a call whose cache holds `tokens` tokens (at most
+  /// keep_capacity_per_head()): the rows an out-of-place destination needs for that sequence.
+  std::int64_t keep_capacity_per_head(std::int64_t tokens) const noexcept {
+    if (!planned_) return 0;
+    const std::int64_t t = tokens < options_.limits.max_tokens ? tokens : options_.limits.max_tokens;
+    const std::int64_t rows = detail::head_keep_bound(options_, base_budget(), t);
+    return rows < head_capacity_ ? rows : head_capacity_;
+  }
   /// Entries of sequence_io::changed_blocks one eviction may write (K's and V's used blocks).
   std::int64_t changed_blocks_capacity() const noexcept {
     // K and V, one block per token at most, per head with per-head block tables.
@@ -774,13 +791,14 @@ class compressor {
           c.dst_values.head_dim != c.values.head_dim)
         return status::error(errc::invalid_shape, fn, detail::io_name(s, dkname),
                              "expected the source's heads and head dims");
-      // evict_into's destination checks, now, for the longest keep set possible (a superset of
-      // the rows it will write), so that no sequence moves before all pass.
-      const std::int64_t most = std::min(c.keys.num_tokens, head_capacity_);
+      // evict_into's destination checks, now, for the longest keep set possible for this
+      // sequence's length (a superset of the rows it will write), so that no sequence moves
+      // before all pass.
+      const std::int64_t most = keep_capacity_per_head(c.keys.num_tokens);
       std::snprintf(dkname, sizeof(dkname), "%sdst_keys.num_tokens", prefix);
       if (c.dst_keys.num_tokens < most)
         return status::error(errc::invalid_shape, fn, detail::io_name(s, dkname),
-                             "expected room for %lld rows (the most a head may keep), got %lld",
+                             "expected room for %lld rows (keep_capacity_per_head(num_tokens)), got %lld",
                              static_cast<long long>(most), static_cast<long long>(c.dst_keys.num_tokens));
       const cache_view<T> dk = c.dst_keys.first_tokens(most), dv = c.dst_values.first_tokens(most);
       detail::arena a(scratch);
@@ -1045,6 +1063,45 @@ class compressor {
     });
   }
 
+  /// The report's counts of non-finite values in what the call scores with: the observation
+  /// queries, and the keys (every key at prefill_end, the newest at an observed decode step).
+  /// Scoring absorbs them by design; the counts tell the engine. Keys are counted per head
+  /// through the executor into the layout's head_lengths (written again by the eviction).
+  template <class T, class Q>
+  void count_nonfinite(const sequence_io<T, Q>& io, const plan_step& what, const run_layout& lay,
+                       sequence_report* r) const {
+    const policy_kind kind = options_.policy.kind;
+    const bool prefill = io.event == sequence_event::prefill_end;
+    if (!prefill && !what.observe) return;  // DeferKV evicting from its state: nothing read
+    if (kind != policy_kind::streaming_llm && kind != policy_kind::knorm) {
+      const query_view<const Q> q = prefill ? prefill_queries(io) : io.queries;
+      std::int64_t n = 0;
+      for (std::int64_t h = 0; h < q.num_heads; ++h)
+        for (std::int64_t t = 0; t < q.num_queries; ++t)
+          for (std::int64_t c = 0; c < q.head_dim; ++c) n += std::isfinite(to_float(q.at(h, t, c))) ? 0 : 1;
+      r->nonfinite_queries = n;
+    }
+    if (kind == policy_kind::streaming_llm) return;  // it reads no key
+    struct task_context {
+      cache_view<T> keys;
+      std::int64_t first, last;
+      std::int64_t* counts;
+    } ctx{io.keys, prefill ? 0 : io.keys.num_tokens - 1, io.keys.num_tokens, lay.head_lengths};
+    options_.exec.run(
+        io.keys.num_heads,
+        [](void* arg, std::int64_t h, int) {
+          const auto& c = *static_cast<const task_context*>(arg);
+          std::int64_t n = 0;
+          for (std::int64_t j = c.first < 0 ? 0 : c.first; j < c.last; ++j)
+            n += detail::count_nonfinite(c.keys.row(h, j), c.keys.head_dim, c.keys.dim_stride);
+          c.counts[h] = n;
+        },
+        &ctx);
+    std::int64_t n = 0;
+    for (std::int64_t h = 0; h < io.keys.num_heads; ++h) n += lay.head_lengths[h];
+    r->nonfinite_keys = n;
+  }
+
   template <class T, class Q>
   status step(std::int64_t layer, const sequence_io<T, Q>& io, const run_layout& lay, sequence_report* r) const {
     plan_step what;
@@ -1053,6 +1110,7 @@ class compressor {
     r->next_slot = io.keys.num_tokens;
     r->next_position = next_position_after(io);
     if (!what.observe && what.action == act::none) return status();
+    count_nonfinite(io, what, lay, r);
     eviction_result result;
     result.head_lengths = io.head_lengths != nullptr ? io.head_lengths : lay.head_lengths;
     result.positions = io.kept_positions;

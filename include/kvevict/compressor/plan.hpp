@@ -270,6 +270,19 @@ inline void keep_capacities(const compressor_options& o, layer_budget b, std::in
   *per_head = o.heads == head_allocation::adakv || b.layer_candidates >= 0 ? tokens : (*keep + heads - 1) / heads;
 }
 
+/// The most rows one head may keep at a call whose cache holds `tokens` tokens (any layer):
+/// the room an out-of-place destination needs for that sequence. keep_capacities' bound for
+/// one length instead of limits.max_tokens (AdaKV: the layer's kept total, at most `tokens`).
+inline std::int64_t head_keep_bound(const compressor_options& o, layer_budget b, std::int64_t tokens) noexcept {
+  if (tokens < 1) return 0;
+  const std::int64_t heads = o.model.num_kv_heads;
+  if (o.layers == layer_allocation::pyramidkv) b.layer_candidates = tokens;
+  const std::int64_t keep = layer_keep_capacity(heads, tokens, largest_selection(o.policy), b);
+  const std::int64_t per_head =
+      o.heads == head_allocation::adakv || b.layer_candidates >= 0 ? keep : (keep + heads - 1) / heads;
+  return per_head < tokens ? per_head : tokens;
+}
+
 /// run()'s checks of its call: the element types against the plan's, the layer, the batch.
 inline status check_run_call(const compressor_options& o, dtype storage, dtype queries, std::int64_t layer,
                              std::int64_t n, const void* seqs, const void* reports, const char* fn) noexcept {

@@ -61,7 +61,8 @@ struct sequence_io {
   const std::int32_t* block_refcounts = nullptr;
   const std::uint32_t* shared_blocks = nullptr;
   /// compaction::out_of_place: where this layer's kept rows go (fresh blocks of the same layout;
-  /// capacity for the longest head's kept rows). keys and values stay as they were.
+  /// room for compressor::keep_capacity_per_head(keys.num_tokens) rows: what a head of this
+  /// sequence may keep). keys and values stay as they were.
   cache_view<T> dst_keys;
   cache_view<T> dst_values;
   /// selection_scope::per_sequence (unless compaction::keep_list_only): every layer's cache
@@ -187,6 +188,12 @@ struct sequence_report {
   /// or was written (out of place), once per call (the same blocks in every layer when layers
   /// share a block table). Drop their prefix-cache hashes.
   std::int64_t num_changed_blocks = 0;
+  /// Non-finite values (NaN, +-inf) this call met in what it scores with: the observation
+  /// queries it read, and the keys (every key at prefill_end; the newest one at a decode step
+  /// DeferKV observes; none for StreamingLLM). Scoring absorbs them by design (such a key
+  /// scores lowest, such a query observes nothing); these counts tell the engine it happened.
+  std::int64_t nonfinite_queries = 0;
+  std::int64_t nonfinite_keys = 0;
 };
 
 KVEVICT_NAMESPACE_END
