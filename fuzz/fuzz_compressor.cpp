@@ -152,7 +152,8 @@ run_result run_mode(const choice& ch, kvevict::compaction mode) {
       w.v.push_back(test::make_cache<T>(vl, ch.hkv, cap, ch.d, test::normal(n, seed + 1), ch.block, seed + 2));
       w.dk.push_back(test::make_cache<T>(kl, ch.hkv, cap, ch.d, test::normal(n, seed + 3), ch.block, seed + 4));
       w.dv.push_back(test::make_cache<T>(vl, ch.hkv, cap, ch.d, test::normal(n, seed + 5), ch.block, seed + 6));
-      const i64 rows = std::max<i64>(1, std::min(window, len));
+      // H2O counts every prompt query; the windowed policies the last W (all of a shorter prompt).
+      const i64 rows = o.policy.kind == kvevict::policy_kind::h2o ? len : std::max<i64>(1, std::min(window, len));
       std::vector<i64> qpos;
       for (i64 t = 0; t < rows; ++t) qpos.push_back(len - rows + t);
       w.prompt_q.push_back(test::make_queries<T>(
@@ -406,6 +407,7 @@ void one_type(FuzzedDataProvider& in) {
   }
   kvevict::compressor_options& o = ch.options;
   o.model = {ch.layers, ch.hkv * ch.group, ch.hkv, ch.d, 0, kvevict::dtype_of<T>::value};
+  o.sharing = kvevict::block_sharing::none;  // each sequence has its own pools
   switch (in.ConsumeIntegralInRange<int>(0, 4)) {
     case 0: {
       kvevict::streaming_llm_config c;

@@ -271,6 +271,7 @@ int main() {
   defer.delay = 2;
   kvevict::compressor_options opt;
   opt.model = {kLayers, kHq, kHkv, kDim, 0, kvevict::dtype::bf16};
+  opt.sharing = kvevict::block_sharing::none;  // no block is shared between sequences
   opt.policy = kvevict::policy::deferkv(defer);
   opt.per_head = kvevict::budget::tokens(48);  // prompt candidates per head; window and decoded on top
   opt.heads = kvevict::head_allocation::adakv;

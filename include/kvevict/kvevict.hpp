@@ -2,7 +2,7 @@
 #ifndef KVEVICT_KVEVICT_HPP
 #define KVEVICT_KVEVICT_HPP
 
-// kvevict: KV-cache eviction policies for LLM inference engines (CPU path, on Eigen).
+// kvevict: KV-cache eviction policies for LLM inference engines (CPU path; no dependency).
 // The CUDA path is separate: #include <kvevict/cuda.cuh>.
 //
 // Folders: compressor/ (the planned, one-call-per-layer entry point), views/ (how a cache is

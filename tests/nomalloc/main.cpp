@@ -352,6 +352,7 @@ void run_shape(i64 d, i64 group, i64 w, i64 l) {
     no_alloc("compressor: DeferKV + AdaKV + PyramidKV, prefill and two decode steps " + x, [&] {
       kvevict::compressor_options opt;
       opt.model = {2, hq, hkv, d, 0, kvevict::dtype_of<T>::value};
+      opt.sharing = kvevict::block_sharing::none;  // no block is shared between sequences
       opt.policy = kvevict::policy::deferkv(dcfg);
       opt.per_head = kvevict::budget::tokens(l / 4);
       opt.heads = kvevict::head_allocation::adakv;

@@ -208,6 +208,7 @@ std::uint64_t compressor_layers(bool threaded, const kvevict::executor& exec) {
   cfg.delay = 2;
   kvevict::compressor_options opt;
   opt.model = {layers, hkv * group, hkv, d, 0, kvevict::dtype::bf16};
+  opt.sharing = kvevict::block_sharing::none;  // no block is shared between sequences
   opt.policy = kvevict::policy::deferkv(cfg);
   opt.per_head = kvevict::budget::tokens(40);
   opt.heads = kvevict::head_allocation::adakv;

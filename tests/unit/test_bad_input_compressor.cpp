@@ -47,6 +47,7 @@ struct world {
   static kvevict::compressor_options options(kvevict::policy_config p) {
     kvevict::compressor_options o;
     o.model = {layers, hq, hkv, d, 0, kvevict::dtype::f32};
+    o.sharing = kvevict::block_sharing::none;  // no block is shared between sequences
     o.policy = p;
     o.per_head = kvevict::budget::tokens(10);
     o.limits.max_sequences = 3;
@@ -281,15 +282,15 @@ TEST_CASE("bad input: compressor::plan", "[errors]") {
               o.policy.dapq.rope.head_dim = world::d;
               o.policy.dapq.rope.rotary_dim = 3;
             }),
-          r("ratio NaN", errc::invalid_argument, "budget.per_head", snap,
+          r("ratio NaN", errc::invalid_argument, "per_head", snap,
             [](auto& o) { o.per_head = kvevict::budget::ratio(kNaN); }),
-          r("ratio 1.5", errc::invalid_argument, "budget.per_head", snap,
+          r("ratio 1.5", errc::invalid_argument, "per_head", snap,
             [](auto& o) { o.per_head = kvevict::budget::ratio(1.5); }),
-          r("negative tokens", errc::invalid_argument, "budget.per_head", snap,
+          r("negative tokens", errc::invalid_argument, "per_head", snap,
             [](auto& o) { o.per_head = kvevict::budget::tokens(-3); }),
-          r("unknown head allocation", errc::invalid_argument, "budget.heads", snap,
+          r("unknown head allocation", errc::invalid_argument, "heads", snap,
             [](auto& o) { o.heads = static_cast<kvevict::head_allocation>(5); }),
-          r("AdaKV alpha 2", errc::invalid_argument, "budget.adakv.alpha", snap,
+          r("AdaKV alpha 2", errc::invalid_argument, "adakv.alpha", snap,
             [](auto& o) {
               o.heads = kvevict::head_allocation::adakv;
               o.adakv.alpha = 2.0;
@@ -477,6 +478,34 @@ TEST_CASE("bad input: compressor::run", "[errors]") {
                auto io = wd.prefill(false);
                io[0].queries.positions = early_pos.data();
                return c->run(0, io.data(), 3, wd.reports.data(), wd.span());
+             };
+           }},
+          // Chunked prefill: a last chunk with fewer queries than the window must not score.
+          r("SnapKV: fewer queries than its window at prefill_end", errc::invalid_shape, "seqs[1].queries.num_queries",
+            [](world&, io_vec& io) { io[1].queries.num_queries = world::w - 1; }),
+          d("DeferKV: fewer queries than its window at prefill_end", errc::invalid_shape, "seqs[2].queries.num_queries",
+            [](world&, io_vec& io) { io[2].queries.num_queries = 1; }),
+          {"DapQ: fewer pseudo queries than N", errc::invalid_shape, "seqs[0].queries.num_queries",
+           [](world& wd) -> call_fn {
+             kvevict::dapq_config q;
+             q.pseudo_tokens = world::w;
+             auto c = std::make_shared<kvevict::compressor>();
+             REQUIRE(kvevict::compressor::plan(world::options(kvevict::policy::dapq(q)), c.get()).ok());
+             return [&wd, c] {
+               auto io = wd.prefill(false);
+               io[0].queries.num_queries = world::w - 1;
+               io[0].queries.positions += 1;  // still the last ones, past the prompt
+               return c->run(0, io.data(), 3, wd.reports.data(), wd.span());
+             };
+           }},
+          {"H2O: fewer than every prompt query", errc::invalid_shape, "seqs[0].queries.num_queries",
+           [](world& wd) -> call_fn {
+             auto c = std::make_shared<kvevict::compressor>();
+             REQUIRE(kvevict::compressor::plan(world::options(kvevict::policy::h2o()), c.get()).ok());
+             return [&wd, c] {
+               auto io = wd.prefill(false);  // the last W = 4 of 24 prompt queries
+               std::vector<unsigned char> ws(c->workspace_size());
+               return c->run(0, io.data(), 3, wd.reports.data(), {ws.data(), ws.size()});
              };
            }},
           d("DeferKV: null state", errc::null_pointer, "seqs[1].state",
@@ -868,9 +897,11 @@ TEST_CASE("bad input: engine contracts (evict_into, shared blocks, scopes, per-h
                                                   [](auto& o) { o.lengths = static_cast<kvevict::length_mode>(4); }),
                                                 r("unknown compaction", errc::invalid_argument, "compact",
                                                   [](auto& o) { o.compact = static_cast<kvevict::compaction>(4); }),
-                                                r("unknown scope", errc::invalid_argument, "budget.scope",
+                                                r("unknown block sharing", errc::invalid_argument, "sharing",
+                                                  [](auto& o) { o.sharing = static_cast<kvevict::block_sharing>(3); }),
+                                                r("unknown scope", errc::invalid_argument, "scope",
                                                   [](auto& o) { o.scope = static_cast<kvevict::selection_scope>(4); }),
-                                                r("unknown combine", errc::invalid_argument, "budget.combine",
+                                                r("unknown combine", errc::invalid_argument, "combine",
                                                   [](auto& o) { o.combine = static_cast<kvevict::scope_combine>(4); }),
                                                 r("uniform lengths with AdaKV", errc::unsupported, "heads",
                                                   [](auto& o) {
@@ -887,7 +918,7 @@ TEST_CASE("bad input: engine contracts (evict_into, shared blocks, scopes, per-h
                                                     o.scope = kvevict::selection_scope::per_sequence;
                                                     o.layers = kvevict::layer_allocation::pyramidkv;
                                                   }),
-                                                r("a layer scope with AdaKV", errc::unsupported, "budget.heads",
+                                                r("a layer scope with AdaKV", errc::unsupported, "heads",
                                                   [](auto& o) {
                                                     o.scope = kvevict::selection_scope::per_layer;
                                                     o.heads = kvevict::head_allocation::adakv;
@@ -939,6 +970,43 @@ TEST_CASE("bad input: engine contracts (evict_into, shared blocks, scopes, per-h
                 counts[4] = 3;
                 io[2].block_refcounts = counts.data();
               }),
+          rr(
+              "paged in place, block sharing undeclared", errc::invalid_argument, "sharing",
+              [](compressor_options& o) { o.sharing = kvevict::block_sharing::undeclared; }, [](world&, io_vec&) {}),
+          rr(
+              "paged in place, block_sharing::marked without marks", errc::null_pointer, "seqs[2].block_refcounts",
+              [](compressor_options& o) { o.sharing = kvevict::block_sharing::marked; }, [](world&, io_vec&) {}),
+          rr(
+              "two sequences of the call share a block, no marks", errc::invalid_argument,
+              "seqs[1].keys.block_table[2]", [](compressor_options&) {},
+              [](world& wd, io_vec& io) {
+                static std::vector<std::int32_t> prefix{1, 3, 2};  // block 2 is sequence 2's third K block
+                io[1].keys = kvevict::vllm_paged(wd.pool_k.data(), world::pool, world::block, world::hkv, world::d,
+                                                 prefix.data(), world::l);
+              }),
+          rr(
+              "an idle sequence shares a block with one compacted in place", errc::invalid_argument,
+              "seqs[2].keys.block_table[2]", [](compressor_options&) {},
+              [](world& wd, io_vec& io) {
+                static std::vector<std::int32_t> prefix{1, 3, 2};
+                io[1].event = kvevict::sequence_event::idle;
+                io[1].keys = kvevict::vllm_paged(wd.pool_k.data(), world::pool, world::block, world::hkv, world::d,
+                                                 prefix.data(), world::l);
+              }),
+          rr("out of place, a destination block repeated", errc::invalid_argument, "seqs[2].dst_keys.block_table[1]",
+             out_of_place,
+             [](world& wd, io_vec& io) {
+               static std::vector<float> dk0(world::hkv * (world::l + 2) * world::d), dv0 = dk0, dk1 = dk0, dv1 = dk0;
+               io[0].dst_keys = kvevict::hf_contiguous(dk0.data(), world::hkv, world::l, world::d);
+               io[0].dst_values = kvevict::hf_contiguous(dv0.data(), world::hkv, world::l, world::d);
+               io[1].dst_keys = kvevict::hf_contiguous(dk1.data(), world::hkv, world::l, world::d);
+               io[1].dst_values = kvevict::hf_contiguous(dv1.data(), world::hkv, world::l, world::d);
+               static std::vector<std::int32_t> repeated{1, 1, 3}, fresh_v{0, 2, 4};  // free blocks of each pool
+               io[2].dst_keys = kvevict::vllm_paged(wd.pool_k.data(), world::pool, world::block, world::hkv, world::d,
+                                                    repeated.data(), world::l);
+               io[2].dst_values = kvevict::vllm_paged(wd.pool_v.data(), world::pool, world::block, world::hkv, world::d,
+                                                      fresh_v.data(), world::l);
+             }),
           rr(
               "a sequence scope without every layer's cache", errc::null_pointer, "seqs[0].layers", per_sequence,
               [](world&, io_vec&) {}, true, true),
@@ -996,6 +1064,7 @@ TEST_CASE("regression: per-head tables fit the planned workspace, in place and o
       };
       kvevict::compressor_options o;
       o.model = {1, hq, hkv, d, 0, kvevict::dtype::f32};
+      o.sharing = kvevict::block_sharing::none;  // no block is shared between sequences
       kvevict::window_config wc = kvevict::presets::kvpress_snapkv();
       wc.window = w;
       o.policy = kvevict::policy::snapkv(wc);

@@ -262,6 +262,7 @@ outcome by_compressor(std::vector<sequence_data<T>>& seqs, const kvevict::policy
                       call_counter* counter = nullptr) {
   kvevict::compressor_options opt;
   opt.model = {kLayers, kHq, kHkv, kDim, 0, kvevict::dtype_of<T>::value};
+  opt.sharing = kvevict::block_sharing::none;  // no block is shared between sequences
   opt.policy = pc;
   opt.per_head = b;
   opt.heads = (a == alloc::adakv || a == alloc::pyramid_adakv) ? kvevict::head_allocation::adakv

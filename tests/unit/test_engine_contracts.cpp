@@ -266,6 +266,7 @@ std::vector<std::vector<i64>> by_compressor(model_data<T>& m, kvevict::selection
                                             std::vector<kvevict::sequence_report>* out) {
   kvevict::compressor_options opt;
   opt.model = {kLayers, kHq, kHkv, kDim, 0, kvevict::dtype_of<T>::value};
+  opt.sharing = kvevict::block_sharing::none;  // no block is shared between sequences
   opt.policy = kvevict::policy::snapkv(small_snapkv());
   opt.per_head = b;
   opt.scope = scope;
@@ -383,7 +384,7 @@ TEST_CASE("length modes: the plan refuses what one length per sequence cannot se
   opt.scope = kvevict::selection_scope::per_layer;
   st = kvevict::compressor::plan(opt, &c);
   CHECK(st.code() == kvevict::errc::unsupported);
-  CHECK(std::string(st.argument()) == "budget.heads");
+  CHECK(std::string(st.argument()) == "heads");  // the options' field, not the layer_budget's
 }
 
 // ---- prefix-shared blocks ---------------------------------------------------------------
@@ -533,6 +534,7 @@ TEST_CASE("prefix-shared blocks through the compressor: refused in place, served
   shared_pool p;
   kvevict::compressor_options opt;
   opt.model = {1, 4, shared_pool::hkv, shared_pool::d, 0, kvevict::dtype::bf16};
+  opt.sharing = kvevict::block_sharing::marked;  // the refcounts come with every call
   kvevict::window_config w = kvevict::presets::kvpress_snapkv();
   w.window = 3;
   opt.policy = kvevict::policy::snapkv(w);
@@ -579,6 +581,198 @@ TEST_CASE("prefix-shared blocks through the compressor: refused in place, served
   io.dst_values = {};
   st = c.run(0, &io, 1, &r, ws);
   CHECK(st.code() == kvevict::errc::null_pointer);
+}
+
+namespace {
+/// SnapKV (W = 3, 6 tokens per head) over shared_pool's two sequences, as an engine with
+/// prefix caching would call it: x and y share blocks 0 and 1.
+struct shared_batch {
+  shared_pool p;
+  kvevict::compressor_options opt;
+  std::vector<bf16> q = std::vector<bf16>(4 * 3 * shared_pool::d, bf16(0.3f));
+  std::vector<i64> qpos_x{16, 17, 18}, qpos_y{12, 13, 14};
+  std::vector<kvevict::sequence_report> reports = std::vector<kvevict::sequence_report>(2);
+
+  explicit shared_batch(kvevict::block_sharing sharing) {
+    opt.model = {1, 4, shared_pool::hkv, shared_pool::d, 0, kvevict::dtype::bf16};
+    kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+    w.window = 3;
+    opt.policy = kvevict::policy::snapkv(w);
+    opt.per_head = kvevict::budget::tokens(6);
+    opt.limits.max_sequences = 2;
+    opt.limits.max_tokens = 32;
+    opt.sharing = sharing;
+  }
+  std::vector<kvevict::sequence_io<bf16>> batch(kvevict::sequence_event x_event, kvevict::sequence_event y_event) {
+    std::vector<kvevict::sequence_io<bf16>> io(2);
+    io[0].event = x_event;
+    io[0].keys = p.view(p.k, p.table_x, p.len_x);
+    io[0].values = p.view(p.v, p.table_x, p.len_x);
+    io[0].queries = kvevict::contiguous_queries<const bf16>(q.data(), 4, 3, shared_pool::d, qpos_x.data());
+    io[1].event = y_event;
+    io[1].keys = p.view(p.k, p.table_y, p.len_y);
+    io[1].values = p.view(p.v, p.table_y, p.len_y);
+    io[1].queries = kvevict::contiguous_queries<const bf16>(q.data(), 4, 3, shared_pool::d, qpos_y.data());
+    return io;
+  }
+  kvevict::status run(const std::vector<kvevict::sequence_io<bf16>>& io) {
+    kvevict::compressor c;
+    REQUIRE(kvevict::compressor::plan(opt, &c).ok());
+    kvevict::workspace ws(c.workspace_size());
+    return c.run(0, io.data(), static_cast<i64>(io.size()), reports.data(), ws);
+  }
+};
+}  // namespace
+
+// Issue 26: two sequences of one call sharing prefix blocks, no refcounts: run() returned ok
+// and rewrote the shared blocks the other sequence reads.
+TEST_CASE("prefix sharing inside one call: refused in place, marked or not, naming both sequences", "[contracts]") {
+  using ev = kvevict::sequence_event;
+  for (const auto sharing : {kvevict::block_sharing::none, kvevict::block_sharing::marked}) {
+    // y at prefill_end (both compact), decoding or idle (only x compacts): x's blocks 0 and 1
+    // are y's too.
+    for (const ev y_event : {ev::prefill_end, ev::decode, ev::idle}) {
+      INFO("sharing " << static_cast<int>(sharing) << ", y's event " << static_cast<int>(y_event));
+      shared_batch b(sharing);
+      auto io = b.batch(ev::prefill_end, y_event);
+      std::vector<std::int32_t> unshared(shared_pool::blocks, 1);  // marks that miss the sharing
+      if (sharing == kvevict::block_sharing::marked)
+        for (auto& s : io) s.block_refcounts = unshared.data();
+      const std::uint64_t before = b.p.all_bytes();
+      const kvevict::status st = b.run(io);
+      INFO(st.message());
+      CHECK(st.code() == kvevict::errc::invalid_argument);
+      CHECK(std::string(st.argument()) == "seqs[0].keys.block_table[0]");
+      CHECK(std::string(st.message()).find("also at seqs[1].keys.block_table[0]") != std::string::npos);
+      CHECK(b.p.all_bytes() == before);
+    }
+  }
+  // Sharing is fine where nothing is compacted in place: both decoding (SnapKV evicts at
+  // prefill_end only), or out of place (the sources stay as they were).
+  {
+    shared_batch b(kvevict::block_sharing::none);
+    const std::uint64_t before = b.p.all_bytes();
+    CHECK(b.run(b.batch(ev::decode, ev::decode)).ok());
+    CHECK(b.p.all_bytes() == before);
+  }
+  {
+    shared_batch b(kvevict::block_sharing::none);
+    b.opt.compact = kvevict::compaction::out_of_place;
+    auto io = b.batch(ev::prefill_end, ev::decode);
+    io[0].dst_keys = b.p.view(b.p.k, b.p.fresh, 20);
+    io[0].dst_values = b.p.view(b.p.v, b.p.fresh, 20);
+    const std::uint64_t y_before = b.p.y_bytes();
+    const kvevict::status st = b.run(io);
+    INFO(st.message());
+    CHECK(st.ok());
+    CHECK(b.reports[0].action == kvevict::sequence_action::evicted);
+    CHECK(b.p.y_bytes() == y_before);
+  }
+  // The same block ids in another pool are other blocks: no refusal.
+  {
+    shared_batch b(kvevict::block_sharing::none);
+    shared_pool other;
+    auto io = b.batch(ev::prefill_end, ev::decode);
+    io[1].keys = other.view(other.k, other.table_y, other.len_y);
+    io[1].values = other.view(other.v, other.table_y, other.len_y);
+    const kvevict::status st = b.run(io);
+    INFO(st.message());
+    CHECK(st.ok());
+    CHECK(b.reports[0].action == kvevict::sequence_action::evicted);
+  }
+}
+
+TEST_CASE("block sharing outside the call: a paged in-place run needs the engine's choice", "[contracts]") {
+  using ev = kvevict::sequence_event;
+  std::vector<std::int32_t> refs;
+  {  // not declared: refused by the option's name, whether or not marks come with the call
+    shared_batch b(kvevict::block_sharing::undeclared);
+    auto io = b.batch(ev::prefill_end, ev::decode);
+    io.resize(1);
+    const std::uint64_t before = b.p.all_bytes();
+    kvevict::status st = b.run(io);
+    INFO(st.message());
+    CHECK(st.code() == kvevict::errc::invalid_argument);
+    CHECK(std::string(st.argument()) == "sharing");
+    CHECK(std::string(st.message()).find("seqs[0].keys") != std::string::npos);
+    refs.assign(shared_pool::blocks, 1);
+    io[0].block_refcounts = refs.data();
+    CHECK(b.run(io).code() == kvevict::errc::invalid_argument);
+    CHECK(b.p.all_bytes() == before);
+  }
+  {  // marked: each compacted paged sequence carries the marks
+    shared_batch b(kvevict::block_sharing::marked);
+    auto io = b.batch(ev::prefill_end, ev::decode);
+    io.resize(1);
+    const std::uint64_t before = b.p.all_bytes();
+    kvevict::status st = b.run(io);
+    CHECK(st.code() == kvevict::errc::null_pointer);
+    CHECK(std::string(st.argument()) == "seqs[0].block_refcounts");
+    CHECK(b.p.all_bytes() == before);
+    io[0].block_refcounts = refs.data();  // x's blocks private (y not running)
+    st = b.run(io);
+    INFO(st.message());
+    CHECK(st.ok());
+    CHECK(b.reports[0].action == kvevict::sequence_action::evicted);
+  }
+  {  // none: accepted without marks
+    shared_batch b(kvevict::block_sharing::none);
+    auto io = b.batch(ev::prefill_end, ev::decode);
+    io.resize(1);
+    CHECK(b.run(io).ok());
+  }
+  {  // strided caches and keep-lists move no block: no choice needed (as before)
+    shared_batch b(kvevict::block_sharing::undeclared);
+    b.opt.compact = kvevict::compaction::keep_list_only;
+    auto io = b.batch(ev::prefill_end, ev::decode);
+    io.resize(1);
+    CHECK(b.run(io).ok());
+    std::vector<bf16> k(2 * 19 * shared_pool::d, bf16(0.5f)), v = k;
+    b.opt.compact = kvevict::compaction::in_place;
+    io[0].keys = kvevict::hf_contiguous(k.data(), 2, 19, shared_pool::d, 19);
+    io[0].values = kvevict::hf_contiguous(v.data(), 2, 19, shared_pool::d, 19);
+    CHECK(b.run(io).ok());
+  }
+}
+
+// Issue 26: with chunked prefill the last chunk held 16 of the window's 64 queries and
+// run() scored with those 16.
+TEST_CASE("chunked prefill: fewer queries than the window are refused; a shorter prompt is not", "[contracts]") {
+  using ev = kvevict::sequence_event;
+  shared_batch b(kvevict::block_sharing::none);
+  auto io = b.batch(ev::prefill_end, ev::decode);
+  io.resize(1);
+  io[0].queries.num_queries = 2;  // the last chunk's 2 of W = 3
+  io[0].queries.positions += 1;
+  const std::uint64_t before = b.p.all_bytes();
+  kvevict::status st = b.run(io);
+  INFO(st.message());
+  CHECK(st.code() == kvevict::errc::invalid_shape);
+  CHECK(std::string(st.argument()) == "seqs[0].queries.num_queries");
+  CHECK(std::string(st.message()).find("observation_window() = 3") != std::string::npos);
+  CHECK(b.p.all_bytes() == before);
+  // A 2-token prompt has only 2 queries: its whole window.
+  io[0].keys.num_tokens = io[0].values.num_tokens = 2;
+  std::vector<i64> early{0, 1};
+  io[0].queries.positions = early.data();
+  st = b.run(io);
+  INFO(st.message());
+  CHECK(st.ok());
+}
+
+TEST_CASE("errors name what the caller wrote: the workspace figure is workspace_size()'s", "[contracts]") {
+  using ev = kvevict::sequence_event;
+  shared_batch b(kvevict::block_sharing::none);
+  kvevict::compressor c;
+  REQUIRE(kvevict::compressor::plan(b.opt, &c).ok());
+  auto io = b.batch(ev::prefill_end, ev::decode);
+  io.resize(1);
+  std::vector<unsigned char> ws(c.workspace_size());
+  const kvevict::status st = c.run(0, io.data(), 1, b.reports.data(), {ws.data(), ws.size() / 2});
+  INFO(st.message());
+  CHECK(st.code() == kvevict::errc::workspace_too_small);
+  CHECK(std::string(st.message()).find("workspace_size() = " + std::to_string(c.workspace_size()) + " bytes") !=
+        std::string::npos);
 }
 
 TEMPLATE_TEST_CASE("evict_into copies the kept rows for every layout, type and length", "[contracts]", float, bf16,
@@ -785,4 +979,176 @@ TEST_CASE("int64 block tables: ids past the pool and pools past int32 are refuse
   CHECK(kcopy == kpool);
   CHECK(vcopy == vpool);
   CHECK(r.max_length == r32.max_length);
+}
+
+namespace {
+/// One strided float sequence of `l` tokens (room for `cap`) and its last `w` queries.
+struct strided_sequence {
+  static constexpr i64 hq = 4, hkv = 2, d = 8;
+  i64 l, cap;
+  std::vector<float> k, v, q;
+  std::vector<i64> qpos;
+  strided_sequence(i64 tokens, i64 capacity, i64 w, std::uint64_t seed) : l(tokens), cap(capacity) {
+    const auto kd = test::normal(static_cast<std::size_t>(hkv * cap * d), seed);
+    const auto vd = test::normal(static_cast<std::size_t>(hkv * cap * d), seed + 1);
+    const auto qd = test::normal(static_cast<std::size_t>(hq * w * d), seed + 2, 1.5);
+    k.assign(kd.begin(), kd.end());
+    v.assign(vd.begin(), vd.end());
+    q.assign(qd.begin(), qd.end());
+    for (i64 t = 0; t < w; ++t) qpos.push_back(l - w + t);
+  }
+  kvevict::sequence_io<float> io(kvevict::sequence_event event) {
+    kvevict::sequence_io<float> s;
+    s.event = event;
+    s.keys = kvevict::hf_contiguous(k.data(), hkv, l, d, cap);
+    s.values = kvevict::hf_contiguous(v.data(), hkv, l, d, cap);
+    s.queries = kvevict::contiguous_queries<const float>(q.data(), hq, static_cast<i64>(qpos.size()), d, qpos.data());
+    return s;
+  }
+};
+}  // namespace
+
+// Issue 26: a 300-token sequence keeping 150 rows per head was refused out of place unless
+// its destination had room for 300 (a bound from limits.max_tokens, not from its length).
+TEST_CASE("out of place: the destination needs room for what this sequence can keep", "[contracts]") {
+  constexpr i64 l = 300, w = 4;
+  for (const auto heads : {kvevict::head_allocation::uniform, kvevict::head_allocation::adakv}) {
+    INFO("heads " << static_cast<int>(heads));
+    kvevict::compressor_options opt;
+    opt.model = {1, strided_sequence::hq, strided_sequence::hkv, strided_sequence::d, 0, kvevict::dtype::f32};
+    kvevict::window_config wc = kvevict::presets::kvpress_snapkv();
+    wc.window = w;
+    opt.policy = kvevict::policy::snapkv(wc);
+    opt.per_head = kvevict::budget::ratio(0.5);
+    opt.heads = heads;
+    opt.compact = kvevict::compaction::out_of_place;
+    opt.limits.max_tokens = 1024;
+    kvevict::compressor c;
+    REQUIRE(kvevict::compressor::plan(opt, &c).ok());
+    const i64 room = c.keep_capacity_per_head(l);
+    CHECK(room <= c.keep_capacity_per_head());
+    CHECK(room <= l);
+    if (heads == kvevict::head_allocation::uniform) CHECK(room <= l / 2 + w);
+    CHECK(c.keep_capacity_per_head(0) == 0);
+    CHECK(c.keep_capacity_per_head(5000) == c.keep_capacity_per_head());
+
+    strided_sequence seq(l, l, w, 91);
+    std::vector<float> dk(static_cast<std::size_t>(strided_sequence::hkv * room * strided_sequence::d), -1.0f), dv = dk;
+    auto io = seq.io(kvevict::sequence_event::prefill_end);
+    std::vector<i64> lengths(strided_sequence::hkv);
+    io.head_lengths = lengths.data();
+    kvevict::workspace ws(c.workspace_size());
+    kvevict::sequence_report r;
+    // One row short: refused, nothing written.
+    io.dst_keys = kvevict::hf_contiguous(dk.data(), strided_sequence::hkv, room - 1, strided_sequence::d, room);
+    io.dst_values = kvevict::hf_contiguous(dv.data(), strided_sequence::hkv, room - 1, strided_sequence::d, room);
+    const std::uint64_t before = test::fnv(test::fnv(test::fnv(test::fnv_seed, seq.k), dk), dv);
+    kvevict::status st = c.run(0, &io, 1, &r, ws);
+    CHECK(st.code() == kvevict::errc::invalid_shape);
+    CHECK(std::string(st.argument()) == "seqs[0].dst_keys.num_tokens");
+    CHECK(test::fnv(test::fnv(test::fnv(test::fnv_seed, seq.k), dk), dv) == before);
+    // Exactly `room` rows: served, and the rows are the in-place result's.
+    io.dst_keys.num_tokens = io.dst_values.num_tokens = room;
+    st = c.run(0, &io, 1, &r, ws);
+    INFO(st.message());
+    REQUIRE(st.ok());
+    REQUIRE(r.action == kvevict::sequence_action::evicted);
+    CHECK(r.length <= room);
+
+    strided_sequence same(l, l, w, 91);
+    kvevict::compressor in_place;
+    opt.compact = kvevict::compaction::in_place;
+    REQUIRE(kvevict::compressor::plan(opt, &in_place).ok());
+    auto io2 = same.io(kvevict::sequence_event::prefill_end);
+    std::vector<i64> lengths2(strided_sequence::hkv);
+    io2.head_lengths = lengths2.data();
+    kvevict::workspace ws2(in_place.workspace_size());
+    REQUIRE(in_place.run(0, &io2, 1, &r, ws2).ok());
+    CHECK(lengths2 == lengths);
+    const auto moved = kvevict::hf_contiguous(same.k.data(), strided_sequence::hkv, l, strided_sequence::d, l);
+    const auto copied = kvevict::hf_contiguous(dk.data(), strided_sequence::hkv, room, strided_sequence::d, room);
+    for (i64 h = 0; h < strided_sequence::hkv; ++h)
+      for (i64 j = 0; j < lengths[static_cast<std::size_t>(h)]; ++j)
+        CHECK(std::memcmp(moved.row(h, j), copied.row(h, j), sizeof(float) * strided_sequence::d) == 0);
+  }
+}
+
+// Issue 26: NaN queries are absorbed by design, but nothing told the engine.
+TEST_CASE("reports count the non-finite queries and keys a call scored with", "[contracts]") {
+  constexpr i64 l = 40, w = 4;
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  {  // SnapKV at prefill_end: the window's queries and every key
+    kvevict::compressor_options opt;
+    opt.model = {1, strided_sequence::hq, strided_sequence::hkv, strided_sequence::d, 0, kvevict::dtype::f32};
+    kvevict::window_config wc = kvevict::presets::kvpress_snapkv();
+    wc.window = w;
+    opt.policy = kvevict::policy::snapkv(wc);
+    opt.per_head = kvevict::budget::tokens(12);
+    opt.limits.max_tokens = l;
+    opt.limits.max_queries = w + 2;
+    kvevict::compressor c;
+    REQUIRE(kvevict::compressor::plan(opt, &c).ok());
+    kvevict::workspace ws(c.workspace_size());
+    kvevict::sequence_report r;
+    strided_sequence clean(l, l, w + 2, 5);
+    auto io = clean.io(kvevict::sequence_event::prefill_end);
+    REQUIRE(c.run(0, &io, 1, &r, ws).ok());
+    CHECK(r.nonfinite_queries == 0);
+    CHECK(r.nonfinite_keys == 0);
+
+    strided_sequence bad(l, l, w + 2, 5);
+    const auto q = kvevict::contiguous_queries<float>(bad.q.data(), strided_sequence::hq, w + 2, strided_sequence::d,
+                                                      bad.qpos.data());
+    q.at(0, 0, 1) = nan;  // before the window: not read
+    q.at(1, 3, 2) = inf;
+    q.at(3, 5, 0) = nan;
+    const auto k = kvevict::hf_contiguous(bad.k.data(), strided_sequence::hkv, l, strided_sequence::d, l);
+    k.at(1, 7, 3) = nan;
+    k.at(0, 39, 0) = -inf;
+    io = bad.io(kvevict::sequence_event::prefill_end);
+    const kvevict::status st = c.run(0, &io, 1, &r, ws);
+    INFO(st.message());
+    REQUIRE(st.ok());
+    CHECK(r.action == kvevict::sequence_action::evicted);
+    CHECK(r.nonfinite_queries == 2);
+    CHECK(r.nonfinite_keys == 2);
+  }
+  {  // DeferKV (d = 2): the first decode step is observed: its query and its new key
+    kvevict::deferkv_config dc;
+    dc.window = w;
+    dc.delay = 2;
+    kvevict::compressor_options opt;
+    opt.model = {1, strided_sequence::hq, strided_sequence::hkv, strided_sequence::d, 0, kvevict::dtype::f32};
+    opt.policy = kvevict::policy::deferkv(dc);
+    opt.per_head = kvevict::budget::tokens(12);
+    opt.limits.max_tokens = l + 2;
+    kvevict::compressor c;
+    REQUIRE(kvevict::compressor::plan(opt, &c).ok());
+    kvevict::workspace ws(c.workspace_size());
+    std::vector<std::uint64_t> state(c.sequence_state_size() / 8 + 1);
+    REQUIRE(c.reset_sequence(state.data(), state.size() * 8).ok());
+    strided_sequence seq(l, l + 2, w, 8);
+    seq.k[static_cast<std::size_t>(5 * strided_sequence::d)] = nan;  // head 0, token 5: counted at prefill
+    auto io = seq.io(kvevict::sequence_event::prefill_end);
+    io.state = state.data();
+    kvevict::sequence_report r;
+    REQUIRE(c.run(0, &io, 1, &r, ws).ok());
+    CHECK(r.action == kvevict::sequence_action::observed);
+    CHECK(r.nonfinite_keys == 1);
+    CHECK(r.nonfinite_queries == 0);
+    std::vector<float> dq(strided_sequence::hq * strided_sequence::d, 0.25f);
+    dq[3] = inf;
+    std::vector<i64> dpos{l};
+    io.event = kvevict::sequence_event::decode;
+    io.keys.num_tokens = io.values.num_tokens = l + 1;
+    io.keys.at(1, l, 2) = nan;  // the step's new key
+    io.queries =
+        kvevict::contiguous_queries<const float>(dq.data(), strided_sequence::hq, 1, strided_sequence::d, dpos.data());
+    const kvevict::status st = c.run(0, &io, 1, &r, ws);
+    INFO(st.message());
+    REQUIRE(st.ok());
+    CHECK(r.action == kvevict::sequence_action::observed);
+    CHECK(r.nonfinite_queries == 1);
+    CHECK(r.nonfinite_keys == 1);  // only the newest key is read at a decode step
+  }
 }

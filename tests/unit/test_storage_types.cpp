@@ -56,6 +56,7 @@ std::uint64_t cache_sum(const test::test_cache<T>& c) {
 kvevict::compressor plan_snapkv(kvevict::dtype storage, kvevict::dtype queries) {
   kvevict::compressor_options opt;
   opt.model = {kLayers, kHq, kHkv, kDim, 0, storage, queries};
+  opt.sharing = kvevict::block_sharing::none;  // no block is shared between sequences
   kvevict::window_config w = kvevict::presets::kvpress_snapkv();
   w.window = kWindow;
   opt.policy = kvevict::policy::snapkv(w);

@@ -28,6 +28,8 @@
 // and on each batch first (a mismatch is an error on every rank), and AdaKV and the shared
 // scopes select across the group with the single-process results.
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -86,6 +88,14 @@ struct scope_state {
 };
 constexpr std::uint64_t sequence_state_magic = 0x7173766576656b76ull;  // "vkevevsq"
 constexpr std::size_t sequence_state_offset = 64;
+
+/// Elements of a row (n of them, `stride` apart) that are NaN or infinite.
+template <class T>
+std::int64_t count_nonfinite(const T* row, std::int64_t n, std::int64_t stride) noexcept {
+  std::int64_t k = 0;
+  for (std::int64_t c = 0; c < n; ++c) k += std::isfinite(to_float(row[c * stride])) ? 0 : 1;
+  return k;
+}
 
 inline std::size_t round_up_64(std::size_t n) noexcept {
   return n > std::numeric_limits<std::size_t>::max() - 63 ? std::numeric_limits<std::size_t>::max()
@@ -161,6 +171,14 @@ class compressor {
   std::int64_t keep_capacity() const noexcept { return keep_capacity_; }
   /// Columns of sequence_io::padded_indices: the most tokens one head may keep.
   std::int64_t keep_capacity_per_head() const noexcept { return head_capacity_; }
+  /// The most tokens one head may keep at a call whose cache holds `tokens` tokens (at most
+  /// keep_capacity_per_head()): the rows an out-of-place destination needs for that sequence.
+  std::int64_t keep_capacity_per_head(std::int64_t tokens) const noexcept {
+    if (!planned_) return 0;
+    const std::int64_t t = tokens < options_.limits.max_tokens ? tokens : options_.limits.max_tokens;
+    const std::int64_t rows = detail::head_keep_bound(options_, base_budget(), t);
+    return rows < head_capacity_ ? rows : head_capacity_;
+  }
   /// Entries of sequence_io::changed_blocks one eviction may write (K's and V's used blocks).
   std::int64_t changed_blocks_capacity() const noexcept {
     // K and V, one block per token at most, per head with per-head block tables.
@@ -340,8 +358,8 @@ class compressor {
     detail::arena a(ws);
     carve(a, lay);
     if (a.overflowed())
-      return status::error(errc::workspace_too_small, fn, "ws", "expected at least %zu bytes (workspace_size), got %zu",
-                           a.used(), ws.size);
+      return status::error(errc::workspace_too_small, fn, "ws",
+                           "expected at least workspace_size() = %zu bytes, got %zu", workspace_bytes_, ws.size);
 
     // Everything that can fail is checked for the whole batch before anything changes. States
     // first: one sequence's step must never write into another's (overlapping byte ranges,
@@ -356,8 +374,48 @@ class compressor {
                                  "expected one state per sequence, got memory that overlaps the state of seqs[%lld]",
                                  static_cast<long long>(t));
     for (std::int64_t s = 0; s < num_seqs; ++s) KVEVICT_RETURN_IF_ERROR(check_sequence(layer, seqs[s], s, *lay));
-
+    if (options_.compact == compaction::in_place && num_seqs > 1)
+      KVEVICT_RETURN_IF_ERROR(check_blocks_across(layer, seqs, num_seqs, *lay));
     return status();
+  }
+
+  /// In place, no block a compacted sequence uses may be reached by another sequence of the
+  /// call, marked or not (evict_batch's rule, detail::check_blocks_not_reached). Every sequence
+  /// that holds paged views is compared (idle ones too: a prefill chunk may share a prefix),
+  /// so those views must be valid. Compares this layer's views (under the per-sequence scope
+  /// the last layer's call compacts every layer: engines whose layers share one block table).
+  template <class T, class Q>
+  status check_blocks_across(std::int64_t layer, const sequence_io<T, Q>* seqs, std::int64_t num_seqs,
+                             const run_layout& lay) const {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    const auto written = [&](std::int64_t s) {
+      const sequence_io<T, Q>& io = seqs[s];
+      if (!io.keys.is_paged() && !io.values.is_paged()) return false;
+      plan_step what;
+      (void)decide(layer, io, s, &what);  // checked: cannot fail
+      return what.action == act::evict || what.action == act::fold_and_evict_all;
+    };
+    std::int64_t ids = 0;
+    for (std::int64_t s = 0; s < num_seqs; ++s) {
+      if (!written(s)) continue;
+      const auto kseq = [&](std::int64_t) { return seqs[s].keys; };
+      const auto vseq = [&](std::int64_t) { return seqs[s].values; };
+      ids = std::max(ids, detail::block_id_scratch(1, kseq, vseq));
+    }
+    if (ids == 0) return status();  // no paged sequence compacts: nothing to compare
+    for (std::int64_t s = 0; s < num_seqs; ++s) {
+      const sequence_io<T, Q>& io = seqs[s];
+      if (io.keys.is_paged() || io.values.is_paged())
+        KVEVICT_RETURN_IF_ERROR(detail::validate_kv_views(io.keys, io.values, fn, detail::io_name(s, "keys"),
+                                                          detail::io_name(s, "values")));
+    }
+    detail::arena a(lay.policy);
+    std::int32_t* scratch = a.take<std::int32_t>(ids);
+    if (a.overflowed())
+      return status::error(errc::workspace_too_small, fn, "ws", "block tables longer than limits.max_tokens");
+    const auto kseq = [seqs](std::int64_t s) { return seqs[s].keys; };
+    const auto vseq = [seqs](std::int64_t s) { return seqs[s].values; };
+    return detail::check_blocks_not_reached(num_seqs, kseq, vseq, written, scratch, fn, detail::block_naming::seqs);
   }
 
   /// Tensor parallelism: run()'s agreement round. Every rank passes the same layer, batch size
@@ -721,21 +779,26 @@ class compressor {
                            static_cast<long long>(c.values.head_dim));
     if (!compacted || options_.compact == compaction::keep_list_only) return status();
     if (options_.compact == compaction::out_of_place) {
+      char dkname[2 * status::max_argument], dvname[2 * status::max_argument];
+      std::snprintf(dkname, sizeof(dkname), "%sdst_keys", prefix);
+      std::snprintf(dvname, sizeof(dvname), "%sdst_values", prefix);
       if (!c.out_of_place())
-        return status::error(errc::null_pointer, fn, detail::io_name(s, prefix[0] != '\0' ? prefix : "dst_keys"),
+        return status::error(errc::null_pointer, fn, detail::io_name(s, dkname),
                              "compaction::out_of_place: expected destination views (fresh blocks)");
       KVEVICT_RETURN_IF_ERROR(detail::in_sequence(
-          detail::validate_kv_views(c.dst_keys, c.dst_values, fn, "dst_keys", "dst_values"), s, fn));
+          detail::validate_kv_views(c.dst_keys, c.dst_values, fn, "dst_keys", "dst_values"), s, fn, prefix));
       if (c.dst_keys.num_heads != c.keys.num_heads || c.dst_keys.head_dim != c.keys.head_dim ||
           c.dst_values.head_dim != c.values.head_dim)
-        return status::error(errc::invalid_shape, fn, detail::io_name(s, "dst_keys"),
+        return status::error(errc::invalid_shape, fn, detail::io_name(s, dkname),
                              "expected the source's heads and head dims");
-      // evict_into's destination checks, now, for the longest keep set possible (a superset of
-      // the rows it will write), so that no sequence moves before all pass.
-      const std::int64_t most = std::min(c.keys.num_tokens, head_capacity_);
+      // evict_into's destination checks, now, for the longest keep set possible for this
+      // sequence's length (a superset of the rows it will write), so that no sequence moves
+      // before all pass.
+      const std::int64_t most = keep_capacity_per_head(c.keys.num_tokens);
+      std::snprintf(dkname, sizeof(dkname), "%sdst_keys.num_tokens", prefix);
       if (c.dst_keys.num_tokens < most)
-        return status::error(errc::invalid_shape, fn, detail::io_name(s, "dst_keys.num_tokens"),
-                             "expected room for %lld rows (the most a head may keep), got %lld",
+        return status::error(errc::invalid_shape, fn, detail::io_name(s, dkname),
+                             "expected room for %lld rows (keep_capacity_per_head(num_tokens)), got %lld",
                              static_cast<long long>(most), static_cast<long long>(c.dst_keys.num_tokens));
       const cache_view<T> dk = c.dst_keys.first_tokens(most), dv = c.dst_values.first_tokens(most);
       detail::arena a(scratch);
@@ -745,7 +808,7 @@ class compressor {
       eviction_options opt;
       opt.block_refcounts = c.block_refcounts;
       opt.shared_blocks = c.shared_blocks;
-      return detail::in_sequence(detail::check_destination(c.keys, c.values, dk, dv, opt, ids, fn), s, fn);
+      return detail::in_sequence(detail::check_destination(c.keys, c.values, dk, dv, opt, ids, fn), s, fn, prefix);
     }
     KVEVICT_RETURN_IF_ERROR(detail::check_kv_not_aliased(c.keys, c.values, fn, detail::io_name(s, vname)));
     if (c.keys.is_paged() || c.values.is_paged()) {
@@ -758,16 +821,31 @@ class compressor {
       KVEVICT_RETURN_IF_ERROR(
           detail::in_sequence(detail::check_block_ids(1, kseq, vseq, detail::same_block_table(c.keys, c.values),
                                                       detail::same_block_pool(c.keys, c.values), ids, fn, false),
-                              s, fn));
+                              s, fn, prefix));
+      // Blocks shared with sequences outside the call are invisible here: the engine says how
+      // it shares them (compressor_options::sharing), and marks them on every call if it does.
+      if (options_.sharing == block_sharing::undeclared)
+        return status::error(errc::invalid_argument, fn, "sharing",
+                             "%s is paged, compacted in place: expected block_sharing::marked (refcounts at "
+                             "every call) or block_sharing::none (no block shared), got block_sharing::undeclared",
+                             static_cast<const char*>(detail::io_name(s, kname)));
+      if (options_.sharing == block_sharing::marked && c.block_refcounts == nullptr && c.shared_blocks == nullptr) {
+        char rname[2 * status::max_argument];
+        std::snprintf(rname, sizeof(rname), "%sblock_refcounts", prefix);
+        return status::error(errc::null_pointer, fn, detail::io_name(s, rname),
+                             "block_sharing::marked: expected the pool's block references (or shared_blocks) at "
+                             "every in-place call");
+      }
       // In place, a batch cannot learn which rows move before it moves some: every used block
       // marked shared is refused here (evict() alone refuses only the blocks it would write).
       eviction_options opt;
       opt.block_refcounts = c.block_refcounts;
       opt.shared_blocks = c.shared_blocks;
       const detail::written_per_table all{nullptr, {0, c.keys.num_tokens}, false};
-      KVEVICT_RETURN_IF_ERROR(detail::in_sequence(detail::check_shared_writes(c.keys, all, opt, fn, "keys"), s, fn));
       KVEVICT_RETURN_IF_ERROR(
-          detail::in_sequence(detail::check_shared_writes(c.values, all, opt, fn, "values"), s, fn));
+          detail::in_sequence(detail::check_shared_writes(c.keys, all, opt, fn, "keys"), s, fn, prefix));
+      KVEVICT_RETURN_IF_ERROR(
+          detail::in_sequence(detail::check_shared_writes(c.values, all, opt, fn, "values"), s, fn, prefix));
     }
     return status();
   }
@@ -866,6 +944,7 @@ class compressor {
       return status::error(errc::invalid_shape, fn, detail::io_name(s, "queries.num_queries"),
                            "expected at most limits.max_queries = %lld, got %lld",
                            static_cast<long long>(options_.limits.max_queries), static_cast<long long>(q.num_queries));
+    if (!decode) KVEVICT_RETURN_IF_ERROR(check_window(io, s));
     if (kind == policy_kind::dapq) {
       const std::int64_t prompt = dapq<T, Q>(options_.policy.dapq).prompt_tokens(io.keys.num_tokens, q.num_queries);
       if (prompt < 0)
@@ -894,6 +973,27 @@ class compressor {
                              static_cast<long long>(scored_tokens(io)));
     }
     return status();
+  }
+
+  /// prefill_end: as many queries as the policy observes, never fewer: observation_window()
+  /// of them (or every prompt query of a shorter prompt; DapQ's pseudo tokens: exactly its N),
+  /// H2O every prompt query. With chunked prefill the last chunk may hold fewer; scoring with
+  /// them would choose another keep set, so the call is refused (the engine keeps the last W
+  /// prompt queries across chunks and hands them all).
+  template <class T, class Q>
+  status check_window(const sequence_io<T, Q>& io, std::int64_t s) const noexcept {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    const policy_config& p = options_.policy;
+    const bool h2o = p.kind == policy_kind::h2o;
+    const bool pseudo = p.kind == policy_kind::dapq && p.dapq.source == dapq_source::pseudo_tokens;
+    const std::int64_t need = h2o ? io.keys.num_tokens : pseudo ? window_ : std::min(window_, io.keys.num_tokens);
+    if (io.queries.num_queries >= need) return status();
+    return status::error(errc::invalid_shape, fn, detail::io_name(s, "queries.num_queries"),
+                         h2o ? "expected every prompt query at prefill_end (H2O: keys.num_tokens = %lld), got %lld "
+                               "(chunked prefill: keep the earlier chunks' queries)"
+                             : "expected observation_window() = %lld queries at prefill_end, got %lld (chunked "
+                               "prefill: keep the earlier chunks' last queries, hand the whole window)",
+                         static_cast<long long>(need), static_cast<long long>(io.queries.num_queries));
   }
 
   softmax_domain scoring_domain() const noexcept {
@@ -963,6 +1063,45 @@ class compressor {
     });
   }
 
+  /// The report's counts of non-finite values in what the call scores with: the observation
+  /// queries, and the keys (every key at prefill_end, the newest at an observed decode step).
+  /// Scoring absorbs them by design; the counts tell the engine. Keys are counted per head
+  /// through the executor into the layout's head_lengths (written again by the eviction).
+  template <class T, class Q>
+  void count_nonfinite(const sequence_io<T, Q>& io, const plan_step& what, const run_layout& lay,
+                       sequence_report* r) const {
+    const policy_kind kind = options_.policy.kind;
+    const bool prefill = io.event == sequence_event::prefill_end;
+    if (!prefill && !what.observe) return;  // DeferKV evicting from its state: nothing read
+    if (kind != policy_kind::streaming_llm && kind != policy_kind::knorm) {
+      const query_view<const Q> q = prefill ? prefill_queries(io) : io.queries;
+      std::int64_t n = 0;
+      for (std::int64_t h = 0; h < q.num_heads; ++h)
+        for (std::int64_t t = 0; t < q.num_queries; ++t)
+          for (std::int64_t c = 0; c < q.head_dim; ++c) n += std::isfinite(to_float(q.at(h, t, c))) ? 0 : 1;
+      r->nonfinite_queries = n;
+    }
+    if (kind == policy_kind::streaming_llm) return;  // it reads no key
+    struct task_context {
+      cache_view<T> keys;
+      std::int64_t first, last;
+      std::int64_t* counts;
+    } ctx{io.keys, prefill ? 0 : io.keys.num_tokens - 1, io.keys.num_tokens, lay.head_lengths};
+    options_.exec.run(
+        io.keys.num_heads,
+        [](void* arg, std::int64_t h, int) {
+          const auto& c = *static_cast<const task_context*>(arg);
+          std::int64_t n = 0;
+          for (std::int64_t j = c.first < 0 ? 0 : c.first; j < c.last; ++j)
+            n += detail::count_nonfinite(c.keys.row(h, j), c.keys.head_dim, c.keys.dim_stride);
+          c.counts[h] = n;
+        },
+        &ctx);
+    std::int64_t n = 0;
+    for (std::int64_t h = 0; h < io.keys.num_heads; ++h) n += lay.head_lengths[h];
+    r->nonfinite_keys = n;
+  }
+
   template <class T, class Q>
   status step(std::int64_t layer, const sequence_io<T, Q>& io, const run_layout& lay, sequence_report* r) const {
     plan_step what;
@@ -971,6 +1110,7 @@ class compressor {
     r->next_slot = io.keys.num_tokens;
     r->next_position = next_position_after(io);
     if (!what.observe && what.action == act::none) return status();
+    count_nonfinite(io, what, lay, r);
     eviction_result result;
     result.head_lengths = io.head_lengths != nullptr ? io.head_lengths : lay.head_lengths;
     result.positions = io.kept_positions;

@@ -170,6 +170,18 @@ enum class compaction : std::int32_t {
   keep_list_only,  ///< nothing moves: the keep set is reported (llama.cpp frees cells itself)
 };
 
+/// Whether the blocks of a paged cache are shared with sequences outside a run() call (prefix
+/// caching: vLLM's default), which the compressor cannot see. In place, compaction rewrites
+/// every block a compacted sequence uses, so the engine must say how it shares blocks before
+/// a paged cache is compacted in place (docs/integration.md, "What the engine must tell
+/// kvevict"). Sharing between the sequences of one call is always checked, whatever this says.
+enum class block_sharing : std::int32_t {
+  undeclared,  ///< not said: run() refuses to compact a paged cache in place
+  marked,      ///< every in-place call passes block_refcounts or shared_blocks with each paged
+               ///< sequence it compacts (marked blocks are refused; a sequence without marks too)
+  none,        ///< the engine never shares a block between sequences (no prefix caching)
+};
+
 /// The most a call will see. Workspace and state sizes follow from these and the model
 /// shape alone (never from views: a paged cache whose block table is not filled yet sizes
 /// the same).
@@ -214,6 +226,9 @@ struct compressor_options {
   scope_combine combine = scope_combine::normalized_max;
   length_mode lengths = length_mode::per_head;
   compaction compact = compaction::in_place;
+  /// How the engine shares paged blocks between sequences: required (marked or none) to
+  /// compact a paged cache in place.
+  block_sharing sharing = block_sharing::undeclared;
   compressor_limits limits;
   executor exec;  ///< heads run through it; scratch is sized for its workers
   compressor_tracer tracer;

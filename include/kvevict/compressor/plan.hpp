@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "kvevict/budgets/layer_budget_params.hpp"
@@ -40,10 +41,10 @@ inline status check_protected_mode(protected_mode mode, const char* fn, const ch
 /// Scope, length mode and compaction, and the combinations no kernel could serve.
 inline status check_contracts(const compressor_options& o, const char* fn) noexcept {
   if (static_cast<unsigned>(o.scope) > 2u)
-    return status::error(errc::invalid_argument, fn, "budget.scope", "expected a selection_scope value, got %d",
+    return status::error(errc::invalid_argument, fn, "scope", "expected a selection_scope value, got %d",
                          static_cast<int>(o.scope));
   if (static_cast<unsigned>(o.combine) > 3u)
-    return status::error(errc::invalid_argument, fn, "budget.combine", "expected a scope_combine value, got %d",
+    return status::error(errc::invalid_argument, fn, "combine", "expected a scope_combine value, got %d",
                          static_cast<int>(o.combine));
   if (static_cast<unsigned>(o.lengths) > 1u)
     return status::error(errc::invalid_argument, fn, "lengths", "expected a length_mode value, got %d",
@@ -51,6 +52,9 @@ inline status check_contracts(const compressor_options& o, const char* fn) noexc
   if (static_cast<unsigned>(o.compact) > 2u)
     return status::error(errc::invalid_argument, fn, "compact", "expected a compaction value, got %d",
                          static_cast<int>(o.compact));
+  if (static_cast<unsigned>(o.sharing) > 2u)
+    return status::error(errc::invalid_argument, fn, "sharing", "expected a block_sharing value, got %d",
+                         static_cast<int>(o.sharing));
   if (o.lengths == length_mode::uniform && o.heads == head_allocation::adakv)
     return status::error(errc::unsupported, fn, "heads",
                          "AdaKV keeps different counts per head; length_mode::uniform serves one length per sequence "
@@ -157,6 +161,17 @@ inline status check_policy(compressor_options* options, std::int64_t* window, co
   return status();
 }
 
+/// An error of validate_layer_budget about the budget built from the options, named by the
+/// options' own fields ("budget.heads" becomes "heads", "budget.adakv.alpha" "adakv.alpha").
+inline status options_named(const status& st, const char* fn) noexcept {
+  static constexpr const char prefix[] = "budget.";
+  if (st.ok() || std::strncmp(st.argument(), prefix, sizeof(prefix) - 1) != 0) return st;
+  const char* text = std::strstr(st.message(), ": ");
+  text = text != nullptr ? std::strstr(text + 2, ": ") : nullptr;  // past "function: argument: "
+  return status::error(st.code(), fn, st.argument() + sizeof(prefix) - 1, "%s",
+                       text != nullptr ? text + 2 : st.message());
+}
+
 /// The plan's checks of its options, normalising them on the way (value_head_dim, the
 /// default query type, max_queries); *window: the policy's observation window. `base`: the
 /// budget a layer call starts from.
@@ -208,7 +223,7 @@ inline status check_compressor_options(compressor_options* options, const layer_
   if (o.exec.workers() < 1) return status::error(errc::invalid_argument, fn, "exec.num_workers", "expected >= 1");
 
   KVEVICT_RETURN_IF_ERROR(check_policy(&o, window, fn));
-  KVEVICT_RETURN_IF_ERROR(validate_layer_budget(base, fn));
+  KVEVICT_RETURN_IF_ERROR(options_named(validate_layer_budget(base, fn), fn));
   if (static_cast<unsigned>(o.layers) > 1u)
     return status::error(errc::invalid_argument, fn, "layers", "expected a layer_allocation value, got %d",
                          static_cast<int>(o.layers));
@@ -253,6 +268,19 @@ inline void keep_capacities(const compressor_options& o, layer_budget b, std::in
   if (o.layers == layer_allocation::pyramidkv) b.layer_candidates = tokens;
   *keep = layer_keep_capacity(heads, tokens, largest_selection(o.policy), b);
   *per_head = o.heads == head_allocation::adakv || b.layer_candidates >= 0 ? tokens : (*keep + heads - 1) / heads;
+}
+
+/// The most rows one head may keep at a call whose cache holds `tokens` tokens (any layer):
+/// the room an out-of-place destination needs for that sequence. keep_capacities' bound for
+/// one length instead of limits.max_tokens (AdaKV: the layer's kept total, at most `tokens`).
+inline std::int64_t head_keep_bound(const compressor_options& o, layer_budget b, std::int64_t tokens) noexcept {
+  if (tokens < 1) return 0;
+  const std::int64_t heads = o.model.num_kv_heads;
+  if (o.layers == layer_allocation::pyramidkv) b.layer_candidates = tokens;
+  const std::int64_t keep = layer_keep_capacity(heads, tokens, largest_selection(o.policy), b);
+  const std::int64_t per_head =
+      o.heads == head_allocation::adakv || b.layer_candidates >= 0 ? keep : (keep + heads - 1) / heads;
+  return per_head < tokens ? per_head : tokens;
 }
 
 /// run()'s checks of its call: the element types against the plan's, the layer, the batch.

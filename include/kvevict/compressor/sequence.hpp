@@ -27,10 +27,12 @@ enum class sequence_event : std::int32_t {
 /// tokens were written (the engine's attention has run on them); the queries are this step's
 /// post-RoPE queries, in time order, with their positions:
 ///   prefill_end: at least the policy's observation window (compressor::observation_window():
-///                SnapKV/DeferKV the last W prompt queries, DapQ the N pseudo queries or, for
-///                its re-rotated variant, the last N prompt queries, H2O every prompt query it
-///                should count); more rows are fine, the last ones are used. StreamingLLM and
-///                KNorm read none.
+///                SnapKV/DeferKV the last W prompt queries, or all of a shorter prompt; DapQ the
+///                N pseudo queries or, for its re-rotated variant, the last N prompt queries;
+///                H2O every prompt query); more rows are fine, the last ones are used. Fewer are
+///                refused (seqs[i].queries.num_queries): with chunked prefill, keep the last W
+///                queries of the earlier chunks and hand the whole window with the last chunk.
+///                StreamingLLM and KNorm read none.
 ///   decode:      the step's query (one per query head). Only DeferKV reads it.
 template <class T, class Q = default_query_type_t<T>>
 struct sequence_io {
@@ -53,10 +55,14 @@ struct sequence_io {
   /// Blocks shared by prefix caching (paged caches): references to each block of the pool
   /// (> 1: shared) or a bitmap of shared blocks. In place, an eviction that would write a
   /// shared block is refused (the call fails, naming the block): use compaction::out_of_place.
+  /// Required with every paged sequence compacted in place under block_sharing::marked
+  /// (compressor_options::sharing). A block reached by two sequences of one call is refused in
+  /// place whether marked or not.
   const std::int32_t* block_refcounts = nullptr;
   const std::uint32_t* shared_blocks = nullptr;
   /// compaction::out_of_place: where this layer's kept rows go (fresh blocks of the same layout;
-  /// capacity for the longest head's kept rows). keys and values stay as they were.
+  /// room for compressor::keep_capacity_per_head(keys.num_tokens) rows: what a head of this
+  /// sequence may keep). keys and values stay as they were.
   cache_view<T> dst_keys;
   cache_view<T> dst_values;
   /// selection_scope::per_sequence (unless compaction::keep_list_only): every layer's cache
@@ -182,6 +188,12 @@ struct sequence_report {
   /// or was written (out of place), once per call (the same blocks in every layer when layers
   /// share a block table). Drop their prefix-cache hashes.
   std::int64_t num_changed_blocks = 0;
+  /// Non-finite values (NaN, +-inf) this call met in what it scores with: the observation
+  /// queries it read, and the keys (every key at prefill_end; the newest one at a decode step
+  /// DeferKV observes; none for StreamingLLM). Scoring absorbs them by design (such a key
+  /// scores lowest, such a query observes nothing); these counts tell the engine it happened.
+  std::int64_t nonfinite_queries = 0;
+  std::int64_t nonfinite_keys = 0;
 };
 
 KVEVICT_NAMESPACE_END

@@ -25,13 +25,14 @@ struct io_name {
 };
 
 /// `st` (an error about one sequence's argument) renamed to that sequence: "keys.block_table[3]"
-/// becomes "seqs[2].keys.block_table[3]", the message keeps its text.
-inline status in_sequence(const status& st, std::int64_t s, const char* fn) noexcept {
+/// becomes "seqs[2].keys.block_table[3]" ("seqs[2].layers[1].keys.block_table[3]" with prefix
+/// "layers[1]."), the message keeps its text.
+inline status in_sequence(const status& st, std::int64_t s, const char* fn, const char* prefix = "") noexcept {
   if (st.ok()) return st;
   const char* text = std::strstr(st.message(), ": ");
   text = text != nullptr ? std::strstr(text + 2, ": ") : nullptr;  // past "function: argument: "
   char name[2 * status::max_argument];                             // status::error truncates it to max_argument
-  std::snprintf(name, sizeof(name), "seqs[%lld].%s", static_cast<long long>(s), st.argument());
+  std::snprintf(name, sizeof(name), "seqs[%lld].%s%s", static_cast<long long>(s), prefix, st.argument());
   return status::error(st.code(), fn, name, "%s", text != nullptr ? text + 2 : st.message());
 }
 

@@ -115,19 +115,42 @@ block_entry locate_block_id(const SeqFn& sequence, std::int64_t num_seqs, std::i
   return {};
 }
 
-/// "keys.block_table[3]" for one sequence, "keys[2].block_table[3]" in a batch.
+/// How a block-table entry is named: "keys.block_table[3]" for one sequence,
+/// "keys[2].block_table[3]" in a batch view, "seqs[2].keys.block_table[3]" in a compressor call.
+enum class block_naming { single, batch, seqs };
+
 struct block_entry_name {
   char text[2 * status::max_argument];  // roomy enough for two int64s; status::error truncates
-  block_entry_name(const char* arg, bool batch, block_entry e) noexcept {
-    if (batch) {
-      std::snprintf(text, sizeof(text), "%s[%lld].block_table[%lld]", arg, static_cast<long long>(e.seq),
-                    static_cast<long long>(e.entry));
+  block_entry_name(const char* arg, bool batch, block_entry e) noexcept
+      : block_entry_name(arg, batch ? block_naming::batch : block_naming::single, e) {}
+  block_entry_name(const char* arg, block_naming style, block_entry e) noexcept {
+    const long long s = static_cast<long long>(e.seq), b = static_cast<long long>(e.entry);
+    if (style == block_naming::batch) {
+      std::snprintf(text, sizeof(text), "%s[%lld].block_table[%lld]", arg, s, b);
+    } else if (style == block_naming::seqs) {
+      std::snprintf(text, sizeof(text), "seqs[%lld].%s.block_table[%lld]", s, arg, b);
     } else {
-      std::snprintf(text, sizeof(text), "%s.block_table[%lld]", arg, static_cast<long long>(e.entry));
+      std::snprintf(text, sizeof(text), "%s.block_table[%lld]", arg, b);
     }
   }
   operator const char*() const noexcept { return text; }
 };
+
+/// Writes the ids of a view's used blocks (used_blocks_or_zero of them, tables in head order)
+/// to `out`; returns how many.
+template <class T>
+std::int64_t gather_block_ids(const cache_view<T>& v, std::int32_t* out) noexcept {
+  const std::int64_t used = used_blocks_or_zero(v);
+  for (std::int64_t e = 0; e < used; ++e) out[e] = static_cast<std::int32_t>(v.block_table[table_entry(v, e)]);
+  return used;
+}
+
+/// Whether two paged views address one pool with one block geometry (a block id in both is
+/// one physical block): same_block_pool for any two views.
+template <class A, class B>
+bool same_pool(const cache_view<A>& a, const cache_view<B>& b) noexcept {
+  return same_block_pool(a, b);
+}
 
 /// Scratch ids `check_block_ids` needs: every used block of every paged sequence of K and V.
 template <class KSeq, class VSeq>
@@ -142,52 +165,96 @@ std::int64_t block_id_scratch(std::int64_t num_seqs, const KSeq& kseq, const VSe
 /// not twice by one sequence, not by two sequences of a batch (vLLM prefix sharing must be
 /// resolved, copy-on-write, before eviction), and not by both K and V when they share a
 /// pool. Views are already valid (block ids in range). `scratch` holds block_id_scratch ids.
+/// `karg`, `varg`: the views' argument names.
 template <class KSeq, class VSeq>
 status check_block_ids(std::int64_t num_seqs, const KSeq& kseq, const VSeq& vseq, bool v_same_tables, bool shared_pool,
-                       std::int32_t* scratch, const char* fn, bool batch) {
+                       std::int32_t* scratch, const char* fn, bool batch, const char* karg = "keys",
+                       const char* varg = "values") {
   const char* scope = batch ? "across the batch's used blocks (a block shared by two sequences cannot be compacted "
                               "in place)"
                             : "among the used blocks (compaction through a repeated block is ill-defined)";
   std::int64_t nk = 0, nv = 0;
-  for (std::int64_t s = 0; s < num_seqs; ++s) {
-    const auto v = kseq(s);
-    const std::int64_t used = used_blocks_or_zero(v);
-    for (std::int64_t e = 0; e < used; ++e)
-      scratch[nk + e] = static_cast<std::int32_t>(v.block_table[table_entry(v, e)]);
-    nk += used;
-  }
+  for (std::int64_t s = 0; s < num_seqs; ++s) nk += gather_block_ids(kseq(s), scratch + nk);
   std::int32_t* vids = scratch + nk;
-  for (std::int64_t s = 0; s < num_seqs; ++s) {
-    const auto v = vseq(s);
-    const std::int64_t used = used_blocks_or_zero(v);
-    for (std::int64_t e = 0; e < used; ++e) vids[nv + e] = static_cast<std::int32_t>(v.block_table[table_entry(v, e)]);
-    nv += used;
-  }
+  for (std::int64_t s = 0; s < num_seqs; ++s) nv += gather_block_ids(vseq(s), vids + nv);
   const std::int32_t kdup = find_duplicate_id(scratch, nk);
   if (kdup >= 0) {
     const block_entry first = locate_block_id(kseq, num_seqs, kdup);
     const block_entry second = locate_block_id(kseq, num_seqs, kdup, first);
-    return status::error(errc::invalid_argument, fn, block_entry_name("keys", batch, second),
+    return status::error(errc::invalid_argument, fn, block_entry_name(karg, batch, second),
                          "expected distinct block ids %s, got id %d again (first at %s)", scope, static_cast<int>(kdup),
-                         block_entry_name("keys", batch, first).text);
+                         block_entry_name(karg, batch, first).text);
   }
   const std::int32_t vdup = find_duplicate_id(vids, nv);
   if (vdup >= 0 && !v_same_tables) {
     const block_entry first = locate_block_id(vseq, num_seqs, vdup);
     const block_entry second = locate_block_id(vseq, num_seqs, vdup, first);
-    return status::error(errc::invalid_argument, fn, block_entry_name("values", batch, second),
+    return status::error(errc::invalid_argument, fn, block_entry_name(varg, batch, second),
                          "expected distinct block ids %s, got id %d again (first at %s)", scope, static_cast<int>(vdup),
-                         block_entry_name("values", batch, first).text);
+                         block_entry_name(varg, batch, first).text);
   }
   if (shared_pool) {
     const std::int32_t common = find_common_id(scratch, nk, vids, nv);
     if (common >= 0) {
       const block_entry at_v = locate_block_id(vseq, num_seqs, common);
       const block_entry at_k = locate_block_id(kseq, num_seqs, common);
-      return status::error(errc::invalid_argument, fn, block_entry_name("values", batch, at_v),
+      return status::error(errc::invalid_argument, fn, block_entry_name(varg, batch, at_v),
                            "K and V share one block pool: expected block ids distinct from the keys', got id %d, "
                            "also at %s",
-                           static_cast<int>(common), block_entry_name("keys", batch, at_k).text);
+                           static_cast<int>(common), block_entry_name(karg, batch, at_k).text);
+    }
+  }
+  return status();
+}
+
+/// In place, compaction rewrites every block a compacted sequence uses, so no other sequence
+/// of the same call may reach one of them (prefix caching shares blocks between requests:
+/// the other one would read rows moved under it). check_block_ids' rule for a batch where
+/// only some sequences are written: `written(s)` says which; the others may share blocks
+/// among themselves. Two views reach one block when they address one pool (same_pool) with
+/// the same id; strided views reach none. Views are valid. `scratch`: the used blocks of the
+/// largest written sequence (block_id_scratch(1, ...) of it). Names entries as `style` says.
+template <class KSeq, class VSeq, class Written>
+status check_blocks_not_reached(std::int64_t num_seqs, const KSeq& kseq, const VSeq& vseq, const Written& written,
+                                std::int32_t* scratch, const char* fn, block_naming style) {
+  for (std::int64_t c = 0; c < num_seqs; ++c) {
+    if (!written(c)) continue;
+    const auto ck = kseq(c);
+    const auto cv = vseq(c);
+    if (!ck.is_paged() && !cv.is_paged()) continue;
+    std::int32_t* kids = scratch;
+    const std::int64_t nk = gather_block_ids(ck, kids);
+    std::int32_t* vids = scratch + nk;
+    const std::int64_t nv = gather_block_ids(cv, vids);
+    std::sort(kids, kids + nk, abi_less());
+    std::sort(vids, vids + nv, abi_less());
+    for (std::int64_t o = 0; o < num_seqs; ++o) {
+      if (o == c) continue;
+      // Each of o's views against each of c's that addresses the same pool.
+      const auto conflict = [&](const auto& ov, const char* oarg, const auto& cview, const char* carg,
+                                const std::int32_t* ids, std::int64_t n) -> status {
+        if (n == 0 || !ov.is_paged() || !same_pool(ov, cview)) return status();
+        const std::int64_t used = used_blocks_or_zero(ov);
+        for (std::int64_t e = 0; e < used; ++e) {
+          const std::int64_t b = table_entry(ov, e);
+          const std::int32_t id = static_cast<std::int32_t>(ov.block_table[b]);
+          if (!std::binary_search(ids, ids + n, id, abi_less())) continue;
+          const auto cseq = [&](std::int64_t) { return cview; };
+          block_entry at_c = locate_block_id(cseq, 1, id);
+          at_c.seq = c;
+          return status::error(errc::invalid_argument, fn, block_entry_name(carg, style, at_c),
+                               "expected blocks that no other sequence of the call reaches (compacted in place; a "
+                               "shared prefix: copy it, or compact out of place), got id %d, also at %s",
+                               static_cast<int>(id), block_entry_name(oarg, style, block_entry{o, b}).text);
+        }
+        return status();
+      };
+      const auto ok = kseq(o);
+      const auto ov = vseq(o);
+      KVEVICT_RETURN_IF_ERROR(conflict(ok, "keys", ck, "keys", kids, nk));
+      KVEVICT_RETURN_IF_ERROR(conflict(ok, "keys", cv, "values", vids, nv));
+      KVEVICT_RETURN_IF_ERROR(conflict(ov, "values", ck, "keys", kids, nk));
+      KVEVICT_RETURN_IF_ERROR(conflict(ov, "values", cv, "values", vids, nv));
     }
   }
   return status();

@@ -108,8 +108,8 @@ status check_destination(const cache_view<SK>& sk, const cache_view<SV>& sv, con
   if (dk.is_paged() || dv.is_paged()) {  // the destination's own blocks: each reached once
     const auto kseq = [&dk](std::int64_t) { return dk; };
     const auto vseq = [&dv](std::int64_t) { return dv; };
-    KVEVICT_RETURN_IF_ERROR(
-        check_block_ids(1, kseq, vseq, same_block_table(dk, dv), same_block_pool(dk, dv), ids, fn, false));
+    KVEVICT_RETURN_IF_ERROR(check_block_ids(1, kseq, vseq, same_block_table(dk, dv), same_block_pool(dk, dv), ids, fn,
+                                            false, "dst_keys", "dst_values"));
   }
   KVEVICT_RETURN_IF_ERROR(check_disjoint(dk, sk, ids, fn, "dst_keys", "src_keys"));
   KVEVICT_RETURN_IF_ERROR(check_disjoint(dk, sv, ids, fn, "dst_keys", "src_values"));
