@@ -36,6 +36,8 @@ kvevict::compressor_options base_options(kvevict::dtype storage, kvevict::dtype 
   o.limits.max_sequences = 4;
   o.limits.max_tokens = 80;
   o.limits.max_pool_blocks = 64;
+  // The sequences of a layer share a pool but never a block (no prefix caching).
+  o.sharing = kvevict::block_sharing::none;
   return o;
 }
 

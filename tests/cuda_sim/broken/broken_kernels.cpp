@@ -56,6 +56,36 @@ __global__ void cross_block_race_kernel(int* total, bool fixed) {
   }
 }
 
+/// Real block sizes, with barriers: every thread stages a value through shared memory (two
+/// barriers), then the blocks `racing_blocks` selects add it to out[t] with a plain
+/// read-modify-write instead of an atomic (a cross-block reduction that forgot its atomic).
+/// Which blocks race is chosen so that no simple pool rule hides the pair: consecutive
+/// blocks, blocks of a 2-D or 3-D grid whose coordinates sum to the same parity, blocks a
+/// multiple of two or of the pool count apart.
+struct race_shape {
+  dim3 grid;
+  unsigned threads;
+  unsigned first;  // linear indices (x fastest) of the two racing blocks
+  unsigned second;
+};
+
+__global__ void block_race_kernel(int* out, bool fixed, unsigned first, unsigned second) {
+  KVEVICT_SHARED_ARRAY(int, staged, 1024);
+  const unsigned n = blockDim.x * blockDim.y * blockDim.z;
+  const unsigned t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  staged[t] = static_cast<int>(t + b);
+  __syncthreads();
+  const int v = staged[(t + 1) % n];
+  __syncthreads();
+  if (b != first && b != second) return;
+  if (fixed) {
+    atomicAdd(&out[t], v);
+  } else {
+    out[t] += v;
+  }
+}
+
 __global__ void shared_overrun_kernel(float* out, bool fixed) {
   KVEVICT_DYNAMIC_SHARED(float, tile);  // the launch gives kThreads floats
   const unsigned t = threadIdx.x;
@@ -145,6 +175,36 @@ int run(void (*kernel)(T*, bool), unsigned blocks, unsigned threads, std::size_t
   return 0;
 }
 
+int run_block_race(const race_shape& shape, int prior_launches) {
+  const unsigned n = shape.threads;
+  int* out = device_buffer<int>(n);
+  cudaLaunchConfig_t cfg{};
+  cudaError_t e = cudaSuccess;
+  // Many clean launches first (every block size, several grids): detection must not depend
+  // on what ran before in the process.
+  for (int i = 0; i < prior_launches && e == cudaSuccess; ++i) {
+    cfg.gridDim = dim3(1u + static_cast<unsigned>(i % 3), 1u + static_cast<unsigned>(i % 2));
+    cfg.blockDim = dim3(32u << (i % 6));
+    e = cudaLaunchKernelEx(&cfg, block_race_kernel, out, true, 0u, 1u);
+  }
+  if (shape.grid.z > 1) {
+    cfg.blockDim = dim3(n / 4, 2, 2);  // a 3-D grid of 3-D blocks
+  } else if (shape.grid.y > 1) {
+    cfg.blockDim = dim3(n / 2, 2);
+  } else {
+    cfg.blockDim = dim3(n);
+  }
+  cfg.gridDim = shape.grid;
+  if (e == cudaSuccess) e = cudaLaunchKernelEx(&cfg, block_race_kernel, out, g_fixed, shape.first, shape.second);
+  const cudaError_t s = cudaDeviceSynchronize();
+  cudaFree(out);
+  if (e != cudaSuccess || s != cudaSuccess) {
+    std::fprintf(stderr, "launch failed: %s\n", cudaGetErrorString(e != cudaSuccess ? e : s));
+    return 2;
+  }
+  return 0;
+}
+
 int host_dereferences_device_memory() {
   int* p = device_buffer<int>(16);
   int v = 0;
@@ -178,6 +238,23 @@ int main(int argc, char** argv) {
   if (which == "exited_lane") rc = run<float>(exited_lane_kernel, 1, 32, 0, 32);
   if (which == "mismatched_collective") rc = run<unsigned>(mismatched_collective_kernel, 1, 32, 0, 32);
   if (which == "deadlock") rc = run<int>(deadlock_kernel, 1, 32, 0, 32);
+  // Cross-block races at real block sizes (TSan): name -> grid, threads per block, racing pair.
+  const struct {
+    const char* name;
+    race_shape shape;
+    int prior_launches;
+  } races[] = {
+      {"cross_block_race_256", {dim3(2), 256, 0, 1}, 0},
+      {"cross_block_race_512", {dim3(2), 512, 0, 1}, 0},
+      {"cross_block_race_1024", {dim3(2), 1024, 0, 1}, 0},
+      {"cross_block_race_2d", {dim3(2, 2), 256, 1, 2}, 0},     // (1,0) and (0,1): x + y both odd
+      {"cross_block_race_3d", {dim3(2, 2, 2), 256, 3, 5}, 0},  // (1,1,0) and (1,0,1)
+      {"cross_block_race_stride2", {dim3(3), 512, 0, 2}, 0},   // two blocks apart
+      {"cross_block_race_stride3", {dim3(5), 1024, 1, 4}, 0},  // three apart
+      {"cross_block_race_after_launches", {dim3(4), 1024, 1, 2}, 60},
+  };
+  for (const auto& r : races)
+    if (which == r.name) rc = run_block_race(r.shape, r.prior_launches);
   if (which == "host_dereference") rc = host_dereferences_device_memory();
   if (rc == 0) std::printf("%s%s: completed\n", which.c_str(), g_fixed ? " (fixed)" : "");
   return rc;

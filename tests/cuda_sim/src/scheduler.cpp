@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
@@ -93,6 +94,24 @@ constexpr unsigned kMaxWarps = kMaxThreads / 32;
 constexpr std::size_t kStackBytes = 256 * 1024;
 constexpr std::size_t kStaticSharedLimit = 48 * 1024;
 constexpr unsigned full_warp_mask = 0xffffffffu;
+// Fiber pools per host thread: as many pools of blockDim fibers as fit in kFiberBudget
+// fibers, at least 2 and at most kMaxPools. Each fiber is a TSan thread: GCC's TSan runtime
+// (the one CI's TSan stage links) tells 8,192 threads apart exactly, while clang 14's shares
+// 256 slots among all threads, which hid races between blocks of >= 256 threads.
+// Host threads that launch at once share a process budget: past it, a host thread gets 2 pools.
+constexpr unsigned kMaxPools = 16;
+constexpr std::size_t kFiberBudget = 2048;
+constexpr std::size_t kProcessFiberBudget = 2560;
+std::atomic<std::size_t> g_fiber_count{0};  // fibers of every host thread
+
+/// Pools for a launch of `threads` per block on a host thread that owns `own` fibers.
+unsigned pools_for(unsigned threads, std::size_t own) {
+  const std::size_t others = g_fiber_count.load() - own;
+  std::size_t budget = kFiberBudget;
+  if (others + budget > kProcessFiberBudget) budget = others < kProcessFiberBudget ? kProcessFiberBudget - others : 0;
+  const std::size_t p = budget / threads;
+  return p < 2 ? 2u : (p > kMaxPools ? kMaxPools : static_cast<unsigned>(p));
+}
 
 struct machine_context {
 #if defined(CUDA_SIM_USE_UCONTEXT)
@@ -247,9 +266,13 @@ struct exec_context {
   void* host_fake_stack = nullptr;
   const void* host_stack_lo = nullptr;
   std::size_t host_stack_bytes = 0;
-  // Fibers per thread index, in two pools: consecutive blocks never share a fiber, so
-  // program order of a pooled fiber does not hide a race between neighbouring blocks.
-  std::vector<std::unique_ptr<fiber>> pools[2];
+  // Fibers: a fiber's program order is a happens-before edge for TSan, and a barrier passes
+  // it on to the whole block, so two blocks that share any fiber look ordered. A launch of n
+  // threads per block splits the fibers into pools_for(n) pools of n, and blocks take the pools
+  // round robin by their linear index in the launch: two blocks of a launch share fibers only
+  // when their indices differ by a multiple of the pool count. Launches are ordered by the host
+  // anyway, so reusing fibers from launch to launch hides nothing.
+  std::vector<std::unique_ptr<fiber>> fibers;
 
   // The launch in progress.
   const kernel_launch* launch = nullptr;
@@ -259,7 +282,7 @@ struct exec_context {
 
   // The block in progress.
   uint3 block{0, 0, 0};
-  unsigned parity = 0;
+  unsigned pool = 0;  // thread t runs on fibers[pool * num_threads + t]
   unsigned num_threads = 0;
   unsigned num_warps = 0;
   unsigned current = 0;
@@ -296,8 +319,9 @@ exec_context& kernel_context(const char* what) {
 
 // ---- fibers ----------------------------------------------------------------------------
 
-std::unique_ptr<fiber> make_fiber(unsigned pool, unsigned index) {
+std::unique_ptr<fiber> make_fiber(unsigned index) {
   auto f = std::make_unique<fiber>();
+  g_fiber_count.fetch_add(1);
   const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   f->mapping_bytes = kStackBytes + page;
   f->mapping =
@@ -334,7 +358,7 @@ std::unique_ptr<fiber> make_fiber(unsigned pool, unsigned index) {
     f->tsan = __tsan_create_fiber(0);
     if (__tsan_set_fiber_name != nullptr) {
       char name[64];
-      std::snprintf(name, sizeof(name), "CUDA thread %u (fiber pool %u)", index, pool);
+      std::snprintf(name, sizeof(name), "simulator fiber %u", index);
       __tsan_set_fiber_name(f->tsan, name);
     }
   }
@@ -342,14 +366,14 @@ std::unique_ptr<fiber> make_fiber(unsigned pool, unsigned index) {
 }
 
 exec_context::~exec_context() {
-  for (auto& pool : pools)
-    for (auto& f : pool) {
-      // Frames of the parked fiber leave ASan poison behind; clear it before the pages can
-      // be mapped again for something else.
-      asan_unpoison(f->stack_lo, f->stack_bytes);
-      if (f->tsan != nullptr && __tsan_destroy_fiber != nullptr) __tsan_destroy_fiber(f->tsan);
-      munmap(f->mapping, f->mapping_bytes);
-    }
+  for (auto& f : fibers) {
+    // Frames of the parked fiber leave ASan poison behind; clear it before the pages can
+    // be mapped again for something else.
+    asan_unpoison(f->stack_lo, f->stack_bytes);
+    if (f->tsan != nullptr && __tsan_destroy_fiber != nullptr) __tsan_destroy_fiber(f->tsan);
+    munmap(f->mapping, f->mapping_bytes);
+  }
+  g_fiber_count.fetch_sub(fibers.size());
 }
 
 inline void raw_switch(machine_context& from, machine_context& to) {
@@ -360,8 +384,12 @@ inline void raw_switch(machine_context& from, machine_context& to) {
 #endif
 }
 
+fiber& fiber_of(exec_context& c, unsigned t) {
+  return *c.fibers[c.pool * c.num_threads + t];
+}
+
 fiber& current_fiber(exec_context& c) {
-  return *c.pools[c.parity][c.current];
+  return fiber_of(c, c.current);
 }
 
 /// Host -> fiber of thread `t` of the current block; returns when that thread waits or ends.
@@ -369,7 +397,7 @@ void resume(exec_context& c, unsigned t) {
   c.current = t;
   const dim3 b = c.launch->block;
   threadIdx = uint3{t % b.x, (t / b.x) % b.y, t / (b.x * b.y)};
-  fiber& f = *c.pools[c.parity][t];
+  fiber& f = fiber_of(c, t);
   if (__tsan_switch_to_fiber != nullptr) __tsan_switch_to_fiber(f.tsan, 1 /* no sync */);
   if (__sanitizer_start_switch_fiber != nullptr)
     __sanitizer_start_switch_fiber(&c.host_fake_stack, f.stack_lo, f.stack_bytes);
@@ -753,8 +781,8 @@ std::size_t run_grid(const kernel_launch& l, std::size_t shared_limit) noexcept 
   exec_context& c = context();
   if (c.launch != nullptr) fatal("a kernel launched a kernel (dynamic parallelism is not simulated)");
   const unsigned threads = l.block.x * l.block.y * l.block.z;
-  for (unsigned p = 0; p < 2; ++p)
-    while (c.pools[p].size() < threads) c.pools[p].push_back(make_fiber(p, static_cast<unsigned>(c.pools[p].size())));
+  const unsigned num_pools = pools_for(threads, c.fibers.size());
+  while (c.fibers.size() < num_pools * threads) c.fibers.push_back(make_fiber(static_cast<unsigned>(c.fibers.size())));
   if (__tsan_get_current_fiber != nullptr) c.host_tsan_fiber = __tsan_get_current_fiber();
   c.launch = &l;
   c.shared_limit = shared_limit;
@@ -766,12 +794,15 @@ std::size_t run_grid(const kernel_launch& l, std::size_t shared_limit) noexcept 
   tsan_release(&c.lsync->start);  // everything the host did before the launch
   gridDim = l.grid;
   blockDim = l.block;
+  // Pools by the block's linear index within this launch, so that which blocks share fibers
+  // depends on the launch alone, never on what ran before it.
+  unsigned long long linear = 0;
   for (unsigned z = 0; z < l.grid.z; ++z)
     for (unsigned y = 0; y < l.grid.y; ++y)
-      for (unsigned x = 0; x < l.grid.x; ++x) {
+      for (unsigned x = 0; x < l.grid.x; ++x, ++linear) {
         c.block = uint3{x, y, z};
         blockIdx = c.block;
-        c.parity = (x + y + z) & 1u;
+        c.pool = static_cast<unsigned>(linear % num_pools);
         run_block(c);
       }
   tsan_acquire(&c.lsync->end);  // the host sees everything the kernel did
