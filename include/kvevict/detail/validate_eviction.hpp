@@ -145,13 +145,6 @@ std::int64_t gather_block_ids(const cache_view<T>& v, std::int32_t* out) noexcep
   return used;
 }
 
-/// Whether two paged views address one pool with one block geometry (a block id in both is
-/// one physical block): same_block_pool for any two views.
-template <class A, class B>
-bool same_pool(const cache_view<A>& a, const cache_view<B>& b) noexcept {
-  return same_block_pool(a, b);
-}
-
 /// Scratch ids `check_block_ids` needs: every used block of every paged sequence of K and V.
 template <class KSeq, class VSeq>
 std::int64_t block_id_scratch(std::int64_t num_seqs, const KSeq& kseq, const VSeq& vseq) noexcept {
@@ -211,7 +204,7 @@ status check_block_ids(std::int64_t num_seqs, const KSeq& kseq, const VSeq& vseq
 /// of the same call may reach one of them (prefix caching shares blocks between requests:
 /// the other one would read rows moved under it). check_block_ids' rule for a batch where
 /// only some sequences are written: `written(s)` says which; the others may share blocks
-/// among themselves. Two views reach one block when they address one pool (same_pool) with
+/// among themselves. Two views reach one block when they address one pool (same_block_pool) with
 /// the same id; strided views reach none. Views are valid. `scratch`: the used blocks of the
 /// largest written sequence (block_id_scratch(1, ...) of it). Names entries as `style` says.
 template <class KSeq, class VSeq, class Written>
@@ -233,7 +226,7 @@ status check_blocks_not_reached(std::int64_t num_seqs, const KSeq& kseq, const V
       // Each of o's views against each of c's that addresses the same pool.
       const auto conflict = [&](const auto& ov, const char* oarg, const auto& cview, const char* carg,
                                 const std::int32_t* ids, std::int64_t n) -> status {
-        if (n == 0 || !ov.is_paged() || !same_pool(ov, cview)) return status();
+        if (n == 0 || !ov.is_paged() || !same_block_pool(ov, cview)) return status();
         const std::int64_t used = used_blocks_or_zero(ov);
         for (std::int64_t e = 0; e < used; ++e) {
           const std::int64_t b = table_entry(ov, e);

@@ -53,14 +53,6 @@ void copy_kept_rows(const cache_view<ST>& src, const cache_view<DT>& dst, std::i
     for (std::int64_t i = 0; i < n; ++i) dst.at(h, i, c) = src.at(h, keep[i], c);
 }
 
-/// Used block ids of a paged view (0 when strided), appended to out.
-template <class T>
-std::int64_t append_block_ids(const cache_view<T>& v, std::int32_t* out) noexcept {
-  const std::int64_t used = used_blocks_or_zero(v);
-  for (std::int64_t e = 0; e < used; ++e) out[e] = static_cast<std::int32_t>(v.block_table[table_entry(v, e)]);
-  return used;
-}
-
 /// Whether two paged views index one pool of blocks: the same block size in bytes and bases
 /// less than a block apart (K and V halves of vLLM's packed blocks, or one pool for both).
 template <class A, class B>
@@ -79,8 +71,8 @@ status check_disjoint(const cache_view<A>& a, const cache_view<B>& b, std::int32
                       const char* arg, const char* other) noexcept {
   if (a.num_tokens == 0 || b.num_tokens == 0) return status();
   if (one_pool(a, b)) {
-    const std::int64_t na = append_block_ids(a, scratch);
-    const std::int64_t nb = append_block_ids(b, scratch + na);
+    const std::int64_t na = gather_block_ids(a, scratch);
+    const std::int64_t nb = gather_block_ids(b, scratch + na);
     std::sort(scratch, scratch + na, abi_less());  // detail/abi_std.hpp says why
     std::sort(scratch + na, scratch + na + nb, abi_less());
     const std::int32_t common = find_common_id(scratch, na, scratch + na, nb);
