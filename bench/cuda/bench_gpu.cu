@@ -749,6 +749,7 @@ int main(int argc, char** argv) {
     o.per_head = kvevict::budget::tokens(B / batch);
     o.limits.max_sequences = batch;
     o.limits.max_tokens = ls;
+    o.sharing = kvevict::block_sharing::none;  // the sequences share no block
     kvevict::cuda::compressor c;
     require_ok(kvevict::cuda::compressor::plan(o, &c));
     std::vector<std::int64_t> cpos_h;

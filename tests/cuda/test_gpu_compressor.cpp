@@ -499,3 +499,33 @@ TEST_CASE("GPU compressor: errors found by a batched call name the run's sequenc
   // The unspoiled batch passes.
   REQUIRE(gpu::compressor_session<bf16, bf16>(sc.options, {good}, 4).calls[0].st.ok());
 }
+
+TEST_CASE("GPU compressor: refuses a paged in-place run without block_sharing::none, and a short window",
+          "[gpu][gpu_compressor]") {
+  using kvevict::dtype;
+  // The device reads no refcounts: an undeclared or marked sharing is refused on the first call
+  // that compacts a paged cache in place (layer 0 at prefill_end), whose buffers stay as they were.
+  for (const kvevict::block_sharing sharing : {kvevict::block_sharing::undeclared, kvevict::block_sharing::marked}) {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    o.sharing = sharing;
+    scenario<bf16, bf16> sc(o, true, 0, 41);
+    const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(o, sc.calls, 4);
+    REQUIRE(g.plan.ok());
+    const gpu::compressor_call_result& first = g.calls[0];
+    INFO(first.st.message());
+    REQUIRE(first.st.code() ==
+            (sharing == kvevict::block_sharing::marked ? kvevict::errc::unsupported : kvevict::errc::invalid_argument));
+    REQUIRE(std::string(first.st.argument()) == "sharing");
+    for (const auto& r : first.reports) REQUIRE(r.length == -9);  // untouched
+  }
+  // A prefill chunk with fewer queries than the window (6) is refused by name, as on the CPU.
+  kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+  scenario<bf16, bf16> sc(o, true, 0, 42);
+  std::vector<gpu::compressor_call<bf16, bf16>> calls = sc.calls;
+  calls[0].seqs[0].queries.num_queries = 3;
+  const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(o, calls, 4);
+  REQUIRE(g.plan.ok());
+  INFO(g.calls[0].st.message());
+  REQUIRE(g.calls[0].st.code() == kvevict::errc::invalid_shape);
+  REQUIRE(std::string(g.calls[0].st.argument()) == "seqs[0].queries.num_queries");
+}

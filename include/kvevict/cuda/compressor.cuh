@@ -773,11 +773,27 @@ class compressor {
       const bool decode = io.event == sequence_event::decode;
       KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_sequence_queries(options_, scoring_params_of().domain, io.queries,
                                                                       decode, io.lse, io.lse_head_stride, s, fn));
-      if (!decode && io.queries.num_queries < 1)
+      // As on the CPU: a prefill chunk holding fewer than the window's queries is refused,
+      // never scored with fewer (chunked prefill: the engine hands the whole window).
+      const std::int64_t need = io.keys.num_tokens < window_ ? io.keys.num_tokens : window_;
+      if (!decode && (io.queries.num_queries < need || io.queries.num_queries < 1))
         return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
-                             "expected the prompt's last queries (up to %lld), got none",
-                             static_cast<long long>(window_));
+                             "expected observation_window() = %lld queries at prefill_end (or every prompt query "
+                             "of a shorter prompt), got %lld (chunked prefill: keep the earlier chunks' last "
+                             "queries, hand the whole window)",
+                             static_cast<long long>(window_), static_cast<long long>(io.queries.num_queries));
     }
+    // Blocks shared with sequences outside the call are invisible to the device, which reads no
+    // block refcounts yet: a paged in-place compaction needs the engine's word that it shares
+    // none (the CPU compressor also accepts block_sharing::marked with refcounts).
+    if (p.evict && options_.compact == compaction::in_place && (io.keys.is_paged() || io.values.is_paged()) &&
+        options_.sharing != block_sharing::none)
+      return status::error(options_.sharing == block_sharing::marked ? errc::unsupported : errc::invalid_argument, fn,
+                           "sharing",
+                           "%s is paged, compacted in place on the device: expected block_sharing::none, got "
+                           "block_sharing::%s",
+                           static_cast<const char*>(io_name(s, "keys")),
+                           options_.sharing == block_sharing::marked ? "marked" : "undeclared");
     if (p.evict)
       p.budget = kvevict::detail::layer_budget_for(options_, base_budget(), layer, L, p.sel, host.layer_budgets);
     return status();
