@@ -86,6 +86,60 @@ __global__ void block_race_kernel(int* out, bool fixed, unsigned first, unsigned
   }
 }
 
+/// Lost updates (interleaving builds: no TSan, the result is checked). Inside one block: a
+/// shared-memory histogram whose increments forgot their atomic.
+constexpr unsigned kBins = 8;
+__global__ void lost_update_in_block_kernel(unsigned* out, bool fixed) {
+  KVEVICT_SHARED_ARRAY(unsigned, bins, kBins);
+  const unsigned t = threadIdx.x;
+  if (t < kBins) bins[t] = 0;
+  __syncthreads();
+  if (fixed) {
+    atomicAdd(&bins[t % kBins], 1u);
+  } else {
+    bins[t % kBins] += 1u;
+  }
+  __syncthreads();
+  if (t < kBins) out[t] = bins[t];
+}
+
+/// Between blocks: each block's thread 0, after a barrier, adds its block's contribution to
+/// one global total (the shape of a cross-block reduction or a block counter).
+__global__ void lost_update_across_blocks_kernel(unsigned* total, bool fixed) {
+  KVEVICT_SHARED_ARRAY(unsigned, staged, 1);
+  if (threadIdx.x == 0) staged[0] = blockIdx.x + gridDim.x * blockIdx.y + 1u;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (fixed) {
+    atomicAdd(total, staged[0]);
+  } else {
+    *total += staged[0];
+  }
+}
+
+/// Runs a lost-update kernel and checks every counter against `expected`.
+int run_counting(void (*kernel)(unsigned*, bool), dim3 grid, unsigned threads, unsigned n,
+                 unsigned (*expected)(unsigned)) {
+  unsigned* buffer = nullptr;
+  if (cudaMalloc(&buffer, n * sizeof(unsigned)) != cudaSuccess) return 2;
+  cudaMemset(buffer, 0, n * sizeof(unsigned));
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, buffer, g_fixed);
+  unsigned got[kBins] = {};
+  cudaMemcpy(got, buffer, n * sizeof(unsigned), cudaMemcpyDeviceToHost);
+  cudaFree(buffer);
+  if (e != cudaSuccess) return 2;
+  for (unsigned i = 0; i < n; ++i) {
+    if (got[i] != expected(i)) {
+      std::fprintf(stderr, "lost update: counter %u expected %u, got %u\n", i, expected(i), got[i]);
+      return 1;
+    }
+  }
+  return 0;
+}
+
 __global__ void shared_overrun_kernel(float* out, bool fixed) {
   KVEVICT_DYNAMIC_SHARED(float, tile);  // the launch gives kThreads floats
   const unsigned t = threadIdx.x;
@@ -256,6 +310,10 @@ int main(int argc, char** argv) {
   for (const auto& r : races)
     if (which == r.name) rc = run_block_race(r.shape, r.prior_launches);
   if (which == "host_dereference") rc = host_dereferences_device_memory();
+  if (which == "lost_update_in_block")
+    rc = run_counting(lost_update_in_block_kernel, dim3(1), 512, kBins, [](unsigned) { return 512u / kBins; });
+  if (which == "lost_update_across_blocks")
+    rc = run_counting(lost_update_across_blocks_kernel, dim3(4, 2), 256, 1, [](unsigned) { return 8u * 9u / 2u; });
   if (rc == 0) std::printf("%s%s: completed\n", which.c_str(), g_fixed ? " (fixed)" : "");
   return rc;
 }

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cuda_sim/device.hpp"
+#include "interleave.hpp"
 #include "internal.hpp"
 #include "sanitizers.hpp"
 
@@ -137,7 +138,9 @@ struct fiber {
 
 namespace {
 
-enum class thread_state : std::uint8_t { ready, barrier, collective, done };
+// preempted: switched out at a memory access by the interleaving schedule; ready again in
+// the block's next round.
+enum class thread_state : std::uint8_t { ready, barrier, collective, preempted, done };
 
 const char* op_name(warp_op op) {
   switch (op) {
@@ -259,34 +262,15 @@ struct static_declaration {
   std::size_t bytes;
 };
 
-struct exec_context {
-  // The host thread's own context while a fiber runs.
-  machine_context host;
-  void* host_tsan_fiber = nullptr;
-  void* host_fake_stack = nullptr;
-  const void* host_stack_lo = nullptr;
-  std::size_t host_stack_bytes = 0;
-  // Fibers: a fiber's program order is a happens-before edge for TSan, and a barrier passes
-  // it on to the whole block, so two blocks that share any fiber look ordered. A launch of n
-  // threads per block splits the fibers into pools_for(n) pools of n, and blocks take the pools
-  // round robin by their linear index in the launch: two blocks of a launch share fibers only
-  // when their indices differ by a multiple of the pool count. Launches are ordered by the host
-  // anyway, so reusing fibers from launch to launch hides nothing.
-  std::vector<std::unique_ptr<fiber>> fibers;
-
-  // The launch in progress.
-  const kernel_launch* launch = nullptr;
-  launch_sync* lsync = nullptr;
-  std::size_t shared_limit = 0;
-  std::size_t largest_static = 0;
-
-  // The block in progress.
+/// One block in execution: its threads' states, warps, barrier and shared memory. A launch
+/// runs one block at a time, or, when the simulator interleaves (interleave.hpp), up to
+/// kMaxResident blocks at once, each on its own fiber pool.
+struct block_run {
   uint3 block{0, 0, 0};
   unsigned pool = 0;  // thread t runs on fibers[pool * num_threads + t]
-  unsigned num_threads = 0;
-  unsigned num_warps = 0;
-  unsigned current = 0;
+  bool active = false;
   unsigned exited = 0;
+  unsigned preempted = 0;  // threads switched out at a memory access this round
   sim_thread threads[kMaxThreads];
   warp_state warps[kMaxWarps];
   unsigned barrier_waiting = 0;
@@ -300,6 +284,40 @@ struct exec_context {
   std::size_t dynamic_bytes = 0;
   std::vector<static_declaration> statics;
   std::size_t static_bytes = 0;
+};
+
+constexpr unsigned kMaxResident = 4;
+
+struct exec_context {
+  // The host thread's own context while a fiber runs.
+  machine_context host;
+  void* host_tsan_fiber = nullptr;
+  void* host_fake_stack = nullptr;
+  const void* host_stack_lo = nullptr;
+  std::size_t host_stack_bytes = 0;
+  // Fibers: a fiber's program order is a happens-before edge for TSan, and a barrier passes
+  // it on to the whole block, so two blocks that share any fiber look ordered. A launch of n
+  // threads per block splits the fibers into pools_for(n) pools of n, and blocks take the pools
+  // round robin by their linear index in the launch: two blocks of a launch share fibers only
+  // when their indices differ by a multiple of the pool count. Launches are ordered by the host
+  // anyway, so reusing fibers from launch to launch hides nothing. Interleaved blocks (never
+  // under TSan) each hold a pool of their own while resident.
+  std::vector<std::unique_ptr<fiber>> fibers;
+
+  // The launch in progress.
+  const kernel_launch* launch = nullptr;
+  launch_sync* lsync = nullptr;
+  std::size_t shared_limit = 0;
+  std::size_t largest_static = 0;
+  unsigned num_threads = 0;
+  unsigned num_warps = 0;
+  interleave_schedule schedule;
+  unsigned long long launches = 0;  // launches made by this host thread (seeds each schedule)
+
+  // The block whose thread runs (or ran last), and that thread.
+  block_run* run = nullptr;
+  unsigned current = 0;
+  std::unique_ptr<block_run> runs[kMaxResident];
 
   ~exec_context();
 };
@@ -385,23 +403,28 @@ inline void raw_switch(machine_context& from, machine_context& to) {
 }
 
 fiber& fiber_of(exec_context& c, unsigned t) {
-  return *c.fibers[c.pool * c.num_threads + t];
+  return *c.fibers[c.run->pool * c.num_threads + t];
 }
 
 fiber& current_fiber(exec_context& c) {
   return fiber_of(c, c.current);
 }
 
-/// Host -> fiber of thread `t` of the current block; returns when that thread waits or ends.
-void resume(exec_context& c, unsigned t) {
+/// Host -> fiber of thread `t` of block `r`; returns when that thread waits, ends, or is
+/// preempted.
+void resume(exec_context& c, block_run& r, unsigned t) {
+  c.run = &r;
   c.current = t;
   const dim3 b = c.launch->block;
   threadIdx = uint3{t % b.x, (t / b.x) % b.y, t / (b.x * b.y)};
+  blockIdx = r.block;
   fiber& f = fiber_of(c, t);
   if (__tsan_switch_to_fiber != nullptr) __tsan_switch_to_fiber(f.tsan, 1 /* no sync */);
   if (__sanitizer_start_switch_fiber != nullptr)
     __sanitizer_start_switch_fiber(&c.host_fake_stack, f.stack_lo, f.stack_bytes);
+  if (c.schedule.on) interleave_arm(f.stack_lo, f.stack_bytes, &c.schedule);
   raw_switch(c.host, f.context);
+  if (c.schedule.on) interleave_disarm();
   if (__sanitizer_finish_switch_fiber != nullptr) __sanitizer_finish_switch_fiber(c.host_fake_stack, nullptr, nullptr);
 }
 
@@ -448,12 +471,13 @@ void format_lanes(unsigned mask, char* out, std::size_t n) {
   std::fprintf(stderr, "cudasim: deadlock: no thread of the block can proceed\n");
   unsigned shown = 0;
   for (unsigned t = 0; t < c.num_threads && shown < 12; ++t) {
-    const sim_thread& s = c.threads[t];
-    if (s.state == thread_state::done || s.state == thread_state::ready) continue;
+    const sim_thread& s = c.run->threads[t];
+    if (s.state == thread_state::done || s.state == thread_state::ready || s.state == thread_state::preempted) continue;
     if (s.state == thread_state::barrier) {
-      std::fprintf(stderr, "  %s waits at %s (%s:%d)\n", who(c, t).text, barrier_name(c.barrier_kind), s.file, s.line);
+      std::fprintf(stderr, "  %s waits at %s (%s:%d)\n", who(c, t).text, barrier_name(c.run->barrier_kind), s.file,
+                   s.line);
     } else {
-      const warp_state& w = c.warps[t / 32];
+      const warp_state& w = c.run->warps[t / 32];
       unsigned waiting_for = 0;
       for (int i = 0; i < w.num_pending; ++i)
         if (w.pending[i].mask & (1u << (t % 32))) waiting_for = w.pending[i].mask & ~w.pending[i].arrived;
@@ -469,76 +493,130 @@ void format_lanes(unsigned mask, char* out, std::size_t n) {
 
 // ---- blocks ----------------------------------------------------------------------------
 
-void run_block(exec_context& c) {
-  const dim3 b = c.launch->block;
-  c.num_threads = b.x * b.y * b.z;
-  c.num_warps = (c.num_threads + 31) / 32;
-  c.exited = 0;
-  c.barrier_waiting = 0;
-  c.barriers = 0;
-  c.statics.clear();
-  c.static_bytes = 0;
-  for (unsigned t = 0; t < c.num_threads; ++t) c.threads[t] = sim_thread{};
+void begin_block(exec_context& c, block_run& r, uint3 block, unsigned pool) {
+  r.block = block;
+  r.pool = pool;
+  r.active = true;
+  r.exited = 0;
+  r.preempted = 0;
+  r.barrier_waiting = 0;
+  r.barriers = 0;
+  r.statics.clear();
+  r.static_bytes = 0;
+  for (unsigned t = 0; t < c.num_threads; ++t) r.threads[t] = sim_thread{};
   for (unsigned w = 0; w < c.num_warps; ++w) {
-    warp_state& ws = c.warps[w];
+    warp_state& ws = r.warps[w];
     const unsigned n = c.num_threads - w * 32 < 32 ? c.num_threads - w * 32 : 32;
     ws.lanes = n == 32 ? 0xffffffffu : ((1u << n) - 1u);
     ws.exited = 0;
     ws.num_pending = 0;
     ws.syncwarps = 0;
   }
-  {
-    tsan_ignore_scope ignore;
-    c.sync = new block_sync();
-    // The dynamic arena is exactly the launch's size (an overrun is a heap-buffer-overflow
-    // under ASan), 16-byte aligned like CUDA's, and holds 0xff: no zeroes to hide reads of
-    // memory no thread of the block wrote.
-    c.dynamic_bytes = c.launch->dynamic_smem;
-    if (posix_memalign(&c.dynamic_smem, 16, c.dynamic_bytes) != 0) fatal("cannot allocate dynamic shared memory");
-    std::memset(c.dynamic_smem, 0xff, c.dynamic_bytes);
-  }
+  tsan_ignore_scope ignore;
+  r.sync = new block_sync();
+  // The dynamic arena is exactly the launch's size (an overrun is a heap-buffer-overflow
+  // under ASan), 16-byte aligned like CUDA's, and holds 0xff: no zeroes to hide reads of
+  // memory no thread of the block wrote.
+  r.dynamic_bytes = c.launch->dynamic_smem;
+  if (posix_memalign(&r.dynamic_smem, 16, r.dynamic_bytes) != 0) fatal("cannot allocate dynamic shared memory");
+  std::memset(r.dynamic_smem, 0xff, r.dynamic_bytes);
+}
 
-  for (;;) {
-    bool progress = false;
-    // A warp at a time until each of its threads waits at a barrier or has ended: warps
-    // only wait for each other at barriers.
-    for (unsigned w = 0; w < c.num_warps; ++w) {
-      const unsigned t_end = (w + 1) * 32 < c.num_threads ? (w + 1) * 32 : c.num_threads;
-      for (bool again = true; again;) {
-        again = false;
-        for (unsigned t = w * 32; t < t_end; ++t) {
-          if (c.threads[t].state != thread_state::ready) continue;
-          resume(c, t);
-          progress = again = true;
-        }
+/// One round of block `r`: a warp at a time, each of its threads resumed until it waits at a
+/// barrier, has ended or was preempted (a preempted thread runs again next round: warps only
+/// wait for each other at barriers). Returns whether any thread ran; none did and the block
+/// is not done is a deadlock, since no other block can release a barrier of this one.
+bool run_round(exec_context& c, block_run& r) {
+  bool progress = false;
+  for (unsigned w = 0; w < c.num_warps; ++w) {
+    const unsigned t_end = (w + 1) * 32 < c.num_threads ? (w + 1) * 32 : c.num_threads;
+    for (bool again = true; again;) {
+      again = false;
+      for (unsigned t = w * 32; t < t_end; ++t) {
+        if (r.threads[t].state != thread_state::ready) continue;
+        resume(c, r, t);
+        progress = again = true;
       }
     }
-    if (c.exited == c.num_threads) break;
-    if (!progress) deadlock(c);
   }
+  if (r.preempted > 0) {
+    for (unsigned t = 0; t < c.num_threads; ++t)
+      if (r.threads[t].state == thread_state::preempted) r.threads[t].state = thread_state::ready;
+    r.preempted = 0;
+  }
+  return progress;
+}
 
-  if (c.static_bytes > c.largest_static) c.largest_static = c.static_bytes;
+void end_block(exec_context& c, block_run& r) {
+  if (r.static_bytes > c.largest_static) c.largest_static = r.static_bytes;
   tsan_ignore_scope ignore;
-  for (const static_declaration& d : c.statics) std::free(d.storage);
-  c.statics.clear();
-  std::free(c.dynamic_smem);
-  c.dynamic_smem = nullptr;
-  delete c.sync;
-  c.sync = nullptr;
+  for (const static_declaration& d : r.statics) std::free(d.storage);
+  r.statics.clear();
+  std::free(r.dynamic_smem);
+  r.dynamic_smem = nullptr;
+  delete r.sync;
+  r.sync = nullptr;
+  r.active = false;
+}
+
+uint3 block_of(const dim3 grid, unsigned long long linear) {
+  return uint3{static_cast<unsigned>(linear % grid.x), static_cast<unsigned>((linear / grid.x) % grid.y),
+               static_cast<unsigned>(linear / (static_cast<unsigned long long>(grid.x) * grid.y))};
+}
+
+/// Every block of the launch, one after another; block b on pool b mod num_pools.
+void run_blocks_in_order(exec_context& c, unsigned num_pools, unsigned long long num_blocks) {
+  block_run& r = *c.runs[0];
+  for (unsigned long long b = 0; b < num_blocks; ++b) {
+    begin_block(c, r, block_of(c.launch->grid, b), static_cast<unsigned>(b % num_pools));
+    while (r.exited < c.num_threads)
+      if (!run_round(c, r)) {
+        c.run = &r;
+        deadlock(c);
+      }
+    end_block(c, r);
+  }
+}
+
+/// Up to `resident` blocks in execution at once, each on its own pool: the next round goes to
+/// a block drawn from the launch's generator, and a finished block's slot takes the next block
+/// in linear order.
+void run_blocks_interleaved(exec_context& c, unsigned resident, unsigned long long num_blocks) {
+  unsigned long long next = 0;
+  unsigned active = 0;
+  for (unsigned s = 0; s < resident && next < num_blocks; ++s, ++next, ++active)
+    begin_block(c, *c.runs[s], block_of(c.launch->grid, next), s);
+  while (active > 0) {
+    unsigned s = c.schedule.next() % resident;
+    while (!c.runs[s]->active) s = (s + 1) % resident;
+    block_run& r = *c.runs[s];
+    if (!run_round(c, r)) {
+      c.run = &r;
+      deadlock(c);
+    }
+    if (r.exited < c.num_threads) continue;
+    end_block(c, r);
+    if (next < num_blocks) {
+      begin_block(c, r, block_of(c.launch->grid, next++), s);
+    } else {
+      --active;
+    }
+  }
 }
 
 void thread_exit(exec_context& c) {
-  sim_thread& me = c.threads[c.current];
+  sim_thread& me = c.run->threads[c.current];
   me.state = thread_state::done;
-  ++c.exited;
+  ++c.run->exited;
   const unsigned lane = c.current % 32;
-  warp_state& w = c.warps[c.current / 32];
+  warp_state& w = c.run->warps[c.current / 32];
   w.exited |= 1u << lane;
-  if (c.barrier_waiting > 0)
+  if (c.run->barrier_waiting > 0)
     fatal(
         "%s returned while %u threads of its block wait at %s (%s:%d): a barrier must be reached by every thread "
         "of the block (a barrier in divergent code, or after some threads exited)",
-        who(c, c.current).text, c.barrier_waiting, barrier_name(c.barrier_kind), c.barrier_file, c.barrier_line);
+        who(c, c.current).text, c.run->barrier_waiting, barrier_name(c.run->barrier_kind), c.run->barrier_file,
+        c.run->barrier_line);
   for (int i = 0; i < w.num_pending; ++i) {
     const pending_collective& p = w.pending[i];
     if ((p.mask & (1u << lane)) && !(p.arrived & (1u << lane)))
@@ -624,7 +702,7 @@ void resolve_mma(sim_thread* lanes, mma_operands type) noexcept {
 
 /// Computes every participating lane's result; called by the lane that completes the set.
 void resolve(exec_context& c, unsigned warp, const pending_collective& p) {
-  sim_thread* lanes = &c.threads[warp * 32];
+  sim_thread* lanes = &c.run->threads[warp * 32];
   if (p.op == warp_op::mma_bf16 || p.op == warp_op::mma_f16) {
     resolve_mma(lanes, p.op == warp_op::mma_bf16 ? mma_operands::bf16 : mma_operands::f16);
     return;
@@ -770,7 +848,7 @@ void fatal(const char* format, ...) noexcept {
     std::fprintf(stderr,
                  "cudasim:   in a launch of grid (%u,%u,%u) x block (%u,%u,%u), %zu bytes of dynamic shared memory; "
                  "block (%u,%u,%u), thread (%u,%u,%u)\n",
-                 g.x, g.y, g.z, b.x, b.y, b.z, c->launch->dynamic_smem, c->block.x, c->block.y, c->block.z, threadIdx.x,
+                 g.x, g.y, g.z, b.x, b.y, b.z, c->launch->dynamic_smem, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x,
                  threadIdx.y, threadIdx.z);
   }
   std::fflush(stderr);
@@ -783,6 +861,21 @@ std::size_t run_grid(const kernel_launch& l, std::size_t shared_limit) noexcept 
   const unsigned threads = l.block.x * l.block.y * l.block.z;
   const unsigned num_pools = pools_for(threads, c.fibers.size());
   while (c.fibers.size() < num_pools * threads) c.fibers.push_back(make_fiber(static_cast<unsigned>(c.fibers.size())));
+  const interleave_settings& settings = interleave_config();
+  c.schedule.on = settings.enabled;
+  c.schedule.resident = 1;
+  if (c.schedule.on) {
+    unsigned resident = settings.resident < num_pools ? settings.resident : num_pools;
+    c.schedule.resident = resident < kMaxResident ? resident : kMaxResident;
+    // splitmix64 of (seed, launch number on this host thread): never zero for xorshift.
+    std::uint64_t z = settings.seed + 0x9E3779B97F4A7C15ull * ++c.launches;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    c.schedule.rng = (z ^ (z >> 31)) | 1u;
+  }
+  for (unsigned s = 0; s < c.schedule.resident; ++s)
+    if (!c.runs[s]) c.runs[s] = std::make_unique<block_run>();
+  c.run = c.runs[0].get();
   if (__tsan_get_current_fiber != nullptr) c.host_tsan_fiber = __tsan_get_current_fiber();
   c.launch = &l;
   c.shared_limit = shared_limit;
@@ -794,17 +887,14 @@ std::size_t run_grid(const kernel_launch& l, std::size_t shared_limit) noexcept 
   tsan_release(&c.lsync->start);  // everything the host did before the launch
   gridDim = l.grid;
   blockDim = l.block;
-  // Pools by the block's linear index within this launch, so that which blocks share fibers
-  // depends on the launch alone, never on what ran before it.
-  unsigned long long linear = 0;
-  for (unsigned z = 0; z < l.grid.z; ++z)
-    for (unsigned y = 0; y < l.grid.y; ++y)
-      for (unsigned x = 0; x < l.grid.x; ++x, ++linear) {
-        c.block = uint3{x, y, z};
-        blockIdx = c.block;
-        c.pool = static_cast<unsigned>(linear % num_pools);
-        run_block(c);
-      }
+  c.num_threads = threads;
+  c.num_warps = (threads + 31) / 32;
+  const unsigned long long num_blocks = static_cast<unsigned long long>(l.grid.x) * l.grid.y * l.grid.z;
+  if (c.schedule.on) {
+    run_blocks_interleaved(c, c.schedule.resident, num_blocks);
+  } else {
+    run_blocks_in_order(c, num_pools, num_blocks);
+  }
   tsan_acquire(&c.lsync->end);  // the host sees everything the kernel did
   {
     tsan_ignore_scope ignore;
@@ -819,42 +909,42 @@ std::size_t run_grid(const kernel_launch& l, std::size_t shared_limit) noexcept 
 
 int barrier(barrier_op op, int predicate, const char* file, int line) noexcept {
   exec_context& c = kernel_context(barrier_name(op));
-  sim_thread& me = c.threads[c.current];
-  if (c.exited > 0) {
+  sim_thread& me = c.run->threads[c.current];
+  if (c.run->exited > 0) {
     unsigned first = 0;
-    while (c.threads[first].state != thread_state::done) ++first;
+    while (c.run->threads[first].state != thread_state::done) ++first;
     fatal(
         "%s reached %s (%s:%d) after %u threads of its block returned (first %s): a barrier must be reached by "
         "every thread of the block",
-        who(c, c.current).text, barrier_name(op), file, line, c.exited, who(c, first).text);
+        who(c, c.current).text, barrier_name(op), file, line, c.run->exited, who(c, first).text);
   }
-  if (c.barrier_waiting == 0) {
-    c.barrier_kind = op;
-    c.barrier_file = file;
-    c.barrier_line = line;
-    c.barrier_true = 0;
-  } else if (op != c.barrier_kind || !same_site(file, line, c.barrier_file, c.barrier_line)) {
+  if (c.run->barrier_waiting == 0) {
+    c.run->barrier_kind = op;
+    c.run->barrier_file = file;
+    c.run->barrier_line = line;
+    c.run->barrier_true = 0;
+  } else if (op != c.run->barrier_kind || !same_site(file, line, c.run->barrier_file, c.run->barrier_line)) {
     fatal(
         "divergent barrier: %s reached %s (%s:%d) while %u threads of its block wait at %s (%s:%d); every thread "
         "of a block must reach the same barrier",
-        who(c, c.current).text, barrier_name(op), file, line, c.barrier_waiting, barrier_name(c.barrier_kind),
-        c.barrier_file, c.barrier_line);
+        who(c, c.current).text, barrier_name(op), file, line, c.run->barrier_waiting, barrier_name(c.run->barrier_kind),
+        c.run->barrier_file, c.run->barrier_line);
   }
-  c.barrier_true += predicate != 0 ? 1 : 0;
-  char* word = &c.sync->barrier[c.barriers % kBarrierWords];
+  c.run->barrier_true += predicate != 0 ? 1 : 0;
+  char* word = &c.run->sync->barrier[c.run->barriers % kBarrierWords];
   tsan_release(word);
-  if (++c.barrier_waiting == c.num_threads) {
-    int result = c.barrier_true;
-    if (op == barrier_op::all) result = c.barrier_true == static_cast<int>(c.num_threads);
-    if (op == barrier_op::any) result = c.barrier_true != 0;
+  if (++c.run->barrier_waiting == c.num_threads) {
+    int result = c.run->barrier_true;
+    if (op == barrier_op::all) result = c.run->barrier_true == static_cast<int>(c.num_threads);
+    if (op == barrier_op::any) result = c.run->barrier_true != 0;
     for (unsigned t = 0; t < c.num_threads; ++t) {
-      if (c.threads[t].state != thread_state::barrier) continue;
-      c.threads[t].barrier_result = result;
-      c.threads[t].state = thread_state::ready;
+      if (c.run->threads[t].state != thread_state::barrier) continue;
+      c.run->threads[t].barrier_result = result;
+      c.run->threads[t].state = thread_state::ready;
     }
     me.barrier_result = result;
-    c.barrier_waiting = 0;
-    ++c.barriers;
+    c.run->barrier_waiting = 0;
+    ++c.run->barriers;
   } else {
     me.state = thread_state::barrier;
     me.file = file;
@@ -869,8 +959,8 @@ warp_result warp_collective(warp_op op, unsigned mask, std::uint64_t value, int 
                             const char* file, int line) noexcept {
   exec_context& c = kernel_context(op_name(op));
   const unsigned t = c.current, warp = t / 32, lane = t % 32, bit = 1u << lane;
-  sim_thread& me = c.threads[t];
-  warp_state& w = c.warps[warp];
+  sim_thread& me = c.run->threads[t];
+  warp_state& w = c.run->warps[warp];
   if (width < 1 || width > 32 || (width & (width - 1)) != 0)
     fatal("%s calls %s (%s:%d) with width %d: expected a power of two in [1, 32]", who(c, t).text, op_name(op), file,
           line, width);
@@ -902,7 +992,7 @@ warp_result warp_collective(warp_op op, unsigned mask, std::uint64_t value, int 
   if (p == nullptr) {
     p = &w.pending[w.num_pending++];
     *p = pending_collective{op, mask, 0, bytes, width, file, line, lane, nullptr};
-    if (op == warp_op::syncwarp) p->sync = &c.sync->warp[warp][w.syncwarps++ % kSyncwarpWords];
+    if (op == warp_op::syncwarp) p->sync = &c.run->sync->warp[warp][w.syncwarps++ % kSyncwarpWords];
   }
   char* word = p->sync;
   me.value = value;
@@ -912,7 +1002,7 @@ warp_result warp_collective(warp_op op, unsigned mask, std::uint64_t value, int 
   if (p->arrived == mask) {
     resolve(c, warp, *p);
     for (unsigned l = 0; l < 32; ++l)
-      if ((mask & (1u << l)) && l != lane) c.threads[warp * 32 + l].state = thread_state::ready;
+      if ((mask & (1u << l)) && l != lane) c.run->threads[warp * 32 + l].state = thread_state::ready;
     *p = w.pending[--w.num_pending];
   } else {
     me.state = thread_state::collective;
@@ -925,9 +1015,17 @@ warp_result warp_collective(warp_op op, unsigned mask, std::uint64_t value, int 
   return me.result;
 }
 
+void preempt_current() noexcept {
+  exec_context& c = kernel_context("a memory access");
+  block_run& r = *c.run;
+  r.threads[c.current].state = thread_state::preempted;
+  ++r.preempted;
+  yield(c);
+}
+
 unsigned active_mask() noexcept {
   exec_context& c = kernel_context("__activemask");
-  const warp_state& w = c.warps[c.current / 32];
+  const warp_state& w = c.run->warps[c.current / 32];
   return w.lanes & ~w.exited;
 }
 
@@ -945,24 +1043,25 @@ namespace detail {
 
 void* static_shared(const void* site, std::size_t bytes, std::size_t align, const char* name) noexcept {
   exec_context& c = kernel_context("a __shared__ declaration");
-  for (const static_declaration& d : c.statics)
+  for (const static_declaration& d : c.run->statics)
     if (d.site == site) return d.storage;
   // The first thread of the block to reach the declaration allocates it for the block.
-  if (c.static_bytes + bytes > kStaticSharedLimit)
-    fatal("static shared memory of the kernel exceeds 48 KiB at '%s' (%zu + %zu bytes)", name, c.static_bytes, bytes);
-  if (c.static_bytes + bytes + c.dynamic_bytes > c.shared_limit)
+  if (c.run->static_bytes + bytes > kStaticSharedLimit)
+    fatal("static shared memory of the kernel exceeds 48 KiB at '%s' (%zu + %zu bytes)", name, c.run->static_bytes,
+          bytes);
+  if (c.run->static_bytes + bytes + c.run->dynamic_bytes > c.shared_limit)
     fatal(
         "static (%zu bytes with '%s') plus dynamic (%zu bytes) shared memory exceeds the device's %zu bytes per "
         "block: the launch would fail",
-        c.static_bytes + bytes, name, c.dynamic_bytes, c.shared_limit);
+        c.run->static_bytes + bytes, name, c.run->dynamic_bytes, c.shared_limit);
   void* p = nullptr;
   {
     tsan_ignore_scope ignore;
     if (posix_memalign(&p, align < 16 ? 16 : align, bytes) != 0) fatal("cannot allocate shared memory '%s'", name);
     std::memset(p, 0xff, bytes);
   }
-  c.statics.push_back({site, p, bytes});
-  c.static_bytes += bytes;
+  c.run->statics.push_back({site, p, bytes});
+  c.run->static_bytes += bytes;
   return p;
 }
 
@@ -970,7 +1069,7 @@ void* dynamic_shared(std::size_t align, const char* name) noexcept {
   exec_context& c = kernel_context("extern __shared__");
   if (align > 16)
     fatal("dynamic shared memory '%s' needs %zu-byte alignment; the arena is 16-byte aligned", name, align);
-  return c.dynamic_smem;
+  return c.run->dynamic_smem;
 }
 
 void device_trap(const char* file, int line) noexcept {
