@@ -529,3 +529,28 @@ TEST_CASE("GPU compressor: refuses a paged in-place run without block_sharing::n
   REQUIRE(g.calls[0].st.code() == kvevict::errc::invalid_shape);
   REQUIRE(std::string(g.calls[0].st.argument()) == "seqs[0].queries.num_queries");
 }
+
+TEST_CASE("GPU compressor: a keep-list-only call checks the values view, as the CPU's does",
+          "[gpu][gpu_errors][gpu_compressor]") {
+  using kvevict::dtype;
+  // keep_list_only never moves V, but a null values view is the engine's bug all the same: the
+  // CPU compressor refuses it (it checks both views on every call), and so must the device.
+  kvevict::compressor_options o = base_options(dtype::f32, dtype::f32);
+  o.compact = kvevict::compaction::keep_list_only;
+  scenario<float, float> sc(o, false, 0, 43);
+  std::vector<gpu::compressor_call<float, float>> calls{sc.calls[0]};
+  std::size_t evicting = calls[0].seqs.size();
+  for (std::size_t s = 0; s < calls[0].seqs.size() && evicting == calls[0].seqs.size(); ++s)
+    if (calls[0].seqs[s].event == kvevict::sequence_event::prefill_end) evicting = s;
+  REQUIRE(evicting < calls[0].seqs.size());
+  const gpu::compressor_session_result good = gpu::compressor_session<float, float>(o, calls, 4);
+  REQUIRE(good.plan.ok());
+  REQUIRE(good.calls[0].st.ok());
+  calls[0].seqs[evicting].v.view.data = nullptr;
+  const gpu::compressor_session_result g = gpu::compressor_session<float, float>(o, calls, 4);
+  REQUIRE(g.plan.ok());
+  INFO(g.calls[0].st.message());
+  REQUIRE(!g.calls[0].st.ok());
+  REQUIRE(std::string(g.calls[0].st.argument()) == "seqs[" + std::to_string(evicting) + "].values.data");
+  for (const auto& r : g.calls[0].reports) REQUIRE(r.length == -9);  // no keep list written
+}

@@ -323,7 +323,7 @@ class compressor {
     //    another's), then each against the plan.
     KVEVICT_RETURN_IF_ERROR(check_distinct_states(seqs, n));
     for (std::int64_t s = 0; s < n; ++s)
-      KVEVICT_RETURN_IF_ERROR(check_sequence(layer, seqs[s], s, host, &host.steps[s]));
+      KVEVICT_RETURN_IF_ERROR(check_sequence(layer, seqs[s], s, host, opt, &host.steps[s]));
 
     // 2. Prepare every enqueue: the DeferKV observations, the scoring batch's list, the
     //    compaction batch (its host checks and descriptors).
@@ -691,7 +691,7 @@ class compressor {
   /// sequence against the plan.
   template <class T, class Q, class H>
   status check_sequence(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, const H& host,
-                        detail::sequence_step* out) const {
+                        const launch_options& opt, detail::sequence_step* out) const {
     static constexpr const char* fn = "kvevict::cuda::compressor::run";
     using kvevict::detail::io_name;
     if (static_cast<unsigned>(io.event) > 2u)
@@ -725,6 +725,10 @@ class compressor {
       return status::error(errc::unsupported, fn, io_name(s, "layers"),
                            "only the per-sequence scope reads them, which the GPU compressor does not implement");
 
+    // Both views, whatever the call does with them (as the CPU compressor: a keep-list-only
+    // call still refuses a null or malformed values view).
+    KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(io.keys, opt, fn, io_name(s, "keys")));
+    KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(io.values, opt, fn, io_name(s, "values")));
     // The views against the plan.
     if (io.keys.num_heads != m.num_kv_heads || io.keys.head_dim != m.head_dim)
       return status::error(errc::invalid_shape, fn, io_name(s, "keys"),
