@@ -894,7 +894,7 @@ TEST_CASE("GPU scoring of fp8 caches with a dequantisation scale", "[gpu][gpu_sc
     check_fp8<bf16, fp8_e4m3>(lay, 2, 4, 64, 150, 8, 0.0371f, kKvpress, seed++);
     check_fp8<fp16, fp8_e5m2>(lay, 1, 3, 45, 101, 5, 1.0f, kKvpress, seed++);
   }
-  check_fp8<bf16, fp8_e4m3>(test::layout::contiguous, 2, 2, 128, 700, 16, 3.5f, kKvpress, seed++);  // 16-byte loads
+  check_fp8<bf16, fp8_e4m3>(test::layout::contiguous, 2, 2, 128, 700, 16, 3.5f, kKvpress, seed++);  // d = 128, 11 key tiles
 }
 
 namespace {

@@ -256,6 +256,19 @@ TEST_CASE("radix select stops early when a bucket is taken whole", "[cuda_logic]
   REQUIRE(passes > 1);
 }
 
+TEST_CASE("the DeferKV decay rounds twice on the host branch, as the device's __fmul_rn/__fadd_rn", "[cuda_logic]") {
+  // The device branch runs in the CPU simulator; this is the branch nvcc's host pass compiles.
+  // Operands chosen so that a fused multiply-add would round differently from two roundings.
+  // (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24 rounds (to even) to 1 + 2^-11; minus 1 leaves 2^-11, where
+  // a fused multiply-add keeps 2^-11 + 2^-24.
+  const float eta = 1.0f + 0x1p-12f, old = 1.0f + 0x1p-12f, v = -1.0f;
+  REQUIRE(cd::decayed(old, eta, v) == 0x1p-11f);
+  REQUIRE(static_cast<float>(static_cast<double>(eta) * old + v) == 0x1p-11f + 0x1p-24f);
+  REQUIRE(cd::decayed(old, 0.0f, v) == v);
+  REQUIRE(cd::decayed(std::numeric_limits<float>::quiet_NaN(), 0.0f, 2.5f) == 2.5f);  // eta 0 overwrites
+  REQUIRE(cd::decayed(3.0f, 0.5f, 1.0f) == 2.5f);
+}
+
 TEST_CASE("host-device budget arithmetic equals budget.hpp", "[cuda_logic]") {
   for (std::int64_t budget = 0; budget < 12; ++budget)
     for (std::int64_t n = 0; n < 10; ++n)

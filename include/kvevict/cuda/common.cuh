@@ -156,30 +156,15 @@ __device__ __forceinline__ float load_float(const fp8_e5m2* p) {
   return kvevict::detail::fp8_e5m2_bits_to_float(__ldg(reinterpret_cast<const unsigned char*>(p)));
 }
 
-/// Widens the 16 bytes at p (4 floats, 8 16-bit or 16 fp8 elements) into out[0 .. 16 / sizeof(T)).
+/// Widens the 16 bytes at p (4 floats) into out[0 .. 4). Decode's 16-bit and fp8 keys load
+/// their words themselves (decode_observation.cuh's load_key_words: 16 and 8 bytes); scoring
+/// reads elements one at a time (load_float).
 __device__ __forceinline__ void load_vector(const float* p, float* out) {
   const float4 v = __ldg(reinterpret_cast<const float4*>(p));
   out[0] = v.x;
   out[1] = v.y;
   out[2] = v.z;
   out[3] = v.w;
-}
-template <class T>
-__device__ __forceinline__ void load_fp8_vector(const T* p, float* out) {
-  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
-  const unsigned words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const auto b = static_cast<std::uint8_t>(words[i / 4] >> (8 * (i % 4)));
-    out[i] = std::is_same<T, fp8_e4m3>::value ? kvevict::detail::fp8_e4m3_bits_to_float(b)
-                                              : kvevict::detail::fp8_e5m2_bits_to_float(b);
-  }
-}
-__device__ __forceinline__ void load_vector(const fp8_e4m3* p, float* out) {
-  load_fp8_vector(p, out);
-}
-__device__ __forceinline__ void load_vector(const fp8_e5m2* p, float* out) {
-  load_fp8_vector(p, out);
 }
 /// Widens 16 bytes of 16-bit elements (bf16 or fp16) into out[0 .. 8) (exact).
 template <class T>
@@ -197,10 +182,6 @@ __device__ __forceinline__ void widen_16bit_words(const uint4& v, float* out) {
       out[2 * i + 1] = kvevict::detail::fp16_bits_to_float(hi);
     }
   }
-}
-template <class T>
-__device__ __forceinline__ void load_vector(const T* p, float* out) {
-  widen_16bit_words<T>(__ldg(reinterpret_cast<const uint4*>(p)), out);
 }
 
 /// Butterfly reductions over groups of `width` consecutive lanes (width a power of two <= 32).

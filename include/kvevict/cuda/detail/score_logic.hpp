@@ -15,12 +15,18 @@
 #include "kvevict/config.hpp"
 #include "kvevict/scoring/params.hpp"
 #include "kvevict/views/index_ptr.hpp"
+#if defined(KVEVICT_CUDA_SIMULATOR)
+#include <cuda_runtime.h>  // the simulator's __fadd_rn, __fmul_rn
+#endif
 
 KVEVICT_NAMESPACE_BEGIN
 namespace cuda {
 namespace detail {
 
-#if defined(__CUDA_ARCH__)
+// The device branches below also compile in the CPU simulator (KVEVICT_CUDA_SIMULATOR), whose
+// intrinsics are exact host versions, so the branch nvcc's device pass takes is the one the
+// simulator runs; the host branches serve nvcc's host pass and the host-only tests.
+#if defined(__CUDA_ARCH__) || defined(KVEVICT_CUDA_SIMULATOR)
 #define KVEVICT_CUDA_EXP(x) ::expf(x)
 #define KVEVICT_CUDA_LOG(x) ::logf(x)
 #else
@@ -98,7 +104,7 @@ KVEVICT_HOST_DEVICE inline float window_step(float acc, float prob, float weight
 /// so host and device agree.
 KVEVICT_HOST_DEVICE inline float decayed(float old, float eta, float v) noexcept {
   if (eta == 0.0f) return v;
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) || defined(KVEVICT_CUDA_SIMULATOR)
   return __fadd_rn(__fmul_rn(eta, old), v);
 #else
   const volatile float scaled = eta * old;  // keeps the compiler from contracting into an FMA
