@@ -26,17 +26,21 @@ class mirror {
   mirror(const mirror&) = delete;
   mirror& operator=(const mirror&) = delete;
   ~mirror() {
-    for (void* p : allocs_) cudaFree(p);
+    for (const allocation& a : allocs_) cudaFree(a.data);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
+  /// `bytes` of device memory followed by a canary that finish() checks: a kernel writing past
+  /// a keep list, an output row or a workspace fails its test with the buffer named, instead of
+  /// corrupting a neighbour (or the allocator) and crashing later tests.
   void* alloc_bytes(std::size_t bytes) {
     void* p = nullptr;
-    if (cudaMalloc(&p, bytes == 0 ? 1 : bytes) != cudaSuccess) {
+    if (cudaMalloc(&p, bytes + kCanaryBytes) != cudaSuccess) {
       ok_ = false;
       return nullptr;
     }
-    allocs_.push_back(p);
+    check(cudaMemset(static_cast<unsigned char*>(p) + bytes, kCanary, kCanaryBytes));
+    allocs_.push_back({p, bytes});
     return p;
   }
   template <class T>
@@ -104,6 +108,16 @@ class mirror {
     check(cudaGetLastError());
     if (!ok_)
       return status::error(errc::device_error, "gpu_runner", "cuda", "%s", last_error_ ? last_error_ : "allocation");
+    for (std::size_t i = 0; i < allocs_.size(); ++i) {
+      unsigned char seen[kCanaryBytes];
+      check(cudaMemcpy(seen, static_cast<unsigned char*>(allocs_[i].data) + allocs_[i].bytes, kCanaryBytes,
+                       cudaMemcpyDeviceToHost));
+      for (std::size_t b = 0; b < kCanaryBytes; ++b)
+        if (seen[b] != kCanary)
+          return status::error(errc::device_error, "gpu_runner", "canary",
+                               "byte %zu past the end of device buffer %zu (%zu bytes) was overwritten", b, i,
+                               allocs_[i].bytes);
+    }
     return st;
   }
   std::uint32_t read_flags() { return flags_ == nullptr ? 0u : get(flags_, 1)[0]; }
@@ -115,8 +129,14 @@ class mirror {
       last_error_ = cudaGetErrorString(e);
     }
   }
+  static constexpr std::size_t kCanaryBytes = 64;
+  static constexpr unsigned char kCanary = 0xc5;
+  struct allocation {
+    void* data;
+    std::size_t bytes;
+  };
   cudaStream_t stream_ = nullptr;
-  std::vector<void*> allocs_;
+  std::vector<allocation> allocs_;
   std::vector<std::pair<const void*, void*>> map_;
   std::uint32_t* flags_ = nullptr;
   bool ok_ = true;
