@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "compressor_runner.hpp"
@@ -66,8 +67,13 @@ struct scenario {
   bool idle(std::size_t s) const { return prompts[s] == 0; }
 
   scenario(const kvevict::compressor_options& o, bool paged_caches, std::int64_t decode_steps, std::uint64_t seed,
-           bool engine_lse = false)
-      : options(o), paged(paged_caches), steps(decode_steps) {
+           bool engine_lse = false, std::vector<std::int64_t> prompt_lengths = {61, 0, 37, 16},
+           std::vector<std::int64_t> start_offsets = {0, 0, 0, 1})
+      : options(o),
+        paged(paged_caches),
+        prompts(std::move(prompt_lengths)),
+        offsets(std::move(start_offsets)),
+        steps(decode_steps) {
     std::vector<std::int64_t> lengths;
     for (std::int64_t p : prompts) lengths.push_back(std::max<std::int64_t>(p + steps, 1));
     for (std::int64_t l = 0; l < kLayers; ++l) {
@@ -123,7 +129,7 @@ struct scenario {
                 queries[at(l, s) * static_cast<std::size_t>(1 + steps) + static_cast<std::size_t>(k)];
             q.queries = tq.view;
             q.qbuf = gpu::buffer_of(tq.buffer);
-            if (s == 2)  // unsorted, spaced positions (llama.cpp cells after a shift)
+            if (s == 2 && prompts[s] == 37)  // unsorted, spaced positions (llama.cpp cells after a shift)
               for (std::int64_t j = 0; j < n; ++j) q.key_positions.push_back(3 * ((j * 7) % n) + 1);
             if (engine_lse && step == offsets[s]) {  // rows W' + 2 apart: the last window rows must be picked
               const std::int64_t rows = tq.view.num_queries, stride = rows + 2;
@@ -345,6 +351,33 @@ TEST_CASE("GPU compressor: DeferKV observes prefill and decode steps, then evict
     o.scope = kvevict::selection_scope::per_layer;
     scenario<fp8_e4m3, bf16> sc(o, true, 0, 23);
     check_against_cpu(sc);
+  }
+}
+
+TEST_CASE("GPU compressor: idle, late and observing sequences before, between and after the evicting ones",
+          "[gpu][gpu_compressor]") {
+  using kvevict::dtype;
+  // The batch's order must not matter: the idle sequence (prompt 0) first and last, the
+  // sequence that starts a step late (its prefill_end shares a call with the others' decode
+  // steps) first, between and last, under SnapKV (idle / evicting) and DeferKV delay 2
+  // (sequences observing decode steps next to evicting ones).
+  const struct {
+    const char* what;
+    std::vector<std::int64_t> prompts, offsets;
+  } orders[] = {
+      {"idle first, late last", {0, 61, 37, 16}, {0, 0, 0, 1}},
+      {"idle last, late first", {16, 61, 37, 0}, {1, 0, 0, 0}},
+      {"late between, idle between", {61, 16, 0, 37}, {0, 1, 0, 0}},
+  };
+  std::uint64_t seed = 60;
+  for (const auto& order : orders) {
+    INFO(order.what);
+    scenario<bf16, bf16> snap(base_options(dtype::bf16, dtype::bf16), true, 0, seed++, false, order.prompts,
+                              order.offsets);
+    check_against_cpu(snap);
+    scenario<bf16, bf16> defer(deferkv_options(dtype::bf16, dtype::bf16, 2), true, 3, seed++, false, order.prompts,
+                               order.offsets);
+    check_against_cpu(defer);
   }
 }
 
