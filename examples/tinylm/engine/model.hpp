@@ -57,6 +57,20 @@ struct model {
       return vector(Eigen::Map<const vector>(it->second.data.data(), n));
     };
     model m;
+    // The depth is the file's: layers 0 .. n-1 must all be there (the 2-layer and the 4-layer
+    // models share every other dimension), and a tensor of a layer past them is an error, not
+    // a layer silently left out.
+    std::int64_t n = 0;
+    while (t.count("layers." + std::to_string(n) + ".attention_norm.weight") != 0) ++n;
+    if (n == 0) throw std::runtime_error("weights: no layers.0.* tensors in " + path);
+    for (const auto& entry : t) {
+      if (entry.first.rfind("layers.", 0) != 0) continue;
+      const std::int64_t index = std::stoll(entry.first.substr(7));
+      if (index >= n)
+        throw std::runtime_error("weights: " + entry.first + " without layers." + std::to_string(n) +
+                                 ".attention_norm.weight (layers must be numbered 0 .. n-1)");
+    }
+    m.cfg.layers = n;
     const config& c = m.cfg;
     m.embed = mat("tok_embeddings.weight", c.vocab, c.d_model);
     m.output = mat("output.weight", c.vocab, c.d_model);

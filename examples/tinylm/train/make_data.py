@@ -7,7 +7,9 @@ data/eval_prompts.txt  (seed 20240, 100 prompts per task, context 1024 tokens)
     one prompt per line:  TASK|PROMPT_IDS|ANSWER_IDS   (ids separated by single spaces)
     lines starting with '#' are comments.
 data/reference_logits.txt  (3 short prompts, float32 logits of the committed weights)
-    see MODEL.md, "Reference logits".
+    see MODEL.md, "Reference logits". The 4-layer model's:
+    /usr/bin/python3 examples/tinylm/train/make_data.py --weights examples/tinylm/weights/tinylm4.safetensors \
+        --reference examples/tinylm/data/reference_logits4.txt
 """
 import argparse
 import os
@@ -79,12 +81,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", action="store_true", help="only write eval_prompts.txt")
     ap.add_argument("--weights", default=os.path.join(ROOT, "weights", "tinylm.safetensors"))
+    ap.add_argument("--reference", default=os.path.join(ROOT, "data", "reference_logits.txt"),
+                    help="where the reference logits go (data/reference_logits4.txt for tinylm4)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.makedirs(os.path.join(ROOT, "data"), exist_ok=True)
     write_prompts(os.path.join(ROOT, "data", "eval_prompts.txt"))
     if not args.prompts:
-        write_reference(os.path.join(ROOT, "data", "reference_logits.txt"), args.weights)
+        write_reference(args.reference, args.weights)
 
 
 if __name__ == "__main__":
