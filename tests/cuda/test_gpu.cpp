@@ -495,6 +495,38 @@ TEST_CASE("GPU batched scoring refuses a bad sequence by name, before anything r
   }
 }
 
+TEST_CASE("GPU pooling: every mode and kernel size, at the row's ends and across finalize tiles",
+          "[gpu][gpu_scoring]") {
+  // Every column is compared with the CPU, so a window clipped wrongly at either end of the row,
+  // or a halo that misses keys of the neighbouring finalize tile (256 keys), fails here; the
+  // lengths end the row before, on and after a tile boundary, and kernel 301 reaches across one.
+  // Sanitizer runs (KVEVICT_GPU_SWEEP_STRIDE > 1) keep a short row and one that crosses a boundary.
+  const std::vector<std::int64_t> lengths =
+      sweep_stride() > 1 ? std::vector<std::int64_t>{5, 257} : std::vector<std::int64_t>{5, 255, 256, 257, 600};
+  const std::int64_t kernels[] = {1, 3, 5, 7, 9, 31, 301};
+  struct mode {
+    pooling_kind kind;
+    bool count_padding;
+  };
+  const mode modes[] = {{pooling_kind::avg, true}, {pooling_kind::avg, false}, {pooling_kind::max, true}};
+  std::uint64_t seed = 2600;
+  for (std::int64_t l : lengths)
+    for (const mode& m : modes)
+      for (std::size_t k = 0; k < std::size(kernels); ++k, ++seed) {
+        const gqa_order order = k % 2 == 0 ? gqa_order::after_pooling : gqa_order::before_pooling;
+        const kvevict::scoring_params p =
+            make_params(softmax_domain::visible, window_aggregation::mean,
+                        m.kind == pooling_kind::max ? gqa_reduction::max : gqa_reduction::mean, order, m.kind,
+                        kernels[k], m.count_padding, 0);
+        INFO("L=" << l << " pool " << int(m.kind) << "/" << kernels[k] << " count " << m.count_padding << " order "
+                  << int(order));
+        const std::int64_t w = std::min<std::int64_t>(l, 4);
+        obs_case c;
+        c.qpos = tail_positions(l, w);
+        check_obs<float, float>({1, 2, 16, l, w}, test::layout::contiguous, p, c, seed);
+      }
+}
+
 TEST_CASE("GPU observation scores are deterministic", "[gpu][gpu_scoring]") {
   const std::int64_t hkv = 2, hq = 8, d = 128, l = 2000, w = 32;
   auto keys = test::make_cache<bf16>(test::layout::contiguous, hkv, l, d,
@@ -894,7 +926,8 @@ TEST_CASE("GPU scoring of fp8 caches with a dequantisation scale", "[gpu][gpu_sc
     check_fp8<bf16, fp8_e4m3>(lay, 2, 4, 64, 150, 8, 0.0371f, kKvpress, seed++);
     check_fp8<fp16, fp8_e5m2>(lay, 1, 3, 45, 101, 5, 1.0f, kKvpress, seed++);
   }
-  check_fp8<bf16, fp8_e4m3>(test::layout::contiguous, 2, 2, 128, 700, 16, 3.5f, kKvpress, seed++);  // d = 128, 11 key tiles
+  check_fp8<bf16, fp8_e4m3>(test::layout::contiguous, 2, 2, 128, 700, 16, 3.5f, kKvpress,
+                            seed++);  // d = 128, 11 key tiles
 }
 
 namespace {
