@@ -45,6 +45,7 @@
 #include "kvevict/policies/h2o.hpp"
 #include "kvevict/policies/knorm.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
+#include "kvevict/policies/policy_list.hpp"
 #include "kvevict/policies/snapkv.hpp"
 #include "kvevict/policies/streaming_llm.hpp"
 

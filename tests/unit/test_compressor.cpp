@@ -139,20 +139,16 @@ kvevict::status score_by_hand(const kvevict::policy_config& pc, const kvevict::l
     }
     return base.score(in, out, span);
   };
-  switch (pc.kind) {
-    case kvevict::policy_kind::streaming_llm:
-      return run(kvevict::streaming_llm<T>(pc.streaming_llm));
-    case kvevict::policy_kind::knorm:
-      return run(kvevict::knorm<T>(pc.knorm));
-    case kvevict::policy_kind::h2o:
-      return run(kvevict::h2o<T>(pc.h2o));
-    case kvevict::policy_kind::snapkv:
-      return run(kvevict::snapkv<T>(pc.snapkv));
-    case kvevict::policy_kind::dapq:
-      return run(kvevict::dapq<T>(pc.dapq));
-    default:
-      return kvevict::status::error(kvevict::errc::unsupported, "test", "kind", "stateful");
-  }
+  // Every stateless policy of the compressor's list, each built from its own configuration.
+  kvevict::status st = kvevict::status::error(kvevict::errc::unsupported, "test", "kind", "stateful");
+  kvevict::detail::for_each_policy(kvevict::default_policies{}, [&](auto traits) {
+    using Tr = decltype(traits);
+    if constexpr (!Tr::deferred) {
+      using P = typename Tr::template policy<T, kvevict::default_query_type_t<T>>;
+      if (pc.kind == kvevict::policy_kind_of<Tr>()) st = run(P(Tr::config(pc)));
+    }
+  });
+  return st;
 }
 
 template <class T>

@@ -223,7 +223,7 @@ class compressor {
     KVEVICT_RETURN_IF_ERROR(detail::check_state_memory(state, bytes, state_bytes_, fn, "state", "sequence_state_size"));
     const model_shape& m = options_.model;
     if (layer_state_bytes_ > 0) {
-      const deferkv<float> policy(options_.policy.deferkv);  // the state layout does not depend on the type
+      const deferred_policy<float, float> policy(deferred_config());  // the state layout does not depend on the type
       for (std::int64_t l = 0; l < m.num_layers; ++l)
         KVEVICT_RETURN_IF_ERROR(policy.init_state(layer_state(state, l), m.num_kv_heads, options_.limits.max_tokens));
     }
@@ -438,9 +438,9 @@ class compressor {
         if (!what.observe && what.action == act::none) continue;
         tokens += static_cast<std::uint64_t>(io.keys.num_tokens);
         batch.add(static_cast<std::uint64_t>(io.keys.num_tokens));
-        if (options_.policy.kind == policy_kind::deferkv) {
+        if (defers()) {
           const policy_state st = layer_state(io.state, layer);
-          const deferkv<T, Q> d(options_.policy.deferkv);
+          const deferred_policy<T, Q> d(deferred_config());
           batch.add(static_cast<std::uint64_t>(d.prompt_tokens(st)));
           batch.add(static_cast<std::uint64_t>(d.steps_observed(st)));
         } else if (what.action != act::none) {
@@ -525,8 +525,8 @@ class compressor {
     policy.add(static_cast<std::uint64_t>(window_));
     policy.add(static_cast<std::uint64_t>(tail.protected_tail));
     policy.add(static_cast<std::uint64_t>(tail.mode));
-    policy.add(static_cast<std::uint64_t>(o.policy.deferkv.delay));
-    policy.add(o.policy.deferkv.decode_feedback ? 1u : 0u);
+    policy.add(static_cast<std::uint64_t>(deferred_traits::config(o.policy).delay));
+    policy.add(deferred_traits::config(o.policy).decode_feedback ? 1u : 0u);
     const detail::agreement_field fields[] = {
         {"model.num_layers", static_cast<std::uint64_t>(m.num_layers)},
         {"model.num_query_heads",
@@ -581,34 +581,34 @@ class compressor {
     return s;
   }
 
-  /// Calls f(policy) with the configured policy object for storage type T (stateless kinds).
+  /// The list's deferred policy (policies/policy_list.hpp): the state lifecycle below is its.
+  using deferred_traits = typename detail::deferred_of<default_policies>::type;
+  template <class T, class Q>
+  using deferred_policy = typename deferred_traits::template policy<T, Q>;
+  const typename deferred_traits::config_type& deferred_config() const noexcept {
+    return deferred_traits::config(options_.policy);
+  }
+  bool defers() const noexcept { return detail::defers(options_.policy.kind); }
+
+  /// Calls f(traits, policy) with the configured policy's traits and object for storage type T
+  /// (policies that score without state; ChunkKV on top where configured). The plan checked
+  /// the kind.
   template <class T, class Q, class F>
   status with_scoring_policy(F&& f) const {
     const policy_config& p = options_.policy;
-    const chunkkv_config chunks{p.chunk_length};
-    switch (p.kind) {
-      case policy_kind::streaming_llm: {
-        const kvevict::streaming_llm<T, Q> base(p.streaming_llm);
-        return p.chunk_length > 0 ? f(kvevict::chunkkv<kvevict::streaming_llm<T, Q>>(base, chunks)) : f(base);
+    return detail::with_policy_traits(p.kind, status(), [&](auto traits) -> status {
+      using Tr = decltype(traits);
+      if constexpr (Tr::deferred) {
+        return status::error(errc::invalid_state, "kvevict::compressor", "policy.kind", "not a scoring policy");
+      } else {
+        using P = typename Tr::template policy<T, Q>;
+        const P base(Tr::config(p));
+        if constexpr (Tr::chunkable) {
+          if (p.chunk_length > 0) return f(traits, kvevict::chunkkv<P>(base, chunkkv_config{p.chunk_length}));
+        }
+        return f(traits, base);
       }
-      case policy_kind::knorm: {
-        const kvevict::knorm<T, Q> base(p.knorm);
-        return p.chunk_length > 0 ? f(kvevict::chunkkv<kvevict::knorm<T, Q>>(base, chunks)) : f(base);
-      }
-      case policy_kind::h2o: {
-        const kvevict::h2o<T, Q> base(p.h2o);
-        return p.chunk_length > 0 ? f(kvevict::chunkkv<kvevict::h2o<T, Q>>(base, chunks)) : f(base);
-      }
-      case policy_kind::snapkv: {
-        const kvevict::snapkv<T, Q> base(p.snapkv);
-        return p.chunk_length > 0 ? f(kvevict::chunkkv<kvevict::snapkv<T, Q>>(base, chunks)) : f(base);
-      }
-      case policy_kind::dapq:
-        return f(kvevict::dapq<T, Q>(p.dapq));
-      case policy_kind::deferkv:
-        break;
-    }
-    return status::error(errc::invalid_state, "kvevict::compressor", "policy.kind", "not a scoring policy");
+    });
   }
 
   template <class T, class Q>
@@ -622,21 +622,16 @@ class compressor {
     const executor& exec = options_.exec;
     detail::keep_capacities(options_, base_budget(), &keep_capacity_, &head_capacity_);
     std::size_t evict_bytes = 0, score_bytes = 0;
-    if (options_.policy.kind == policy_kind::deferkv) {
-      const deferkv<T, Q> d(options_.policy.deferkv);
+    if (defers()) {
+      const deferred_policy<T, Q> d(deferred_config());
       const std::size_t observe = d.workspace_size(shape, exec);
       evict_bytes = std::max(observe, d.evict_workspace_size(shape, b, exec));
       score_bytes = observe;  // covers finalize's [C] row too
-      layer_state_bytes_ = detail::round_up_64(deferkv<T, Q>::state_size(m.num_kv_heads, lim.max_tokens));
+      layer_state_bytes_ = detail::round_up_64(deferred_policy<T, Q>::state_size(m.num_kv_heads, lim.max_tokens));
     } else {
-      (void)with_scoring_policy<T, Q>([&](const auto& policy) {
-        using P = std::decay_t<decltype(policy)>;
+      (void)with_scoring_policy<T, Q>([&](auto traits, const auto& policy) {
         evict_bytes = policy.evict_workspace_size(shape, b, exec);
-        if constexpr (std::is_same<P, kvevict::dapq<T, Q>>::value) {
-          score_bytes = policy.score_window_workspace_size(shape, exec);
-        } else {
-          score_bytes = policy.workspace_size(shape, exec);
-        }
+        score_bytes = decltype(traits)::score_workspace_size(policy, shape, exec);
         return status();
       });
       layer_state_bytes_ = 0;
@@ -683,7 +678,7 @@ class compressor {
   /// The queries a prefill_end observation uses: the policy's window (H2O: all).
   template <class T, class Q>
   query_view<const Q> prefill_queries(const sequence_io<T, Q>& io) const noexcept {
-    return options_.policy.kind == policy_kind::h2o ? io.queries : detail::last_queries(io.queries, window_);
+    return detail::every_prompt_query(options_.policy.kind) ? io.queries : detail::last_queries(io.queries, window_);
   }
 
   /// The observation inputs of a sequence for the queries `q` it observes with.
@@ -857,16 +852,16 @@ class compressor {
     *out = plan_step{};
     if (io.event == sequence_event::idle) return status();
     if (state_bytes_ > 0) KVEVICT_RETURN_IF_ERROR(check_state(io.state, s));
-    if (options_.policy.kind != policy_kind::deferkv) {
+    if (!defers()) {
       if (io.event == sequence_event::prefill_end) out->action = scores_act(layer);
     } else {
-      const deferkv<T, Q> d(options_.policy.deferkv);
+      const deferred_policy<T, Q> d(deferred_config());
       const policy_state st = layer_state(io.state, layer);
       if (!d.intact(st))
         return status::error(errc::invalid_state, fn, detail::io_name(s, "state"),
                              "layer %lld's DeferKV state was overwritten: reset_sequence() when the sequence starts",
                              static_cast<long long>(layer));
-      const bool fed_back = options_.policy.deferkv.decode_feedback && options_.policy.deferkv.delay > 0;
+      const bool fed_back = deferred_traits::feeds_back(deferred_config());
       if (io.event == sequence_event::prefill_end) {
         if (d.started(st))
           return status::error(errc::invalid_state, fn, detail::io_name(s, "state"),
@@ -884,7 +879,8 @@ class compressor {
                              static_cast<long long>(layer));
       } else {
         out->observe = true;
-        out->action = d.steps_observed(st) + 1 >= options_.policy.deferkv.delay ? scores_act(layer) : act::none;
+        out->action =
+            d.steps_observed(st) + 1 >= deferred_traits::delay(deferred_config()) ? scores_act(layer) : act::none;
       }
     }
     if (out->action == act::fold || out->action == act::fold_and_evict_all) {
@@ -900,8 +896,8 @@ class compressor {
                              static_cast<long long>(sc->folded), static_cast<long long>(layer));
       // Every layer's DeferKV state is marked evicted with the sequence's keep set: check them
       // now, before anything changes (the earlier layers observed this step and are ready).
-      if (out->action == act::fold_and_evict_all && options_.policy.kind == policy_kind::deferkv) {
-        const deferkv<T, Q> d(options_.policy.deferkv);
+      if (out->action == act::fold_and_evict_all && defers()) {
+        const deferred_policy<T, Q> d(deferred_config());
         for (std::int64_t l = 0; l < layer; ++l)
           if (!d.intact(layer_state(io.state, l)) || !d.ready(layer_state(io.state, l)))
             return status::error(errc::invalid_state, fn, detail::io_name(s, "state"),
@@ -933,8 +929,9 @@ class compressor {
   status check_queries(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, const plan_step& what) const {
     static constexpr const char* fn = "kvevict::compressor::run";
     const policy_kind kind = options_.policy.kind;
-    if (kind == policy_kind::streaming_llm || kind == policy_kind::knorm) return status();
-    if (kind == policy_kind::deferkv && !what.observe) return status();  // scored from the state
+    if (!detail::reads_queries(kind)) return status();
+    const bool defer = defers();
+    if (defer && !what.observe) return status();  // scored from the state
     KVEVICT_RETURN_IF_ERROR(detail::validate_query_view(io.queries, fn, detail::io_name(s, "queries")));
     const bool decode = io.event == sequence_event::decode;
     KVEVICT_RETURN_IF_ERROR(detail::check_sequence_queries(options_, scoring_domain(), io.queries, decode, io.lse,
@@ -945,21 +942,17 @@ class compressor {
                            "expected at most limits.max_queries = %lld, got %lld",
                            static_cast<long long>(options_.limits.max_queries), static_cast<long long>(q.num_queries));
     if (!decode) KVEVICT_RETURN_IF_ERROR(check_window(io, s));
-    if (kind == policy_kind::dapq) {
-      const std::int64_t prompt = dapq<T, Q>(options_.policy.dapq).prompt_tokens(io.keys.num_tokens, q.num_queries);
-      if (prompt < 0)
-        return status::error(errc::invalid_shape, fn, detail::io_name(s, "keys.num_tokens"),
-                             "expected the prompt and its %lld pseudo tokens, got %lld",
-                             static_cast<long long>(q.num_queries), static_cast<long long>(io.keys.num_tokens));
-      if (options_.policy.dapq.source == dapq_source::pseudo_tokens)
-        for (std::int64_t t = 0; t < q.num_queries; ++t)
-          if (q.positions[t] < prompt)
-            return status::error(errc::out_of_range, fn, detail::io_name(s, "queries.positions"),
-                                 "expected pseudo-token positions >= the prompt length %lld, got %lld",
-                                 static_cast<long long>(prompt), static_cast<long long>(q.positions[t]));
-    }
-    if (kind == policy_kind::deferkv && decode) {
-      const deferkv<T, Q> d(options_.policy.deferkv);
+    KVEVICT_RETURN_IF_ERROR(detail::with_policy_traits(kind, status(), [&](auto traits) -> status {
+      using Tr = decltype(traits);
+      if constexpr (Tr::deferred) {
+        return status();
+      } else {
+        using P = typename Tr::template policy<T, Q>;
+        return Tr::check_observation(P(Tr::config(options_.policy)), io.keys.num_tokens, q, s, fn);
+      }
+    }));
+    if (defer && decode) {
+      const deferred_policy<T, Q> d(deferred_config());
       layer_inputs<T, Q> in;
       in.keys = io.keys;
       in.queries = q;
@@ -984,8 +977,11 @@ class compressor {
   status check_window(const sequence_io<T, Q>& io, std::int64_t s) const noexcept {
     static constexpr const char* fn = "kvevict::compressor::run";
     const policy_config& p = options_.policy;
-    const bool h2o = p.kind == policy_kind::h2o;
-    const bool pseudo = p.kind == policy_kind::dapq && p.dapq.source == dapq_source::pseudo_tokens;
+    const bool h2o = detail::every_prompt_query(p.kind);
+    const bool pseudo = detail::with_policy_traits(p.kind, false, [&](auto traits) {
+      using Tr = decltype(traits);
+      return Tr::fixed_window(Tr::config(p));
+    });
     const std::int64_t need = h2o ? io.keys.num_tokens : pseudo ? window_ : std::min(window_, io.keys.num_tokens);
     if (io.queries.num_queries >= need) return status();
     return status::error(errc::invalid_shape, fn, detail::io_name(s, "queries.num_queries"),
@@ -998,26 +994,25 @@ class compressor {
 
   softmax_domain scoring_domain() const noexcept {
     const policy_config& p = options_.policy;
-    switch (p.kind) {
-      case policy_kind::h2o:
-        return p.h2o.params().domain;
-      case policy_kind::snapkv:
-        return p.snapkv.scoring.domain;
-      case policy_kind::dapq:
-        return p.dapq.scoring.domain;
-      case policy_kind::deferkv:
-        return p.deferkv.domain;
-      default:
-        return softmax_domain::visible;
-    }
+    return detail::with_policy_traits(p.kind, softmax_domain::visible, [&](auto traits) {
+      using Tr = decltype(traits);
+      return Tr::domain(Tr::config(p));
+    });
   }
 
   /// Tokens the layer's scores cover: L, or DapQ's prompt length.
   template <class T, class Q>
   std::int64_t scored_tokens(const sequence_io<T, Q>& io) const noexcept {
-    if (options_.policy.kind != policy_kind::dapq) return io.keys.num_tokens;
-    const query_view<const Q> q = prefill_queries(io);
-    return dapq<T, Q>(options_.policy.dapq).prompt_tokens(io.keys.num_tokens, q.num_queries);
+    const std::int64_t tokens = io.keys.num_tokens;
+    return detail::with_policy_traits(options_.policy.kind, tokens, [&](auto traits) -> std::int64_t {
+      using Tr = decltype(traits);
+      if constexpr (Tr::deferred) {
+        return tokens;
+      } else {
+        using P = typename Tr::template policy<T, Q>;
+        return Tr::scored_tokens(P(Tr::config(options_.policy)), tokens, prefill_queries(io).num_queries);
+      }
+    });
   }
 
   /// The layer's budget for a sequence of `tokens` scored tokens under selection `sel`.
@@ -1044,22 +1039,17 @@ class compressor {
     const layer_cache<T> cache = io.cache();
     const std::int64_t scored = scored_tokens(io);
     *out = score_view{sh.scores, io.keys.num_heads, scored, scored};
-    if (options_.policy.kind == policy_kind::deferkv) {
-      const deferkv<T, Q> d(options_.policy.deferkv);
+    if (defers()) {
+      const deferred_policy<T, Q> d(deferred_config());
       *sel = d.selection(st);
       layer_inputs<T, Q> in;
       in.state = st;
       return d.score(in, *out, sh.score, options_.exec);
     }
     const layer_observations<Q> o = observations_of(io, prefill_queries(io), policy_state{});
-    return with_scoring_policy<T, Q>([&](const auto& policy) {
-      using P = std::decay_t<decltype(policy)>;
+    return with_scoring_policy<T, Q>([&](auto traits, const auto& policy) {
       *sel = policy.selection();
-      if constexpr (std::is_same<P, kvevict::dapq<T, Q>>::value) {
-        return policy.score_window(cache, o, *out, sh.score, options_.exec);
-      } else {
-        return policy.score(inputs_of(cache, o), *out, sh.score, options_.exec);
-      }
+      return decltype(traits)::score_layer(policy, cache, o, *out, sh.score, options_.exec);
     });
   }
 
@@ -1073,7 +1063,7 @@ class compressor {
     const policy_kind kind = options_.policy.kind;
     const bool prefill = io.event == sequence_event::prefill_end;
     if (!prefill && !what.observe) return;  // DeferKV evicting from its state: nothing read
-    if (kind != policy_kind::streaming_llm && kind != policy_kind::knorm) {
+    if (detail::reads_queries(kind)) {
       const query_view<const Q> q = prefill ? prefill_queries(io) : io.queries;
       std::int64_t n = 0;
       for (std::int64_t h = 0; h < q.num_heads; ++h)
@@ -1081,7 +1071,7 @@ class compressor {
           for (std::int64_t c = 0; c < q.head_dim; ++c) n += std::isfinite(to_float(q.at(h, t, c))) ? 0 : 1;
       r->nonfinite_queries = n;
     }
-    if (kind == policy_kind::streaming_llm) return;  // it reads no key
+    if (!detail::reads_keys(kind)) return;
     struct task_context {
       cache_view<T> keys;
       std::int64_t first, last;
@@ -1120,10 +1110,10 @@ class compressor {
     layer_cache<T> cache = io.cache();
     cache.compact = options_.compact != compaction::keep_list_only;
     const executor& exec = options_.exec;
-    const bool defer = options_.policy.kind == policy_kind::deferkv;
+    const bool defer = defers();
     const policy_state st = defer ? layer_state(io.state, layer) : policy_state{};
     if (what.observe) {
-      const deferkv<T, Q> d(options_.policy.deferkv);
+      const deferred_policy<T, Q> d(deferred_config());
       layer_inputs<T, Q> in;
       in.keys = io.keys;
       in.observation.key_positions = io.key_positions;
@@ -1140,7 +1130,7 @@ class compressor {
     std::int64_t scored = io.keys.num_tokens;
     if (what.action == act::evict) {
       if (defer) {
-        const deferkv<T, Q> d(options_.policy.deferkv);
+        const deferred_policy<T, Q> d(deferred_config());
         layer_observations<Q> o;
         o.observation.key_positions = io.key_positions;
         o.state = st;
@@ -1149,11 +1139,8 @@ class compressor {
       } else {
         const query_view<const Q> q = prefill_queries(io);
         const layer_observations<Q> o = observations_of(io, q, policy_state{});
-        const status evicted = with_scoring_policy<T, Q>([&](const auto& policy) {
-          using P = std::decay_t<decltype(policy)>;
-          if constexpr (std::is_same<P, kvevict::dapq<T, Q>>::value) {
-            scored = policy.prompt_tokens(io.keys.num_tokens, q.num_queries);
-          }
+        const status evicted = with_scoring_policy<T, Q>([&](auto traits, const auto& policy) {
+          scored = decltype(traits)::scored_tokens(policy, io.keys.num_tokens, q.num_queries);
           return policy.evict(cache, o, budget_for(layer, scored, policy.selection(), lay), result, lay.policy, exec);
         });
         KVEVICT_RETURN_IF_ERROR(evicted);
@@ -1206,7 +1193,7 @@ class compressor {
         }
       }
       if (defer) {
-        const deferkv<T, Q> d(options_.policy.deferkv);
+        const deferred_policy<T, Q> d(deferred_config());
         for (std::int64_t l = 0; l < options_.model.num_layers; ++l)
           KVEVICT_RETURN_IF_ERROR(d.mark_evicted(layer_state(io.state, l)));
       }
@@ -1220,7 +1207,7 @@ class compressor {
     r->num_changed_blocks = result.num_changed_blocks;
     r->kept = 0;
     for (std::int64_t h = 0; h < io.keys.num_heads; ++h) r->kept += result.head_lengths[h];
-    if (options_.policy.kind == policy_kind::dapq) r->next_position = scored;  // pseudo positions are reused
+    if (detail::reuses_positions(options_.policy.kind)) r->next_position = scored;
     if (io.padded_indices != nullptr) {
       std::int64_t k = 0;
       for (std::int64_t h = 0; h < io.keys.num_heads; ++h) {

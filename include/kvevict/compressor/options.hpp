@@ -7,6 +7,7 @@
 // the calls it will serve, and the executor. Everything is a plain value chosen at run time
 // (an engine reads it from its configuration), so one compressor type serves every policy.
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kvevict/budgets/adakv_params.hpp"
@@ -16,6 +17,7 @@
 #include "kvevict/executor.hpp"
 #include "kvevict/parallel/collective.hpp"
 #include "kvevict/policies/configs.hpp"
+#include "kvevict/policies/policy_list.hpp"
 #include "kvevict/scoring/presets.hpp"
 #include "kvevict/selection/budget.hpp"
 #include "kvevict/selection/scope.hpp"
@@ -69,24 +71,28 @@ auto with_types(dtype storage, dtype queries, F&& f) -> decltype(f(type_tag<floa
 }
 }  // namespace detail
 
+/// A policy's kind: its index in the compressors' list of policies (default_policies,
+/// policies/policy_list.hpp). The names stay for the API; a policy outside them is
+/// policy_kind_of<its_traits>().
 enum class policy_kind : std::int32_t { streaming_llm, knorm, h2o, snapkv, deferkv, dapq };
 
+template <class Traits, class List = default_policies>
+constexpr policy_kind policy_kind_of() noexcept {
+  static_assert(policy_index_v<Traits, List> < List::size, "the traits are not in the list");
+  return static_cast<policy_kind>(policy_index_v<Traits, List>);
+}
+
+static_assert(policy_kind_of<streaming_llm_traits>() == policy_kind::streaming_llm &&
+                  policy_kind_of<knorm_traits>() == policy_kind::knorm &&
+                  policy_kind_of<h2o_traits>() == policy_kind::h2o &&
+                  policy_kind_of<snapkv_traits>() == policy_kind::snapkv &&
+                  policy_kind_of<deferkv_traits>() == policy_kind::deferkv &&
+                  policy_kind_of<dapq_traits>() == policy_kind::dapq,
+              "policy_kind's values are the indices of default_policies");
+
 inline const char* to_string(policy_kind k) noexcept {
-  switch (k) {
-    case policy_kind::streaming_llm:
-      return "streaming_llm";
-    case policy_kind::knorm:
-      return "knorm";
-    case policy_kind::h2o:
-      return "h2o";
-    case policy_kind::snapkv:
-      return "snapkv";
-    case policy_kind::deferkv:
-      return "deferkv";
-    case policy_kind::dapq:
-      return "dapq";
-  }
-  return "unknown";
+  return detail::visit_policy(default_policies{}, static_cast<std::size_t>(k), "unknown",
+                              [](auto traits) { return decltype(traits)::name; });
 }
 
 /// A policy and its configuration: `kind` says which member is used. Build one with the
@@ -94,7 +100,7 @@ inline const char* to_string(policy_kind k) noexcept {
 /// policy::deferkv(cfg), ...). chunk_length > 0 applies ChunkKV on top of StreamingLLM,
 /// KNorm, H2O or SnapKV scores.
 struct policy_config {
-  policy_kind kind = policy_kind::snapkv;
+  policy_kind kind = policy_kind_of<snapkv_traits>();
   streaming_llm_config streaming_llm;
   knorm_config knorm;
   h2o_config h2o;
@@ -114,37 +120,37 @@ struct policy_config {
 namespace policy {
 inline policy_config streaming_llm(const streaming_llm_config& c = {}) noexcept {
   policy_config p;
-  p.kind = policy_kind::streaming_llm;
+  p.kind = policy_kind_of<streaming_llm_traits>();
   p.streaming_llm = c;
   return p;
 }
 inline policy_config knorm(const knorm_config& c = {}) noexcept {
   policy_config p;
-  p.kind = policy_kind::knorm;
+  p.kind = policy_kind_of<knorm_traits>();
   p.knorm = c;
   return p;
 }
 inline policy_config h2o(const h2o_config& c = {}) noexcept {
   policy_config p;
-  p.kind = policy_kind::h2o;
+  p.kind = policy_kind_of<h2o_traits>();
   p.h2o = c;
   return p;
 }
 inline policy_config snapkv(const window_config& c = presets::kvpress_snapkv()) noexcept {
   policy_config p;
-  p.kind = policy_kind::snapkv;
+  p.kind = policy_kind_of<snapkv_traits>();
   p.snapkv = c;
   return p;
 }
 inline policy_config deferkv(const deferkv_config& c = {}) noexcept {
   policy_config p;
-  p.kind = policy_kind::deferkv;
+  p.kind = policy_kind_of<deferkv_traits>();
   p.deferkv = c;
   return p;
 }
 inline policy_config dapq(const dapq_config& c = {}) noexcept {
   policy_config p;
-  p.kind = policy_kind::dapq;
+  p.kind = policy_kind_of<dapq_traits>();
   p.dapq = c;
   return p;
 }

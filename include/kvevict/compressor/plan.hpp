@@ -19,6 +19,7 @@
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/policies/configs.hpp"
+#include "kvevict/policies/policy_list.hpp"
 #include "kvevict/rope/rope.hpp"
 #include "kvevict/selection/budget.hpp"
 #include "kvevict/views/query_view.hpp"
@@ -26,16 +27,34 @@
 KVEVICT_NAMESPACE_BEGIN
 namespace detail {
 
-inline bool chunkable(policy_kind k) noexcept {
-  return k == policy_kind::streaming_llm || k == policy_kind::knorm || k == policy_kind::h2o ||
-         k == policy_kind::snapkv;
+/// The traits of the options' policy as a value for f (policies/policy_list.hpp); `fallback`
+/// for a kind outside the list.
+template <class R, class F>
+R with_policy_traits(policy_kind kind, R fallback, F&& f) {
+  return visit_policy(default_policies{}, static_cast<std::size_t>(kind), fallback, static_cast<F&&>(f));
 }
 
-inline status check_protected_mode(protected_mode mode, const char* fn, const char* arg) noexcept {
-  if (static_cast<unsigned>(mode) > 1u)
-    return status::error(errc::invalid_argument, fn, arg, "expected a protected_mode value, got %d",
-                         static_cast<int>(mode));
-  return status();
+inline bool chunkable(policy_kind k) noexcept {
+  return with_policy_traits(k, false, [](auto traits) { return decltype(traits)::chunkable; });
+}
+inline bool accepts_lse(policy_kind k) noexcept {
+  return with_policy_traits(k, true, [](auto traits) { return decltype(traits)::accepts_lse; });
+}
+/// Whether the policy observes into per-sequence state before it evicts (DeferKV).
+inline bool defers(policy_kind k) noexcept {
+  return with_policy_traits(k, false, [](auto traits) { return decltype(traits)::deferred; });
+}
+inline bool reads_queries(policy_kind k) noexcept {
+  return with_policy_traits(k, false, [](auto traits) { return decltype(traits)::reads_queries; });
+}
+inline bool reads_keys(policy_kind k) noexcept {
+  return with_policy_traits(k, false, [](auto traits) { return decltype(traits)::reads_keys; });
+}
+inline bool every_prompt_query(policy_kind k) noexcept {
+  return with_policy_traits(k, false, [](auto traits) { return decltype(traits)::every_prompt_query; });
+}
+inline bool reuses_positions(policy_kind k) noexcept {
+  return with_policy_traits(k, false, [](auto traits) { return decltype(traits)::reuses_positions; });
 }
 
 /// Scope, length mode and compaction, and the combinations no kernel could serve.
@@ -72,8 +91,7 @@ inline status check_contracts(const compressor_options& o, const char* fn) noexc
 inline status check_policy(compressor_options* options, std::int64_t* window, const char* fn) noexcept {
   compressor_options& o = *options;
   const policy_config& p = o.policy;
-  const model_shape& m = o.model;
-  if (static_cast<unsigned>(p.kind) > 5u)
+  if (static_cast<unsigned>(p.kind) >= default_policies::size)
     return status::error(errc::invalid_argument, fn, "policy.kind", "expected a policy_kind value, got %d",
                          static_cast<int>(p.kind));
   if (p.chunk_length < 0)
@@ -86,79 +104,8 @@ inline status check_policy(compressor_options* options, std::int64_t* window, co
     return status::error(errc::unsupported, fn, "policy.chunk_length",
                          "ChunkKV sums its scores over every KV head of the layer; with the heads split over ranks "
                          "(tensor_parallel) that sum is not implemented");
-  switch (p.kind) {
-    case policy_kind::streaming_llm:
-      if (p.streaming_llm.sinks < 0)
-        return status::error(errc::invalid_argument, fn, "policy.streaming_llm.sinks", "expected >= 0, got %lld",
-                             static_cast<long long>(p.streaming_llm.sinks));
-      if (o.limits.max_tokens > (std::int64_t{1} << 24))
-        return status::error(errc::overflow, fn, "limits.max_tokens",
-                             "StreamingLLM scores token indices as floats: expected at most 2^24 tokens, got %lld",
-                             static_cast<long long>(o.limits.max_tokens));
-      *window = 0;
-      break;
-    case policy_kind::knorm:
-      if (p.knorm.protected_tail < 0)
-        return status::error(errc::invalid_argument, fn, "policy.knorm.protected_tail", "expected >= 0, got %lld",
-                             static_cast<long long>(p.knorm.protected_tail));
-      KVEVICT_RETURN_IF_ERROR(check_protected_mode(p.knorm.protect, fn, "policy.knorm.protect"));
-      *window = 0;
-      break;
-    case policy_kind::h2o:
-      if (p.h2o.recent_window < 0)
-        return status::error(errc::invalid_argument, fn, "policy.h2o.recent_window", "expected >= 0, got %lld",
-                             static_cast<long long>(p.h2o.recent_window));
-      KVEVICT_RETURN_IF_ERROR(check_protected_mode(p.h2o.protect, fn, "policy.h2o.protect"));
-      KVEVICT_RETURN_IF_ERROR(detail::validate_scoring_params(p.h2o.params(), fn));
-      *window = 1;  // every prompt query observes; at least one is needed
-      if (o.limits.max_queries == 0) o.limits.max_queries = o.limits.max_tokens;
-      break;
-    case policy_kind::snapkv:
-      if (p.snapkv.window < 1)
-        return status::error(errc::invalid_argument, fn, "policy.snapkv.window", "expected >= 1, got %lld",
-                             static_cast<long long>(p.snapkv.window));
-      KVEVICT_RETURN_IF_ERROR(check_protected_mode(p.snapkv.protect, fn, "policy.snapkv.protect"));
-      KVEVICT_RETURN_IF_ERROR(detail::validate_scoring_params(p.snapkv.params(), fn));
-      if (p.snapkv.scoring.window == window_aggregation::weighted)
-        return status::error(errc::unsupported, fn, "policy.snapkv.scoring.window",
-                             "weighted aggregation needs per-call weights; use the building blocks");
-      *window = p.snapkv.window;
-      break;
-    case policy_kind::deferkv: {
-      KVEVICT_RETURN_IF_ERROR(check_deferkv_config(p.deferkv, fn));
-      KVEVICT_RETURN_IF_ERROR(check_protected_mode(p.deferkv.protect, fn, "policy.deferkv.protect"));
-      if (p.deferkv.window < 1)
-        return status::error(errc::invalid_argument, fn, "policy.deferkv.window", "expected >= 1, got %lld",
-                             static_cast<long long>(p.deferkv.window));
-      *window = p.deferkv.window;
-      break;
-    }
-    case policy_kind::dapq:
-      if (p.dapq.pseudo_tokens < 1)
-        return status::error(errc::invalid_argument, fn, "policy.dapq.pseudo_tokens", "expected >= 1, got %lld",
-                             static_cast<long long>(p.dapq.pseudo_tokens));
-      KVEVICT_RETURN_IF_ERROR(check_protected_mode(p.dapq.protect, fn, "policy.dapq.protect"));
-      KVEVICT_RETURN_IF_ERROR(detail::validate_scoring_params(p.dapq.scoring, fn));
-      if (p.dapq.scoring.window == window_aggregation::weighted)
-        return status::error(errc::unsupported, fn, "policy.dapq.scoring.window",
-                             "weighted aggregation needs per-call weights; use the building blocks");
-      if (static_cast<unsigned>(p.dapq.source) > 1u)
-        return status::error(errc::invalid_argument, fn, "policy.dapq.source", "expected a dapq_source value, got %d",
-                             static_cast<int>(p.dapq.source));
-      if (p.dapq.source == dapq_source::rerotated_window) {
-        KVEVICT_RETURN_IF_ERROR(validate_rope_config(p.dapq.rope, fn));
-        if (p.dapq.rope.head_dim != m.head_dim)
-          return status::error(errc::invalid_shape, fn, "policy.dapq.rope.head_dim",
-                               "expected model.head_dim = %lld, got %lld", static_cast<long long>(m.head_dim),
-                               static_cast<long long>(p.dapq.rope.head_dim));
-        if (m.head_dim > 1024)
-          return status::error(errc::unsupported, fn, "model.head_dim",
-                               "re-rotation supports head_dim <= 1024, got %lld", static_cast<long long>(m.head_dim));
-      }
-      *window = p.dapq.pseudo_tokens;
-      break;
-  }
-  return status();
+  return with_policy_traits(p.kind, status(),
+                            [&](auto traits) { return decltype(traits)::check(options, window, fn); });
 }
 
 /// An error of validate_layer_budget about the budget built from the options, named by the
@@ -242,21 +189,10 @@ inline status check_compressor_options(compressor_options* options, const layer_
 
 /// The largest protected tail any call may see (DeferKV adds its decoded tokens).
 inline selection_params largest_selection(const policy_config& p) noexcept {
-  switch (p.kind) {
-    case policy_kind::streaming_llm:
-      return {0, protected_mode::inside_budget};
-    case policy_kind::knorm:
-      return {p.knorm.protected_tail, p.knorm.protect};
-    case policy_kind::h2o:
-      return {p.h2o.recent_window, p.h2o.protect};
-    case policy_kind::snapkv:
-      return p.snapkv.selection();
-    case policy_kind::deferkv:
-      return {p.deferkv.window + p.deferkv.delay, p.deferkv.protect};
-    case policy_kind::dapq:
-      return {p.dapq.scoring.protected_tail, p.dapq.protect};
-  }
-  return {};
+  return with_policy_traits(p.kind, selection_params{}, [&](auto traits) {
+    using Tr = decltype(traits);
+    return Tr::largest_selection(Tr::config(p));
+  });
 }
 
 /// Keep-list entries one eviction may write (compressor::keep_capacity) and the most tokens
@@ -320,7 +256,7 @@ status check_sequence_queries(const compressor_options& o, softmax_domain domain
                          "expected the decode step's query (1 per head), got %lld",
                          static_cast<long long>(q.num_queries));
   if (lse == nullptr) return status();
-  if (o.policy.kind == policy_kind::deferkv)
+  if (!accepts_lse(o.policy.kind))
     return status::error(errc::unsupported, fn, io_name(s, "lse"),
                          "DeferKV normalises its own observations; pass no LSE");
   if (domain != softmax_domain::visible)

@@ -199,7 +199,8 @@ class compressor {
     c.options_ = options;  // normalised by the checks: value_head_dim, query_storage, max_queries
     KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_compressor_options(&c.options_, c.base_budget(), &c.window_, fn));
     const compressor_options& o = c.options_;
-    if (o.policy.kind != policy_kind::snapkv && o.policy.kind != policy_kind::deferkv)
+    if (!kvevict::detail::with_policy_traits(o.policy.kind, false,
+                                             [](auto traits) { return decltype(traits)::on_gpu; }))
       return status::error(errc::unsupported, fn, "policy.kind",
                            "%s is not implemented on the GPU compressor (snapkv and deferkv are)",
                            to_string(o.policy.kind));
@@ -327,7 +328,7 @@ class compressor {
 
     // 2. Prepare every enqueue: the DeferKV observations, the scoring batch's list, the
     //    compaction batch (its host checks and descriptors).
-    const bool defer = options_.policy.kind == policy_kind::deferkv;
+    const bool defer = defers();
     std::int64_t scored = 0, compacted = 0;
     bool weights_used = false;
     for (std::int64_t s = 0; s < n; ++s) {
@@ -483,7 +484,7 @@ class compressor {
     std::size_t compact_staging_bytes = 0;
   };
 
-  bool defers() const noexcept { return options_.policy.kind == policy_kind::deferkv; }
+  bool defers() const noexcept { return kvevict::detail::defers(options_.policy.kind); }
 
   scoring_params scoring_params_of() const noexcept {
     return defers() ? options_.policy.deferkv.params() : options_.policy.snapkv.params();
