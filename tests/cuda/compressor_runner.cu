@@ -130,5 +130,9 @@ template compressor_session_result compressor_session<float, float>(const kvevic
                                                                     int);
 template compressor_session_result compressor_session<kvevict::fp8_e4m3, kvevict::bf16>(
     const kvevict::compressor_options&, const std::vector<compressor_call<kvevict::fp8_e4m3, kvevict::bf16>>&, int);
+template compressor_session_result compressor_session<kvevict::fp16, kvevict::fp16>(
+    const kvevict::compressor_options&, const std::vector<compressor_call<kvevict::fp16, kvevict::fp16>>&, int);
+template compressor_session_result compressor_session<kvevict::fp8_e5m2, kvevict::fp16>(
+    const kvevict::compressor_options&, const std::vector<compressor_call<kvevict::fp8_e5m2, kvevict::fp16>>&, int);
 
 }  // namespace gpu

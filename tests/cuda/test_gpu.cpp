@@ -931,6 +931,94 @@ TEST_CASE("GPU scoring of fp8 caches with a dequantisation scale", "[gpu][gpu_sc
 }
 
 namespace {
+/// The GPU batch of `seqs` (one launch per kernel) against the CPU's observation_scores of
+/// each sequence (not against the single-sequence GPU call, which shares its kernels).
+template <class T>
+void check_obs_batch_cpu(const std::vector<gpu::batch_sequence<T, T>>& seqs, const kvevict::scoring_params& params) {
+  const auto got = gpu::observation_scores_batch(seqs, params);
+  INFO("status " << got.st.message());
+  REQUIRE(got.st.ok());
+  REQUIRE(got.flags == 0);
+  REQUIRE(got.scores.size() == seqs.size());
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    const gpu::batch_sequence<T, T>& b = seqs[i];
+    const std::int64_t hkv = b.k.num_heads, l = b.k.num_tokens;
+    INFO("seqs[" << i << "]: L " << l);
+    std::vector<float> cpu(static_cast<std::size_t>(hkv * l), 0.0f);
+    kvevict::observation_inputs cin;
+    cin.key_positions = b.in.key_positions.empty() ? nullptr : b.in.key_positions.data();
+    cin.lse = b.in.lse.empty() ? nullptr : b.in.lse.data();
+    kvevict::workspace ws(
+        kvevict::observation_scores_workspace_size({b.q.num_heads, hkv, b.k.head_dim, l, b.q.num_queries}, params));
+    REQUIRE(kvevict::observation_scores(b.q, b.k, params, {cpu.data(), hkv, l, l}, ws, cin).ok());
+    require_close(got.scores[i], cpu, hkv, l);
+  }
+}
+}  // namespace
+
+// More than 16 key tiles (64 keys each; 256 for decode) in every scoring kernel: the row-LSE
+// fold strides its 32 lanes over a row's tiles and then reduces across the warp, so with 16
+// tiles or fewer lanes 16-31 hold nothing and half of that butterfly is never exercised.
+// Small heads keep each case cheap; sanitizer runs (KVEVICT_GPU_SWEEP_STRIDE > 1) keep one
+// case per kernel family.
+TEST_CASE("GPU scoring past 16 key tiles (L > 1024) in every kernel variant", "[gpu][gpu_scoring]") {
+  const bool trimmed = sweep_stride() > 1;
+  kvevict::scoring_params p = kKvpress;
+  p.protected_tail = 4;
+  SECTION("observation scores: CUDA cores, tensor cores, mixed types, per-head tables, engine LSE") {
+    const shape s{2, 2, 16, 1100, 4};
+    obs_case c;
+    c.qpos = tail_positions(s.tokens, s.window);
+    check_obs<float, float>(s, test::layout::paged_per_head, p, c, 3100);                  // CUDA cores, computed LSE
+    check_obs<bf16, bf16>({1, 3, 24, 1350, 4}, test::layout::paged_per_head, p, c, 3101);  // tensor cores
+    if (!trimmed) {
+      check_obs<fp16, fp16>(s, test::layout::transposed, p, c, 3102);
+      check_obs<float, bf16>(s, test::layout::contiguous, p, c, 3103);
+      obs_case e = c;
+      e.engine_lse = true;  // one pass: no row LSE
+      check_obs<bf16, bf16>(s, test::layout::paged_hnd, p, e, 3104);
+    }
+  }
+  SECTION("fp8 keys with a scale") {
+    check_fp8<bf16, fp8_e4m3>(test::layout::paged_per_head, 1, 2, 32, 1090, 4, 0.0371f, p, 3110);
+    if (!trimmed) check_fp8<fp16, fp8_e5m2>(test::layout::contiguous, 1, 2, 32, 1170, 4, 2.0f, p, 3111);
+  }
+  SECTION("a batch of long sequences in one launch per kernel") {
+    const std::int64_t hkv = 2, group = 2, d = 16, w = 4;
+    const std::int64_t lengths[] = {1100, 70, 1300};
+    const test::layout lays[] = {test::layout::paged_per_head, test::layout::contiguous, test::layout::paged_nhd};
+    std::vector<test::test_cache<bf16>> caches;
+    std::vector<test::test_queries<bf16>> queries;
+    caches.reserve(3);
+    queries.reserve(3);
+    std::vector<gpu::batch_sequence<bf16, bf16>> batch;
+    for (std::size_t i = 0; i < 3; ++i) {
+      const std::int64_t l = lengths[i];
+      caches.push_back(
+          test::make_cache<bf16>(lays[i], hkv, l, d, test::normal(static_cast<std::size_t>(hkv * l * d), 3120 + i)));
+      queries.push_back(test::make_queries<bf16>(hkv * group, w, d,
+                                                 test::normal(static_cast<std::size_t>(hkv * group * w * d), 3130 + i),
+                                                 tail_positions(l, w)));
+      gpu::batch_sequence<bf16, bf16> b;
+      b.q = queries.back().view;
+      b.qbuf = gpu::buffer_of(queries.back().buffer);
+      b.k = caches.back().view;
+      b.kbuf = gpu::buffer_of(caches.back().buffer);
+      b.table = &caches.back().table;
+      batch.push_back(b);
+    }
+    check_obs_batch_cpu(batch, p);
+  }
+  SECTION("decode: two passes past 16 tiles of 256 keys, and the one-pass engine-LSE step") {
+    check_decode<bf16>(test::layout::paged_per_head, 1, 2, 32, 4400, gqa_reduction::mean, softmax_domain::visible, 8,
+                       false, 3140);
+    if (!trimmed)
+      check_decode<float>(test::layout::contiguous, 1, 4, 32, 4200, gqa_reduction::max, softmax_domain::candidates, 0,
+                          true, 3141);
+  }
+}
+
+namespace {
 /// A decode_plan over a cache of `capacity` tokens, stepped through `lengths`, directly and
 /// through a replayed CUDA graph: every valid step equals decode_observation over a view of
 /// that many tokens applied to the previous state, bit for bit, and leaves the state's
@@ -1596,6 +1684,41 @@ TEST_CASE("GPU compaction: random corruptions are flagged exactly when the CPU r
       require_bytes(g.keys, expected_compaction(k, offsets, indices));
       require_bytes(g.values, expected_compaction(v, offsets, indices));
     }
+  }
+}
+
+// Problems of three kinds found at once by many threads of several blocks: every kind's
+// flag must come back. The flag word is raised by an atomic or; an or written as a plain
+// read-modify-write loses the bits of threads that raced it (the simulator's interleaving
+// schedule makes such races happen).
+TEST_CASE("GPU compaction: problems of different kinds found at once raise every flag", "[gpu][gpu_compact]") {
+  const std::int64_t heads = 4, tokens = 600, d = 8;
+  for (std::uint64_t trial = 0; trial < 3; ++trial) {
+    INFO("trial " << trial);
+    auto k = test::make_cache<bf16>(test::layout::paged_per_head, heads, tokens, d,
+                                    test::normal(static_cast<std::size_t>(heads * tokens * d), 3200 + trial), 8);
+    auto v = test::make_cache<float>(test::layout::contiguous, heads, tokens, d,
+                                     test::normal(static_cast<std::size_t>(heads * tokens * d), 3210 + trial), 8);
+    // Every table entry in use: even ones outside the pool, odd ones all naming one block.
+    const std::int64_t used = (tokens + 7) / 8;
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t b = 0; b < used; ++b) {
+        auto& id = k.table[static_cast<std::size_t>(h * k.table_stride() + b)];
+        id = b % 2 == 0 ? static_cast<std::int32_t>(k.pool_blocks + b) : k.table[1];
+      }
+    // Every head keeps its tokens in descending order: every entry but a head's first is bad.
+    std::vector<std::int64_t> offsets{0}, indices;
+    for (std::int64_t h = 0; h < heads; ++h) {
+      for (std::int64_t i = 0; i < 100; ++i) indices.push_back(tokens - 1 - 3 * i - static_cast<std::int64_t>(trial));
+      offsets.push_back(static_cast<std::int64_t>(indices.size()));
+    }
+    const auto g = gpu::compact(k.view, gpu::buffer_of(k.buffer), k.table, v.view, gpu::buffer_of(v.buffer), v.table,
+                                offsets, indices, static_cast<std::int64_t>(indices.size()));
+    REQUIRE(g.st.ok());
+    REQUIRE(g.flags == (kvevict::cuda::flag_invalid_keep_list | kvevict::cuda::flag_block_id_out_of_range |
+                        kvevict::cuda::flag_duplicate_block));
+    require_bytes(g.keys, k.buffer);
+    require_bytes(g.values, v.buffer);
   }
 }
 
