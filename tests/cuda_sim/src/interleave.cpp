@@ -48,6 +48,7 @@ interleave_settings read_settings() noexcept {
   return s;
 }
 
+#if defined(CUDA_SIM_INTERLEAVE_HOOKS)  // what the hooks below call
 inline bool private_address(const access_window& w, const void* p) noexcept {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   return a >= w.stack_lo && a < w.stack_hi;
@@ -82,6 +83,8 @@ inline void on_atomic() noexcept {
   access_window& w = tls_window;
   if (w.armed) count_access(w);
 }
+
+#endif
 
 }  // namespace
 
