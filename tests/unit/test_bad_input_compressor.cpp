@@ -1021,7 +1021,17 @@ TEST_CASE("bad input: engine contracts (evict_into, shared blocks, scopes, per-h
 // null pointers (undefined behaviour UBSan reports).
 TEST_CASE("regression: policies that read no queries accept null query data through the compressor", "[errors]") {
   constexpr i64 hq = 4, hkv = 2, d = 8, l = 20;
-  for (const kvevict::policy_config& p : {kvevict::policy::streaming_llm(), kvevict::policy::knorm()}) {
+  std::vector<kvevict::policy_config> query_free;
+  kvevict::detail::for_each_policy(kvevict::default_policies{}, [&](auto traits) {
+    using Tr = decltype(traits);
+    if (Tr::reads_queries) return;
+    kvevict::policy_config p;  // the policy's default configuration
+    p.kind = kvevict::policy_kind_of<Tr>();
+    query_free.push_back(p);
+  });
+  REQUIRE(query_free.size() >= 2);
+  for (const kvevict::policy_config& p : query_free) {
+    INFO(kvevict::to_string(p.kind));
     kvevict::compressor_options o;
     o.model = {1, hq, hkv, d, 0, kvevict::dtype::f32};
     o.policy = p;

@@ -97,8 +97,8 @@ inline const char* to_string(policy_kind k) noexcept {
 
 /// A policy and its configuration: `kind` says which member is used. Build one with the
 /// functions of namespace kvevict::policy (policy::snapkv(presets::kvpress_snapkv()),
-/// policy::deferkv(cfg), ...). chunk_length > 0 applies ChunkKV on top of StreamingLLM,
-/// KNorm, H2O or SnapKV scores.
+/// policy::deferkv(cfg), ...). chunk_length > 0 applies ChunkKV on top of the scores of a
+/// policy whose traits are chunkable.
 struct policy_config {
   policy_kind kind = policy_kind_of<snapkv_traits>();
   streaming_llm_config streaming_llm;
