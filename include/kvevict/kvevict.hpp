@@ -48,6 +48,7 @@
 #include "kvevict/policies/policy_list.hpp"
 #include "kvevict/policies/snapkv.hpp"
 #include "kvevict/policies/streaming_llm.hpp"
+#include "kvevict/policies/tova.hpp"
 
 #include "kvevict/eviction/evict.hpp"
 #include "kvevict/eviction/evict_batch.hpp"

@@ -366,6 +366,8 @@ std::vector<kvevict::policy_config> all_policies() {
   p.push_back(kvevict::policy::snapkv(paper));
   p.push_back(kvevict::policy::snapkv(press).chunked(5));
   p.push_back(kvevict::policy::knorm({3, kvevict::protected_mode::on_top_of_budget}).chunked(4));
+  p.push_back(kvevict::policy::tova());
+  p.push_back(kvevict::policy::tova({4, kvevict::protected_mode::on_top_of_budget}).chunked(3));
   kvevict::deferkv_config d;
   d.window = 7;
   d.delay = 2;

@@ -64,6 +64,7 @@
 #include "kvevict/policies/knorm.hpp"
 #include "kvevict/policies/snapkv.hpp"
 #include "kvevict/policies/streaming_llm.hpp"
+#include "kvevict/policies/tova.hpp"
 #include "kvevict/shape.hpp"
 #include "kvevict/workspace.hpp"
 

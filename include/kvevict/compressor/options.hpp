@@ -107,6 +107,7 @@ struct policy_config {
   window_config snapkv = presets::kvpress_snapkv();
   deferkv_config deferkv;
   dapq_config dapq;
+  tova_config tova;
   std::int64_t chunk_length = 0;
 
   /// This policy's scores averaged per chunk of `length` tokens (ChunkKV).
@@ -152,6 +153,12 @@ inline policy_config dapq(const dapq_config& c = {}) noexcept {
   policy_config p;
   p.kind = policy_kind_of<dapq_traits>();
   p.dapq = c;
+  return p;
+}
+inline policy_config tova(const tova_config& c = {}) noexcept {
+  policy_config p;
+  p.kind = policy_kind_of<tova_traits>();
+  p.tova = c;
   return p;
 }
 }  // namespace policy

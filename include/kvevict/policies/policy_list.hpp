@@ -18,6 +18,7 @@
 #include "kvevict/policies/policy_traits.hpp"
 #include "kvevict/policies/snapkv_traits.hpp"
 #include "kvevict/policies/streaming_llm_traits.hpp"
+#include "kvevict/policies/tova_traits.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
 
@@ -27,8 +28,8 @@ struct policy_list {
 };
 
 /// kvevict's policies, in the order of policy_kind (options.hpp asserts that they agree).
-using default_policies =
-    policy_list<streaming_llm_traits, knorm_traits, h2o_traits, snapkv_traits, deferkv_traits, dapq_traits>;
+using default_policies = policy_list<streaming_llm_traits, knorm_traits, h2o_traits, snapkv_traits, deferkv_traits,
+                                     dapq_traits, tova_traits>;
 
 namespace detail {
 template <class Traits, class... Ts>
