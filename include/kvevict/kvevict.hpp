@@ -43,6 +43,7 @@
 #include "kvevict/policies/dapq.hpp"
 #include "kvevict/policies/deferkv.hpp"
 #include "kvevict/policies/h2o.hpp"
+#include "kvevict/policies/keydiff.hpp"
 #include "kvevict/policies/knorm.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/policies/policy_list.hpp"

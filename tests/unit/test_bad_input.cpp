@@ -460,6 +460,7 @@ TEST_CASE("bad-input matrix: the unmutated world is accepted by every entry poin
     REQUIRE(kvevict::streaming_llm<float>().score(in, wd.score_out()).ok());
     REQUIRE(kvevict::knorm<float>().score(in, wd.score_out(), wd.span()).ok());
     REQUIRE(kvevict::tova<float>().score(last_query(wd), wd.score_out(), wd.span()).ok());
+    REQUIRE(kvevict::keydiff<float>().score(in, wd.score_out(), wd.span()).ok());
     REQUIRE(kvevict::h2o<float>().score(in, wd.score_out(), wd.span()).ok());
     REQUIRE(kvevict::chunkkv<kvevict::knorm<float>>(kvevict::knorm<float>()).score(in, wd.score_out(), wd.span()).ok());
     kvevict::layer_inputs<float> pin = wd.layer();
@@ -949,6 +950,33 @@ TEST_CASE("bad input: policy score()", "[errors]") {
                 kvevict::layer_inputs<float> in = wd.layer();
                 in.keys.token_stride = 4;
                 return kvevict::knorm<float>().score(in, wd.score_out(), wd.span());
+              };
+            }),
+          c("keydiff: negative protected tail", errc::invalid_argument, "config.protected_tail",
+            [](world& wd) -> call_fn {
+              return [&wd] {
+                return kvevict::keydiff<float>({-1, kvevict::protected_mode::inside_budget})
+                    .score(wd.layer(), wd.score_out(), wd.span());
+              };
+            }),
+          c("keydiff: workspace too small", errc::workspace_too_small, "ws",
+            [](world& wd) -> call_fn {
+              return [&wd] { return kvevict::keydiff<float>().score(wd.layer(), wd.score_out(), {}); };
+            }),
+          c("keydiff: L = 2^31 + 7 claimed, scores for 24", errc::invalid_shape, "scores",
+            [](world& wd) -> call_fn {
+              return [&wd] {
+                kvevict::layer_inputs<float> in;
+                in.keys = huge_keys(wd, kTwo31 + 7);
+                return kvevict::keydiff<float>().score(in, wd.score_out(), wd.span());
+              };
+            }),
+          c("keydiff: overlapping keys", errc::invalid_stride, "keys.token_stride",
+            [](world& wd) -> call_fn {
+              return [&wd] {
+                kvevict::layer_inputs<float> in = wd.layer();
+                in.keys.token_stride = 4;
+                return kvevict::keydiff<float>().score(in, wd.score_out(), wd.span());
               };
             }),
           c("tova: protected tail 0 (the observing token must be kept)", errc::invalid_argument,

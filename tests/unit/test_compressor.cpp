@@ -368,6 +368,8 @@ std::vector<kvevict::policy_config> all_policies() {
   p.push_back(kvevict::policy::knorm({3, kvevict::protected_mode::on_top_of_budget}).chunked(4));
   p.push_back(kvevict::policy::tova());
   p.push_back(kvevict::policy::tova({4, kvevict::protected_mode::on_top_of_budget}).chunked(3));
+  p.push_back(kvevict::policy::keydiff({2, kvevict::protected_mode::inside_budget}));
+  p.push_back(kvevict::policy::keydiff({5, kvevict::protected_mode::on_top_of_budget}).chunked(4));
   kvevict::deferkv_config d;
   d.window = 7;
   d.delay = 2;

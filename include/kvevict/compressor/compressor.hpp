@@ -61,6 +61,7 @@
 #include "kvevict/policies/dapq.hpp"
 #include "kvevict/policies/deferkv.hpp"
 #include "kvevict/policies/h2o.hpp"
+#include "kvevict/policies/keydiff.hpp"
 #include "kvevict/policies/knorm.hpp"
 #include "kvevict/policies/snapkv.hpp"
 #include "kvevict/policies/streaming_llm.hpp"

@@ -108,6 +108,7 @@ struct policy_config {
   deferkv_config deferkv;
   dapq_config dapq;
   tova_config tova;
+  keydiff_config keydiff;
   std::int64_t chunk_length = 0;
 
   /// This policy's scores averaged per chunk of `length` tokens (ChunkKV).
@@ -159,6 +160,12 @@ inline policy_config tova(const tova_config& c = {}) noexcept {
   policy_config p;
   p.kind = policy_kind_of<tova_traits>();
   p.tova = c;
+  return p;
+}
+inline policy_config keydiff(const keydiff_config& c = {}) noexcept {
+  policy_config p;
+  p.kind = policy_kind_of<keydiff_traits>();
+  p.keydiff = c;
   return p;
 }
 }  // namespace policy

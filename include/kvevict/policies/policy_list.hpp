@@ -14,6 +14,7 @@
 #include "kvevict/policies/dapq_traits.hpp"
 #include "kvevict/policies/deferkv_traits.hpp"
 #include "kvevict/policies/h2o_traits.hpp"
+#include "kvevict/policies/keydiff_traits.hpp"
 #include "kvevict/policies/knorm_traits.hpp"
 #include "kvevict/policies/policy_traits.hpp"
 #include "kvevict/policies/snapkv_traits.hpp"
@@ -29,7 +30,7 @@ struct policy_list {
 
 /// kvevict's policies, in the order of policy_kind (options.hpp asserts that they agree).
 using default_policies = policy_list<streaming_llm_traits, knorm_traits, h2o_traits, snapkv_traits, deferkv_traits,
-                                     dapq_traits, tova_traits>;
+                                     dapq_traits, tova_traits, keydiff_traits>;
 
 namespace detail {
 template <class Traits, class... Ts>
