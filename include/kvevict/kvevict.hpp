@@ -43,11 +43,13 @@
 #include "kvevict/policies/dapq.hpp"
 #include "kvevict/policies/deferkv.hpp"
 #include "kvevict/policies/h2o.hpp"
+#include "kvevict/policies/keydiff.hpp"
 #include "kvevict/policies/knorm.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
 #include "kvevict/policies/policy_list.hpp"
 #include "kvevict/policies/snapkv.hpp"
 #include "kvevict/policies/streaming_llm.hpp"
+#include "kvevict/policies/tova.hpp"
 
 #include "kvevict/eviction/evict.hpp"
 #include "kvevict/eviction/evict_batch.hpp"

@@ -391,8 +391,13 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
     std::string arg;
   };
   std::vector<expect> cases;
-  cases.push_back({base, kvevict::errc::unsupported, "policy.kind"});
-  cases.back().o.policy = kvevict::policy::h2o();
+  // Every policy of the list the GPU path does not implement, by its traits.
+  kvevict::detail::for_each_policy(kvevict::default_policies{}, [&](auto traits) {
+    using Tr = decltype(traits);
+    if (Tr::on_gpu) return;
+    cases.push_back({base, kvevict::errc::unsupported, "policy.kind"});
+    cases.back().o.policy.kind = kvevict::policy_kind_of<Tr>();
+  });
   cases.push_back({base, kvevict::errc::unsupported, "policy.chunk_length"});
   cases.back().o.policy = base.policy.chunked(8);
   cases.push_back({base, kvevict::errc::unsupported, "scope"});
@@ -419,6 +424,8 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
     INFO(c.arg << ": " << st.message());
     REQUIRE(st.code() == c.code);
     REQUIRE(std::string(st.argument()) == c.arg);
+    if (c.arg == "policy.kind")
+      REQUIRE(std::string(st.message()).find(kvevict::to_string(c.o.policy.kind)) != std::string::npos);
   }
   REQUIRE(gpu::compressor_plan(base).ok());
 }

@@ -237,6 +237,12 @@ void run_shape(i64 d, i64 group, i64 w, i64 l) {
   const kvevict::snapkv<T> paper(with_window(kvevict::presets::snapkv_paper()));
   const kvevict::h2o<T> h2o(kvevict::h2o_config{8});
   const kvevict::knorm<T> knorm;
+  const kvevict::keydiff<T> keydiff;
+  const kvevict::tova<T> tova;
+  kvevict::layer_inputs<T> last_query = in;  // TOVA observes the last query only
+  last_query.queries.data += (last_query.queries.num_queries - 1) * last_query.queries.query_stride;
+  last_query.queries.positions += last_query.queries.num_queries - 1;
+  last_query.queries.num_queries = 1;
   const kvevict::streaming_llm<T> streaming;
   const kvevict::chunkkv<kvevict::snapkv<T>> chunk(snap);
   const kvevict::dapq<T> dapq;
@@ -247,7 +253,8 @@ void run_shape(i64 d, i64 group, i64 w, i64 l) {
   for (const kvevict::executor* e : {&serial, &pooled}) {
     ws_bytes = std::max(
         {ws_bytes, snap.workspace_size(shape, *e), paper.workspace_size(shape, *e), h2o.workspace_size(shape, *e),
-         knorm.workspace_size(shape, *e), chunk.workspace_size(shape, *e), dapq.workspace_size(shape, *e),
+         knorm.workspace_size(shape, *e), keydiff.workspace_size(shape, *e), tova.workspace_size(shape, *e),
+         chunk.workspace_size(shape, *e), dapq.workspace_size(shape, *e),
          kvevict::observation_scores_workspace_size(shape, weighted, *e), kvevict::select_workspace_size(l + 2, *e),
          kvevict::adakv_workspace_size(hkv, l), kvevict::evict_workspace_size(keys.view, values.view, *e),
          kvevict::evict_workspace_size(paged_keys.view, values.view, *e)});
@@ -291,6 +298,8 @@ void run_shape(i64 d, i64 group, i64 w, i64 l) {
     no_alloc("h2o queries " + x, [&] { return h2o.score(in, sv, ws, *e).ok(); });
     no_alloc("h2o attention " + x, [&] { return h2o.score(with_attn, sv, ws, *e).ok(); });
     no_alloc("knorm " + x, [&] { return knorm.score(in, sv, ws, *e).ok(); });
+    no_alloc("keydiff " + x, [&] { return keydiff.score(in, sv, ws, *e).ok(); });
+    no_alloc("tova " + x, [&] { return tova.score(last_query, sv, ws, *e).ok(); });
     no_alloc("streaming_llm " + x, [&] { return streaming.score(in, sv, ws, *e).ok(); });
     no_alloc("chunkkv " + x, [&] { return chunk.score(in, sv, ws, *e).ok(); });
     no_alloc("weighted + lse " + x, [&] {

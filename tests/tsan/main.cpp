@@ -90,6 +90,7 @@ struct layer_job {
     score_with(kvevict::snapkv<T>(factory));
     score_with(kvevict::h2o<T>(kvevict::h2o_config{4}));
     score_with(kvevict::knorm<T>());
+    score_with(kvevict::keydiff<T>());
     score_with(kvevict::streaming_llm<T>());
     score_with(kvevict::chunkkv<kvevict::knorm<T>>(kvevict::knorm<T>(), {8}));
     kvevict::window_config press = kvevict::presets::kvpress_snapkv();

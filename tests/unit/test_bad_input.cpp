@@ -398,6 +398,15 @@ kvevict::cache_view<float> huge_keys(world& wd, i64 tokens) {
   return kvevict::hf_contiguous(wd.k.data(), world::hkv, tokens, world::d);
 }
 
+/// The world's layer observed by its last query only (what TOVA reads).
+kvevict::layer_inputs<float> last_query(world& wd) {
+  kvevict::layer_inputs<float> in = wd.layer();
+  in.queries.data += (in.queries.num_queries - 1) * in.queries.query_stride;
+  in.queries.positions += in.queries.num_queries - 1;
+  in.queries.num_queries = 1;
+  return in;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------
@@ -450,6 +459,8 @@ TEST_CASE("bad-input matrix: the unmutated world is accepted by every entry poin
     REQUIRE(kvevict::snapkv<float>().score(in, wd.score_out(), wd.span()).ok());
     REQUIRE(kvevict::streaming_llm<float>().score(in, wd.score_out()).ok());
     REQUIRE(kvevict::knorm<float>().score(in, wd.score_out(), wd.span()).ok());
+    REQUIRE(kvevict::tova<float>().score(last_query(wd), wd.score_out(), wd.span()).ok());
+    REQUIRE(kvevict::keydiff<float>().score(in, wd.score_out(), wd.span()).ok());
     REQUIRE(kvevict::h2o<float>().score(in, wd.score_out(), wd.span()).ok());
     REQUIRE(kvevict::chunkkv<kvevict::knorm<float>>(kvevict::knorm<float>()).score(in, wd.score_out(), wd.span()).ok());
     kvevict::layer_inputs<float> pin = wd.layer();
@@ -939,6 +950,71 @@ TEST_CASE("bad input: policy score()", "[errors]") {
                 kvevict::layer_inputs<float> in = wd.layer();
                 in.keys.token_stride = 4;
                 return kvevict::knorm<float>().score(in, wd.score_out(), wd.span());
+              };
+            }),
+          c("keydiff: negative protected tail", errc::invalid_argument, "config.protected_tail",
+            [](world& wd) -> call_fn {
+              return [&wd] {
+                return kvevict::keydiff<float>({-1, kvevict::protected_mode::inside_budget})
+                    .score(wd.layer(), wd.score_out(), wd.span());
+              };
+            }),
+          c("keydiff: workspace too small", errc::workspace_too_small, "ws",
+            [](world& wd) -> call_fn {
+              return [&wd] { return kvevict::keydiff<float>().score(wd.layer(), wd.score_out(), {}); };
+            }),
+          c("keydiff: L = 2^31 + 7 claimed, scores for 24", errc::invalid_shape, "scores",
+            [](world& wd) -> call_fn {
+              return [&wd] {
+                kvevict::layer_inputs<float> in;
+                in.keys = huge_keys(wd, kTwo31 + 7);
+                return kvevict::keydiff<float>().score(in, wd.score_out(), wd.span());
+              };
+            }),
+          c("keydiff: overlapping keys", errc::invalid_stride, "keys.token_stride",
+            [](world& wd) -> call_fn {
+              return [&wd] {
+                kvevict::layer_inputs<float> in = wd.layer();
+                in.keys.token_stride = 4;
+                return kvevict::keydiff<float>().score(in, wd.score_out(), wd.span());
+              };
+            }),
+          c("tova: protected tail 0 (the observing token must be kept)", errc::invalid_argument,
+            "config.protected_tail",
+            [](world& wd) -> call_fn {
+              return [&wd] {
+                return kvevict::tova<float>({0, kvevict::protected_mode::inside_budget})
+                    .score(last_query(wd), wd.score_out(), wd.span());
+              };
+            }),
+          c("tova: unknown protected mode", errc::invalid_argument, "config.protect",
+            [](world& wd) -> call_fn {
+              return [&wd] {
+                return kvevict::tova<float>({1, static_cast<kvevict::protected_mode>(3)})
+                    .score(last_query(wd), wd.score_out(), wd.span());
+              };
+            }),
+          c("tova: the whole window of queries", errc::invalid_shape, "queries.num_queries",
+            [](world& wd) -> call_fn {
+              return [&wd] { return kvevict::tova<float>().score(wd.layer(), wd.score_out(), wd.span()); };
+            }),
+          c("tova: null positions", errc::null_pointer, "queries.positions",
+            [](world& wd) -> call_fn {
+              return [&wd] {
+                kvevict::layer_inputs<float> in = last_query(wd);
+                in.queries.positions = nullptr;
+                return kvevict::tova<float>().score(in, wd.score_out(), wd.span());
+              };
+            }),
+          c("tova: workspace too small", errc::workspace_too_small, "ws",
+            [](world& wd) -> call_fn {
+              return [&wd] { return kvevict::tova<float>().score(last_query(wd), wd.score_out(), {}); };
+            }),
+          c("tova: scores of the wrong shape", errc::invalid_shape, "scores",
+            [](world& wd) -> call_fn {
+              return [&wd] {
+                return kvevict::tova<float>().score(last_query(wd), {wd.scores.data(), 1, world::l, world::l},
+                                                    wd.span());
               };
             }),
           c("h2o (queries): null positions", errc::null_pointer, "queries.positions",

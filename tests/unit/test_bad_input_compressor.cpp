@@ -253,6 +253,14 @@ TEST_CASE("bad input: compressor::plan", "[errors]") {
             kvevict::policy::knorm({-1, kvevict::protected_mode::inside_budget}), [](auto&) {}),
           r("KNorm: unknown mode", errc::invalid_argument, "policy.knorm.protect",
             kvevict::policy::knorm({2, static_cast<kvevict::protected_mode>(4)}), [](auto&) {}),
+          r("TOVA: tail 0", errc::invalid_argument, "policy.tova.protected_tail",
+            kvevict::policy::tova({0, kvevict::protected_mode::inside_budget}), [](auto&) {}),
+          r("TOVA: unknown mode", errc::invalid_argument, "policy.tova.protect",
+            kvevict::policy::tova({1, static_cast<kvevict::protected_mode>(4)}), [](auto&) {}),
+          r("KeyDiff: negative tail", errc::invalid_argument, "policy.keydiff.protected_tail",
+            kvevict::policy::keydiff({-1, kvevict::protected_mode::inside_budget}), [](auto&) {}),
+          r("KeyDiff: unknown mode", errc::invalid_argument, "policy.keydiff.protect",
+            kvevict::policy::keydiff({2, static_cast<kvevict::protected_mode>(4)}), [](auto&) {}),
           r("H2O: negative window", errc::invalid_argument, "policy.h2o.recent_window", kvevict::policy::h2o({-2}),
             [](auto&) {}),
           r("SnapKV: window 0", errc::invalid_argument, "policy.snapkv.window", snap,
@@ -1021,7 +1029,17 @@ TEST_CASE("bad input: engine contracts (evict_into, shared blocks, scopes, per-h
 // null pointers (undefined behaviour UBSan reports).
 TEST_CASE("regression: policies that read no queries accept null query data through the compressor", "[errors]") {
   constexpr i64 hq = 4, hkv = 2, d = 8, l = 20;
-  for (const kvevict::policy_config& p : {kvevict::policy::streaming_llm(), kvevict::policy::knorm()}) {
+  std::vector<kvevict::policy_config> query_free;
+  kvevict::detail::for_each_policy(kvevict::default_policies{}, [&](auto traits) {
+    using Tr = decltype(traits);
+    if (Tr::reads_queries) return;
+    kvevict::policy_config p;  // the policy's default configuration
+    p.kind = kvevict::policy_kind_of<Tr>();
+    query_free.push_back(p);
+  });
+  REQUIRE(query_free.size() >= 2);
+  for (const kvevict::policy_config& p : query_free) {
+    INFO(kvevict::to_string(p.kind));
     kvevict::compressor_options o;
     o.model = {1, hq, hkv, d, 0, kvevict::dtype::f32};
     o.policy = p;

@@ -151,6 +151,28 @@ kvevict::status score_by_hand(const kvevict::policy_config& pc, const kvevict::l
   return st;
 }
 
+/// The prompt queries a stateless policy observes at prefill end, as its traits say: none,
+/// every prompt query, or the last `window` of them (DapQ's window is replaced by the caller).
+template <class T>
+kvevict::query_view<const T> observed_queries(const kvevict::policy_config& pc, kvevict::query_view<const T> prompt) {
+  kvevict::query_view<const T> q;
+  kvevict::detail::for_each_policy(kvevict::default_policies{}, [&](auto traits) {
+    using Tr = decltype(traits);
+    if (pc.kind != kvevict::policy_kind_of<Tr>() || !Tr::reads_queries) return;
+    if (Tr::every_prompt_query) {
+      q = prompt;
+      return;
+    }
+    kvevict::compressor_options o;
+    o.model = {kLayers, kHq, kHkv, kDim, 0, kvevict::dtype_of<T>::value};
+    o.policy = pc;
+    i64 window = 0;
+    REQUIRE(Tr::check(&o, &window, "test").ok());
+    q = last<T>(prompt, window);
+  });
+  return q;
+}
+
 template <class T>
 void record(outcome& o, const layer_data<T>& d, const std::vector<i64>& lengths, const std::vector<i64>& positions) {
   o.lengths.push_back(lengths);
@@ -210,8 +232,7 @@ outcome by_hand(std::vector<sequence_data<T>>& seqs, const kvevict::policy_confi
         i64 scored = tokens;
         std::vector<T> rotated(static_cast<std::size_t>(kHq * pc.dapq.pseudo_tokens * kDim));
         std::vector<i64> rotated_pos(static_cast<std::size_t>(pc.dapq.pseudo_tokens));
-        if (pc.kind == kvevict::policy_kind::snapkv) in.queries = last<T>(d.prompt_q.view, pc.snapkv.window);
-        if (pc.kind == kvevict::policy_kind::h2o) in.queries = d.prompt_q.view;
+        in.queries = observed_queries<T>(pc, d.prompt_q.view);
         if (pseudo) {
           in.queries = d.pseudo_q.view;
           scored = s.prompt;
@@ -345,6 +366,10 @@ std::vector<kvevict::policy_config> all_policies() {
   p.push_back(kvevict::policy::snapkv(paper));
   p.push_back(kvevict::policy::snapkv(press).chunked(5));
   p.push_back(kvevict::policy::knorm({3, kvevict::protected_mode::on_top_of_budget}).chunked(4));
+  p.push_back(kvevict::policy::tova());
+  p.push_back(kvevict::policy::tova({4, kvevict::protected_mode::on_top_of_budget}).chunked(3));
+  p.push_back(kvevict::policy::keydiff({2, kvevict::protected_mode::inside_budget}));
+  p.push_back(kvevict::policy::keydiff({5, kvevict::protected_mode::on_top_of_budget}).chunked(4));
   kvevict::deferkv_config d;
   d.window = 7;
   d.delay = 2;

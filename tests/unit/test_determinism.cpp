@@ -241,6 +241,12 @@ TEST_CASE("every policy's score() is deterministic under every executor", "[dete
   with_attn.attention = kvevict::contiguous_attention(attn.data(), s.hq(), s.w, s.l, s.qpos.data());
   check("h2o (attention rows)", kvevict::h2o<kvevict::fp16>(), with_attn, s.l);
   check("knorm", kvevict::knorm<kvevict::fp16>(), in, s.l);
+  check("keydiff", kvevict::keydiff<kvevict::fp16>(), in, s.l);
+  kvevict::layer_inputs<kvevict::fp16> last_query = in;  // TOVA observes the last query only
+  last_query.queries.data += (s.w - 1) * last_query.queries.query_stride;
+  last_query.queries.positions += s.w - 1;
+  last_query.queries.num_queries = 1;
+  check("tova", kvevict::tova<kvevict::fp16>(), last_query, s.l);
   check("streaming_llm", kvevict::streaming_llm<kvevict::fp16>(), in, s.l);
   check("chunkkv(snapkv)", kvevict::chunkkv<kvevict::snapkv<kvevict::fp16>>(kvevict::snapkv<kvevict::fp16>()), in, s.l);
   // DapQ: the window's queries re-rotated to the pseudo positions, prompt Lp = L - W.

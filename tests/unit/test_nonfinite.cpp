@@ -424,6 +424,35 @@ TEST_CASE("KNorm scores NaN keys NaN and infinite keys -inf", "[errors]") {
   CHECK(std::find(h1.begin(), h1.end(), 5) != h1.end());
 }
 
+TEST_CASE("KeyDiff and TOVA with NaN and infinite keys and queries never crash and repeat their bits", "[errors]") {
+  const i64 hkv = 2, g = 2, hq = hkv * g, l = 12, d = 8;
+  std::vector<double> k = test::normal(static_cast<std::size_t>(hkv * l * d), 5);
+  std::vector<double> q = test::normal(static_cast<std::size_t>(hq * d), 6);
+  k[static_cast<std::size_t>((0 * l + 3) * d + 1)] = kNaN;
+  k[static_cast<std::size_t>((1 * l + 4) * d + 2)] = kInf;
+  k[static_cast<std::size_t>((1 * l + 7) * d + 0)] = -kInf;
+  q[static_cast<std::size_t>(1 * d + 5)] = kNaN;
+  auto keys = test::make_cache<kvevict::bf16>(test::layout::paged_nhd, hkv, l, d, k);
+  auto queries = test::make_queries<kvevict::bf16>(hq, 1, d, q, {l - 1});
+  kvevict::layer_inputs<kvevict::bf16> in;
+  in.keys = keys.view;
+  in.queries = queries.view;
+  const kvevict::layer_shape shape{hq, hkv, d, l, 1};
+  auto twice = [&](const auto& policy) {
+    std::vector<float> a(static_cast<std::size_t>(hkv * l), 1.0f), b(a.size(), -1.0f);
+    kvevict::workspace ws(policy.workspace_size(shape));
+    REQUIRE(policy.score(in, {a.data(), hkv, l, l}, ws).ok());
+    REQUIRE(policy.score(in, {b.data(), hkv, l, l}, ws).ok());
+    REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+    return a;
+  };
+  const std::vector<float> kd = twice(kvevict::keydiff<kvevict::bf16>());
+  // A NaN key spoils its head's anchor (normalised, it is NaN): every score of head 0 is NaN.
+  for (i64 j = 0; j < l; ++j) CHECK(std::isnan(kd[static_cast<std::size_t>(j)]));
+  (void)twice(kvevict::tova<kvevict::bf16>());
+  CHECK(std::isinf(twice(kvevict::tova<kvevict::bf16>())[static_cast<std::size_t>(l - 1)]));
+}
+
 TEST_CASE("DeferKV with NaN keys and queries equals SnapKV bit for bit and never poisons its state", "[errors]") {
   const i64 hkv = 2, group = 2, d = 16, lp = 90, w = 8;
   ref::problem p = make_problem(hkv, group, d, lp + 2, w, 55);

@@ -1,5 +1,5 @@
-// Policies against independent references: StreamingLLM, KNorm, H2O (from queries and from
-// attention rows), ChunkKV, PyramidKV layer budgets, AdaKV head budgets, and a policy a
+// Policies against independent references: StreamingLLM, KNorm, KeyDiff, TOVA, H2O (from
+// queries and from attention rows), ChunkKV, PyramidKV layer budgets, AdaKV head budgets, and a policy a
 // user writes against the shared contract.
 #include <catch2/catch.hpp>
 
@@ -13,9 +13,11 @@
 #include "kvevict/budgets/pyramidkv.hpp"
 #include "kvevict/policies/chunkkv.hpp"
 #include "kvevict/policies/h2o.hpp"
+#include "kvevict/policies/keydiff.hpp"
 #include "kvevict/policies/knorm.hpp"
 #include "kvevict/policies/snapkv.hpp"
 #include "kvevict/policies/streaming_llm.hpp"
+#include "kvevict/policies/tova.hpp"
 #include "kvevict/selection/select.hpp"
 #include "reference/reference.hpp"
 #include "support/compare.hpp"
@@ -80,6 +82,112 @@ TEMPLATE_TEST_CASE("KNorm scores -||k|| in every layout", "[policies]", float, f
         want[static_cast<std::size_t>(hh)][static_cast<std::size_t>(j)] = -std::sqrt(s);
       }
     test::require_scores_close({scores.data(), h, l, l}, want);
+  }
+}
+
+TEMPLATE_TEST_CASE("KeyDiff scores minus the cosine to the mean normalised key, in every layout", "[policies]", float,
+                   fp16, bf16) {
+  struct shape {
+    std::int64_t h, l, tail;
+  };
+  for (const shape s : {shape{3, 45, 0}, shape{2, 31, 4}, shape{1, 1, 0}, shape{4, 17, 20}}) {
+    const std::int64_t d = 64;
+    auto k = test::rounded<TestType>(test::normal(static_cast<std::size_t>(s.h * s.l * d), 51));
+    // A zero key: PyTorch's floors make its normalised key and its cosine 0, not NaN.
+    if (s.l > 3)
+      for (std::int64_t c = 0; c < d; ++c) k[static_cast<std::size_t>((1 * s.l + 2) * d + c) % k.size()] = 0.0;
+    // From the definition (design.md §5), in double precision.
+    std::vector<ref::vec> want(static_cast<std::size_t>(s.h), ref::vec(static_cast<std::size_t>(s.l), INFINITY));
+    for (std::int64_t h = 0; h < s.h; ++h) {
+      auto key = [&](std::int64_t j, std::int64_t c) { return k[static_cast<std::size_t>((h * s.l + j) * d + c)]; };
+      auto norm = [&](std::int64_t j) {
+        double n = 0;
+        for (std::int64_t c = 0; c < d; ++c) n += key(j, c) * key(j, c);
+        return std::sqrt(n);
+      };
+      ref::vec anchor(static_cast<std::size_t>(d), 0.0);
+      for (std::int64_t j = 0; j < s.l; ++j)
+        for (std::int64_t c = 0; c < d; ++c)
+          anchor[static_cast<std::size_t>(c)] += key(j, c) / std::max(norm(j), 1e-12) / static_cast<double>(s.l);
+      double an = 0;
+      for (double x : anchor) an += x * x;
+      an = std::sqrt(an);
+      for (std::int64_t j = 0; j < s.l - s.tail; ++j) {
+        double dot = 0;
+        for (std::int64_t c = 0; c < d; ++c) dot += key(j, c) * anchor[static_cast<std::size_t>(c)];
+        want[static_cast<std::size_t>(h)][static_cast<std::size_t>(j)] = -dot / std::max(norm(j) * an, 1e-8);
+      }
+    }
+    for (test::layout lay : test::kAllLayouts) {
+      INFO(test::name(lay) << " Hkv " << s.h << " L " << s.l);
+      auto cache = test::make_cache<TestType>(lay, s.h, s.l, d, k);
+      // A positive dequantisation scale changes no cosine.
+      cache.view.scale = 0.25f;
+      kvevict::layer_inputs<TestType> in;
+      in.keys = cache.view;
+      kvevict::keydiff<TestType> policy({s.tail, kvevict::protected_mode::inside_budget});
+      const auto scores = score_with(policy, in, {s.h, s.h, d, s.l, 0});
+      test::require_scores_close({scores.data(), s.h, s.l, s.l}, want);
+    }
+  }
+}
+
+namespace {
+/// TOVA from its definition (design.md §5): the last query's softmax over every key it sees,
+/// itself included, averaged over all Hq query heads; the same row for every KV head.
+std::vector<ref::vec> tova_reference(const std::vector<double>& q, const std::vector<double>& k, std::int64_t hq,
+                                     std::int64_t hkv, std::int64_t l, std::int64_t d, std::int64_t tail) {
+  const std::int64_t g = hq / hkv;
+  ref::vec mean(static_cast<std::size_t>(l), 0.0);
+  for (std::int64_t qh = 0; qh < hq; ++qh) {
+    const std::int64_t h = qh / g;
+    ref::vec logit(static_cast<std::size_t>(l));
+    double top = -INFINITY;
+    for (std::int64_t j = 0; j < l; ++j) {
+      double dot = 0;
+      for (std::int64_t c = 0; c < d; ++c)
+        dot += q[static_cast<std::size_t>(qh * d + c)] * k[static_cast<std::size_t>((h * l + j) * d + c)];
+      logit[static_cast<std::size_t>(j)] = dot / std::sqrt(static_cast<double>(d));
+      top = std::max(top, logit[static_cast<std::size_t>(j)]);
+    }
+    double z = 0;
+    for (double x : logit) z += std::exp(x - top);
+    for (std::int64_t j = 0; j < l; ++j)
+      mean[static_cast<std::size_t>(j)] +=
+          std::exp(logit[static_cast<std::size_t>(j)] - top) / z / static_cast<double>(hq);
+  }
+  for (std::int64_t j = std::max<std::int64_t>(0, l - tail); j < l; ++j) mean[static_cast<std::size_t>(j)] = INFINITY;
+  return std::vector<ref::vec>(static_cast<std::size_t>(hkv), mean);
+}
+}  // namespace
+
+TEMPLATE_TEST_CASE("TOVA: the last query's attention averaged over every query head, in every layout", "[policies]",
+                   float, fp16, bf16) {
+  struct shape {
+    std::int64_t hkv, g, l, tail;
+  };
+  for (const shape s : {shape{2, 3, 45, 1}, shape{4, 2, 31, 5}, shape{1, 4, 17, 1}, shape{3, 1, 2, 1}}) {
+    const std::int64_t hq = s.hkv * s.g, d = 64;
+    const auto q = test::rounded<TestType>(test::normal(static_cast<std::size_t>(hq * d), 41, 1.5));
+    const auto k = test::rounded<TestType>(test::normal(static_cast<std::size_t>(s.hkv * s.l * d), 42));
+    const auto want = tova_reference(q, k, hq, s.hkv, s.l, d, s.tail);
+    auto queries = test::make_queries<TestType>(hq, 1, d, q, {s.l - 1});
+    for (test::layout lay : test::kAllLayouts) {
+      INFO(test::name(lay) << " Hkv " << s.hkv << " G " << s.g << " L " << s.l);
+      auto cache = test::make_cache<TestType>(lay, s.hkv, s.l, d, k);
+      kvevict::layer_inputs<TestType> in;
+      in.keys = cache.view;
+      in.queries = queries.view;
+      kvevict::tova<TestType> policy({s.tail, kvevict::protected_mode::inside_budget});
+      const auto scores = score_with(policy, in, {hq, s.hkv, d, s.l, 1});
+      test::require_scores_close({scores.data(), s.hkv, s.l, s.l}, want);
+      // The observing token is always kept, and every KV head keeps the same tokens.
+      const auto keep = select_all(scores, s.hkv, s.l, kvevict::budget::tokens(s.tail + 3), policy.selection());
+      for (std::int64_t h = 0; h < s.hkv; ++h) {
+        REQUIRE(keep.head(h) == keep.head(0));
+        REQUIRE(keep.head(h).back() == s.l - 1);
+      }
+    }
   }
 }
 

@@ -61,9 +61,11 @@
 #include "kvevict/policies/dapq.hpp"
 #include "kvevict/policies/deferkv.hpp"
 #include "kvevict/policies/h2o.hpp"
+#include "kvevict/policies/keydiff.hpp"
 #include "kvevict/policies/knorm.hpp"
 #include "kvevict/policies/snapkv.hpp"
 #include "kvevict/policies/streaming_llm.hpp"
+#include "kvevict/policies/tova.hpp"
 #include "kvevict/shape.hpp"
 #include "kvevict/workspace.hpp"
 

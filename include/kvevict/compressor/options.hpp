@@ -97,8 +97,8 @@ inline const char* to_string(policy_kind k) noexcept {
 
 /// A policy and its configuration: `kind` says which member is used. Build one with the
 /// functions of namespace kvevict::policy (policy::snapkv(presets::kvpress_snapkv()),
-/// policy::deferkv(cfg), ...). chunk_length > 0 applies ChunkKV on top of StreamingLLM,
-/// KNorm, H2O or SnapKV scores.
+/// policy::deferkv(cfg), ...). chunk_length > 0 applies ChunkKV on top of the scores of a
+/// policy whose traits are chunkable.
 struct policy_config {
   policy_kind kind = policy_kind_of<snapkv_traits>();
   streaming_llm_config streaming_llm;
@@ -107,6 +107,8 @@ struct policy_config {
   window_config snapkv = presets::kvpress_snapkv();
   deferkv_config deferkv;
   dapq_config dapq;
+  tova_config tova;
+  keydiff_config keydiff;
   std::int64_t chunk_length = 0;
 
   /// This policy's scores averaged per chunk of `length` tokens (ChunkKV).
@@ -152,6 +154,18 @@ inline policy_config dapq(const dapq_config& c = {}) noexcept {
   policy_config p;
   p.kind = policy_kind_of<dapq_traits>();
   p.dapq = c;
+  return p;
+}
+inline policy_config tova(const tova_config& c = {}) noexcept {
+  policy_config p;
+  p.kind = policy_kind_of<tova_traits>();
+  p.tova = c;
+  return p;
+}
+inline policy_config keydiff(const keydiff_config& c = {}) noexcept {
+  policy_config p;
+  p.kind = policy_kind_of<keydiff_traits>();
+  p.keydiff = c;
   return p;
 }
 }  // namespace policy

@@ -99,7 +99,7 @@ inline status check_policy(compressor_options* options, std::int64_t* window, co
                          static_cast<long long>(p.chunk_length));
   if (p.chunk_length > 0 && !chunkable(p.kind))
     return status::error(errc::unsupported, fn, "policy.chunk_length",
-                         "ChunkKV applies to StreamingLLM, KNorm, H2O and SnapKV scores, not to %s", to_string(p.kind));
+                         "ChunkKV applies to the scores of a chunkable policy, not to %s", to_string(p.kind));
   if (p.chunk_length > 0 && o.tensor_parallel != nullptr)
     return status::error(errc::unsupported, fn, "policy.chunk_length",
                          "ChunkKV sums its scores over every KV head of the layer; with the heads split over ranks "

@@ -14,10 +14,12 @@
 #include "kvevict/policies/dapq_traits.hpp"
 #include "kvevict/policies/deferkv_traits.hpp"
 #include "kvevict/policies/h2o_traits.hpp"
+#include "kvevict/policies/keydiff_traits.hpp"
 #include "kvevict/policies/knorm_traits.hpp"
 #include "kvevict/policies/policy_traits.hpp"
 #include "kvevict/policies/snapkv_traits.hpp"
 #include "kvevict/policies/streaming_llm_traits.hpp"
+#include "kvevict/policies/tova_traits.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
 
@@ -27,8 +29,8 @@ struct policy_list {
 };
 
 /// kvevict's policies, in the order of policy_kind (options.hpp asserts that they agree).
-using default_policies =
-    policy_list<streaming_llm_traits, knorm_traits, h2o_traits, snapkv_traits, deferkv_traits, dapq_traits>;
+using default_policies = policy_list<streaming_llm_traits, knorm_traits, h2o_traits, snapkv_traits, deferkv_traits,
+                                     dapq_traits, tova_traits, keydiff_traits>;
 
 namespace detail {
 template <class Traits, class... Ts>

@@ -1,0 +1,52 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_POLICIES_KEYDIFF_TRAITS_HPP
+#define KVEVICT_POLICIES_KEYDIFF_TRAITS_HPP
+
+// KeyDiff's configuration and its place in the compressors (policies/policy_traits.hpp);
+// the policy itself is policies/keydiff.hpp.
+
+#include <cstdint>
+
+#include "kvevict/config.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/policies/policy_traits.hpp"
+#include "kvevict/selection/budget.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+
+struct keydiff_config {
+  std::int64_t protected_tail = 0;  ///< last tokens always kept (scored +inf)
+  protected_mode protect = protected_mode::inside_budget;
+};
+
+template <class T, class Q>
+class keydiff;
+
+struct keydiff_traits : policy_traits_base {
+  static constexpr const char* name = "keydiff";
+  using config_type = keydiff_config;
+  template <class T, class Q>
+  using policy = keydiff<T, Q>;
+  static constexpr bool chunkable = true;
+  static constexpr bool reads_queries = false;  // scores compare keys with their own mean
+
+  template <class C>
+  static const config_type& config(const C& p) noexcept {
+    return p.keydiff;
+  }
+  template <class O>
+  static status check(O* o, std::int64_t* window, const char* fn) noexcept {
+    const config_type& c = config(o->policy);
+    if (c.protected_tail < 0)
+      return status::error(errc::invalid_argument, fn, "policy.keydiff.protected_tail", "expected >= 0, got %lld",
+                           static_cast<long long>(c.protected_tail));
+    KVEVICT_RETURN_IF_ERROR(detail::check_protected_mode(c.protect, fn, "policy.keydiff.protect"));
+    *window = 0;
+    return status();
+  }
+  static selection_params largest_selection(const config_type& c) noexcept { return {c.protected_tail, c.protect}; }
+};
+
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_POLICIES_KEYDIFF_TRAITS_HPP
