@@ -415,7 +415,8 @@ __global__ void __launch_bounds__(decode_threads, GB <= 4 ? 2 : 1) decode_logits
             for (int c = 0; c < decode_lane_channels; ++c) dot[u * GB + g] = fmaf(q[g][c], kv[u][c], dot[u * GB + g]);
       }
       transpose_reduce<N, 8>(dot, l16);
-      const bool writer = N >= 16 || l16 % (16 / N) == 0;
+      constexpr int spread = N >= 16 ? 1 : 16 / N;  // never 0: clang checks the % in every instantiation
+      const bool writer = N >= 16 || l16 % spread == 0;
 #pragma unroll
       for (int r = 0; r < per_lane; ++r) {
         const int idx = N >= 16 ? l16 * per_lane + r : l16 * N / 16;

@@ -53,7 +53,7 @@ R visit_policy(policy_list<Ts...>, std::size_t kind, R fallback, F&& f) {
 /// f(Traits{}) for every policy of the list, in order.
 template <class... Ts, class F>
 void for_each_policy(policy_list<Ts...>, F&& f) {
-  (void)(f(Ts{}), ...);
+  ((void)f(Ts{}), ...);  // a fold over the comma operator (clang 14 rejects (void)(f(Ts{}), ...))
 }
 
 template <class... Ts>
