@@ -27,12 +27,17 @@ Long-answer tasks (RULER-style, Fidelity 2; used by the 4-layer model, see LONG_
 LONG_EVAL_TASKS; the four tasks above are generated exactly as before):
     longneedle : n needles "[N] k1 k2 v1 .. vL" (L >= 16 at eval), distinct keys; one is asked
                  with "[Q] k1 k2"; answer "v1 .. vL"
-    gather     : m keys, each with `nn` needles "[N] k1 k2 v1 .. vk" (no ordinal, needles of
-                 all keys shuffled); question "[QM] k1 k2"; answer = the values of that key's
-                 needles concatenated in CONTEXT order (nn * k >= 16 at eval)
+    gather     : m keys, each with `nn` needles "[N] k1 k2 #j v1 .. vk" (needles of all keys
+                 shuffled; #j = the needle's rank among its key's needles in CONTEXT order);
+                 question "[QM] k1 k2"; answer "#1 v.. #2 v.. .." = that key's needles in
+                 context order (nn * (k + 1) >= 16 at eval)
     longchain  : the vartrack generator with long chains (12-16 hops) and a distractor chain
-    listall    : n needles "[N] k1 k2 v1 v2 v3" with distinct keys; question "[ALL] [ALL]";
-                 answer = every needle's values, needles in context order (3n tokens)
+    listall    : n <= 7 needles "[N] #j k1 k2 v1 v2 v3" with distinct keys, #j = the needle's
+                 rank in context order; question "[ALL] [ALL]"; answer "#1 v v v #2 v v v .."
+                 = every needle's values in context order (4n tokens)
+The ordinals of gather and listall (version 2 of these tasks) are what makes "in context
+order" learnable at this size: without them the 4-layer model reached 0% exact match
+(teacher-forced per-token accuracy 0.80 and 0.73) after 5000 steps (TRAINING.md).
 Filler is i.i.d. uniform over the filler words; needles are put at uniformly random
 depths of the context.
 """
@@ -42,6 +47,7 @@ PAD, BOS, NDL, Q, QM, VAR, ARROW, TRK = 0, 1, 2, 3, 4, 5, 6, 7
 ORD0 = 8                     # #1 = 8 ... #4 = 11
 MAX_ORD = 4
 ALL = 12                     # [ALL]: "list every needle value in order" (listall only)
+ORDINALS = (8, 9, 10, 11, 13, 14, 15)   # #1 .. #7 (gather and listall; 12 is [ALL])
 FILLER = np.arange(16, 128)
 KEYS = np.arange(128, 192)
 VALUES = np.arange(192, 256)
@@ -79,8 +85,8 @@ def token_name(t):
              ALL: "[ALL]"}
     if t in names:
         return names[t]
-    if ORD0 <= t < ORD0 + MAX_ORD:
-        return "#%d" % (t - ORD0 + 1)
+    if t in ORDINALS:
+        return "#%d" % (ORDINALS.index(t) + 1)
     if 16 <= t < 128:
         return "f%d" % (t - 16)
     if 128 <= t < 192:
@@ -145,18 +151,19 @@ def make_example(rng, task, ctx_len, n_questions=1, **kw):
         m, nn_, vl = kw.get("n_keys", 2), kw.get("n_needles", 4), kw.get("val_len", 4)
         keys = rng.choice(KEYS, size=m * 2, replace=False).reshape(m, 2).tolist()
         vals = rng.choice(VALUES, size=m * nn_ * vl, replace=False).reshape(m, nn_, vl).tolist()
-        needles = [(i, [NDL] + keys[i] + vals[i][j]) for i in range(m) for j in range(nn_)]
-        perm = rng.permutation(len(needles))
-        needles = [needles[i] for i in perm]
-        qa = []
-        for i in range(m):   # the answer follows the (shuffled) context order
-            qa.append(([QM] + keys[i], [t for g, nd in needles if g == i for t in nd[3:]]))
-        needles = [nd for _, nd in needles]
+        groups = [i for i in range(m) for _ in range(nn_)]
+        groups = [groups[i] for i in rng.permutation(len(groups))]   # the context order of the needles
+        rank, needles = [0] * m, []
+        for g in groups:
+            needles.append([NDL] + keys[g] + [ORDINALS[rank[g]]] + vals[g][rank[g]])
+            rank[g] += 1
+        qa = [([QM] + keys[i], [t for j in range(nn_) for t in [ORDINALS[j]] + vals[i][j]]) for i in range(m)]
     elif task == "listall":
         n = kw.get("n_needles", 6)
+        assert n <= len(ORDINALS)
         kvs = _kv_needles(rng, n)
-        needles = [[NDL] + k + v for k, v in kvs]
-        qa = [([ALL, ALL], [t for _, v in kvs for t in v])]
+        needles = [[NDL, ORDINALS[j]] + k + v for j, (k, v) in enumerate(kvs)]   # placed in this order
+        qa = [([ALL, ALL], [t for j, (_, v) in enumerate(kvs) for t in [ORDINALS[j]] + v])]
     elif task in ("vartrack", "longchain"):
         c, h = kw.get("n_chains", 2), kw.get("n_hops", 4)
         names = rng.choice(KEYS, size=c * h, replace=False).reshape(c, h).tolist()
@@ -273,13 +280,13 @@ def sample_train_kw(rng, task, ctx_len, fill=0.8):
         return dict(n_needles=n, val_len=L)
     if task == "gather":
         m = rng.randint(1, 4)
-        nn_ = rng.randint(2, 6)
+        nn_ = rng.randint(2, 5)          # ranks #1 .. #4
         vl = rng.randint(2, 7)
-        while (m * nn_ * (vl + 3) > budget or m * nn_ * vl > len(VALUES)) and m > 1:
+        while (m * nn_ * (vl + 4) > budget or m * nn_ * vl > len(VALUES)) and m > 1:
             m -= 1
-        while (m * nn_ * (vl + 3) > budget or m * nn_ * vl > len(VALUES)) and vl > 1:
+        while (m * nn_ * (vl + 4) > budget or m * nn_ * vl > len(VALUES)) and vl > 1:
             vl -= 1
-        while (m * nn_ * (vl + 3) > budget or m * nn_ * vl > len(VALUES)) and nn_ > 2:
+        while (m * nn_ * (vl + 4) > budget or m * nn_ * vl > len(VALUES)) and nn_ > 2:
             nn_ -= 1
         return dict(n_keys=m, n_needles=nn_, val_len=vl)
     if task == "longchain":
@@ -291,7 +298,7 @@ def sample_train_kw(rng, task, ctx_len, fill=0.8):
             h -= 1
         return dict(n_chains=c, n_hops=h)
     if task == "listall":
-        hi = max(2, min(10, budget // 6))
+        hi = max(2, min(len(ORDINALS), budget // 7))
         return dict(n_needles=rng.randint(2, hi + 1))
     if task == "vartrack":
         c = rng.randint(1, 4)
