@@ -1,5 +1,6 @@
 // Differential fuzzing of the compressor (one planned call per layer) across its three
-// compaction modes. A fuzz-chosen model, policy (StreamingLLM, KNorm, H2O, SnapKV, DeferKV),
+// compaction modes. A fuzz-chosen model, policy (StreamingLLM, KNorm, H2O, SnapKV, DeferKV,
+// TOVA, KeyDiff; not DapQ, whose prefill hands its pseudo tokens' queries),
 // budget, allocation (uniform, AdaKV, PyramidKV), selection scope, combining rule and length
 // mode runs over a batch of sequences whose K and V caches take independent layouts (every
 // layout of tests/support/test_cache.hpp) and storage types, three times: keep-list only, in
@@ -408,7 +409,7 @@ void one_type(FuzzedDataProvider& in) {
   kvevict::compressor_options& o = ch.options;
   o.model = {ch.layers, ch.hkv * ch.group, ch.hkv, ch.d, 0, kvevict::dtype_of<T>::value};
   o.sharing = kvevict::block_sharing::none;  // each sequence has its own pools
-  switch (in.ConsumeIntegralInRange<int>(0, 4)) {
+  switch (in.ConsumeIntegralInRange<int>(0, 6)) {
     case 0: {
       kvevict::streaming_llm_config c;
       c.sinks = in.ConsumeIntegralInRange<i64>(0, 4);
@@ -432,6 +433,20 @@ void one_type(FuzzedDataProvider& in) {
       c.window = in.ConsumeIntegralInRange<i64>(1, 4);
       if (in.ConsumeBool()) c.protect = kvevict::protected_mode::on_top_of_budget;
       o.policy = kvevict::policy::snapkv(c);
+      break;
+    }
+    case 5: {
+      kvevict::tova_config c;
+      c.protected_tail = in.ConsumeIntegralInRange<i64>(0, 3);
+      if (in.ConsumeBool()) c.protect = kvevict::protected_mode::on_top_of_budget;
+      o.policy = kvevict::policy::tova(c);
+      break;
+    }
+    case 6: {
+      kvevict::keydiff_config c;
+      c.protected_tail = in.ConsumeIntegralInRange<i64>(0, 3);
+      if (in.ConsumeBool()) c.protect = kvevict::protected_mode::on_top_of_budget;
+      o.policy = kvevict::policy::keydiff(c);
       break;
     }
     default: {

@@ -1,8 +1,12 @@
 // kvevict quickstart: a synthetic Llama-3.1-8B-shaped model (32 query heads, 8 KV heads,
 // d = 128, GQA; 4 layers here) with an HF-style contiguous bf16 cache, compressed to 25% with
 // SnapKV (kvpress conventions) at the end of an 8K-token prefill: a compressor planned once,
-// then one run() per layer, printing memory before and after.
-#include <kvevict/kvevict.hpp>
+// then one run() per layer, printing memory before and after. The compressor serves SnapKV
+// only, so only SnapKV is compiled (kvevict::compressor, from <kvevict/kvevict.hpp>, serves
+// every policy).
+#include <kvevict/compressor/basic_compressor.hpp>
+#include <kvevict/policies/snapkv.hpp>
+#include <kvevict/views/layouts.hpp>
 
 #include <chrono>
 #include <cstdio>
@@ -10,6 +14,7 @@
 #include <vector>
 
 using kvevict::bf16;
+using snapkv_compressor = kvevict::basic_compressor<kvevict::policy_list<kvevict::snapkv_traits>>;
 
 int main() {
   const std::int64_t layers = 4, hq = 32, hkv = 8, d = 128, tokens = 8192;
@@ -20,8 +25,8 @@ int main() {
   opt.policy = kvevict::policy::snapkv(kvevict::presets::kvpress_snapkv());  // W = 64
   opt.per_head = kvevict::budget::ratio(0.75);                               // keep int(L * 0.25) per head
   opt.limits.max_tokens = tokens;
-  kvevict::compressor compressor;
-  kvevict::status st = kvevict::compressor::plan(opt, &compressor);
+  snapkv_compressor compressor;
+  kvevict::status st = snapkv_compressor::plan(opt, &compressor);
   if (!st.ok()) return std::fprintf(stderr, "%s\n", st.message()), 1;
   const std::int64_t w = compressor.observation_window();
   kvevict::workspace ws(compressor.workspace_size());

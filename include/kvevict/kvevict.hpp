@@ -42,6 +42,7 @@
 #include "kvevict/policies/chunkkv.hpp"
 #include "kvevict/policies/dapq.hpp"
 #include "kvevict/policies/deferkv.hpp"
+#include "kvevict/policies/deferkv_state.hpp"
 #include "kvevict/policies/h2o.hpp"
 #include "kvevict/policies/keydiff.hpp"
 #include "kvevict/policies/knorm.hpp"
@@ -54,9 +55,9 @@
 #include "kvevict/eviction/evict.hpp"
 #include "kvevict/eviction/evict_batch.hpp"
 #include "kvevict/eviction/evict_into.hpp"
-#include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/eviction/flatten_varlen.hpp"
 #include "kvevict/eviction/keep_positions.hpp"
+#include "kvevict/policies/scoring_policy.hpp"
 
 #include "kvevict/rope/rope.hpp"
 

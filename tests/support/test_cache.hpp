@@ -291,7 +291,9 @@ test_cache<T> make_cache(layout kind, std::int64_t heads, std::int64_t tokens, s
               .keys;
       break;
     case layout::flashinfer_kv:
-      c.view = kvevict::flashinfer_paged_kv(p, c.pool_blocks, block_size, heads, dim, c.table.data(), tokens).keys;
+      c.view = kvevict::flashinfer_paged_kv(p, c.pool_blocks, block_size, heads, dim, c.table.data(), tokens,
+                                            kvevict::block_order::nhd)
+                   .keys;
       break;
     case layout::cells:
       c.view = kvevict::llamacpp_cells_k(p, c.kv_size, heads, dim, c.table.data(), tokens);

@@ -274,7 +274,7 @@ struct call_counter {
 };
 
 /// The compressor path: one run() per layer at prefill end, then per layer per decode step.
-template <class T>
+template <class T, class Compressor = kvevict::compressor>
 outcome by_compressor(std::vector<sequence_data<T>>& seqs, const kvevict::policy_config& pc, kvevict::budget b, alloc a,
                       call_counter* counter = nullptr) {
   kvevict::compressor_options opt;
@@ -292,8 +292,8 @@ outcome by_compressor(std::vector<sequence_data<T>>& seqs, const kvevict::policy
   opt.limits.max_tokens = most;
   opt.limits.max_queries = most;
   if (counter != nullptr) opt.tracer = {counter, &call_counter::on_run};
-  kvevict::compressor c;
-  const kvevict::status planned = kvevict::compressor::plan(opt, &c);
+  Compressor c;
+  const kvevict::status planned = Compressor::plan(opt, &c);
   INFO(planned.message());
   REQUIRE(planned.ok());
   kvevict::workspace ws(c.workspace_size());
@@ -440,6 +440,63 @@ TEST_CASE("compressor equals the building blocks bit for bit: bf16, paged NHD", 
 
 TEST_CASE("compressor equals the building blocks bit for bit: fp16, token-major", "[compressor]") {
   check_all<fp16>({test::layout::token_major, test::layout::padded}, 31);
+}
+
+TEST_CASE("a compressor over a list of policies serves them as kvevict::compressor does, and refuses others",
+          "[compressor]") {
+  using snapkv_only = kvevict::basic_compressor<kvevict::policy_list<kvevict::snapkv_traits>>;
+  // Another order, and the deferred policy: kinds stay default_policies' indices.
+  using deferkv_knorm = kvevict::basic_compressor<kvevict::policy_list<kvevict::deferkv_traits, kvevict::knorm_traits>>;
+  const layouts lay{test::layout::paged_nhd, test::layout::paged_hnd};
+  kvevict::window_config press = kvevict::presets::kvpress_snapkv();
+  press.window = 8;
+  kvevict::deferkv_config d;
+  d.window = 7;
+  d.delay = 2;
+  const kvevict::policy_config snap = kvevict::policy::snapkv(press).chunked(5), knorm = kvevict::policy::knorm({5}),
+                               defer = kvevict::policy::deferkv(d);
+  for (alloc a : kAllocs) {
+    const kvevict::budget b = kvevict::budget::tokens(14);
+    const auto run = [&](const kvevict::policy_config& pc, auto compressor_tag) {
+      using C = typename decltype(compressor_tag)::type;
+      std::vector<sequence_data<bf16>> seqs;
+      for (int s = 0; s < 3; ++s)
+        seqs.push_back(make_sequence<bf16>(30 + 9 * s, kSteps, lay, 77 + static_cast<std::uint64_t>(s)));
+      return by_compressor<bf16, C>(seqs, pc, b, a);
+    };
+    const outcome want_snap = run(snap, kvevict::detail::type_tag<kvevict::compressor>{});
+    const outcome got_snap = run(snap, kvevict::detail::type_tag<snapkv_only>{});
+    REQUIRE(got_snap.positions == want_snap.positions);
+    REQUIRE(got_snap.caches == want_snap.caches);
+    for (const kvevict::policy_config& pc : {knorm, defer}) {
+      INFO(kvevict::to_string(pc.kind));
+      const outcome want = run(pc, kvevict::detail::type_tag<kvevict::compressor>{});
+      const outcome got = run(pc, kvevict::detail::type_tag<deferkv_knorm>{});
+      REQUIRE(got.evicted_at == want.evicted_at);
+      REQUIRE(got.positions == want.positions);
+      REQUIRE(got.caches == want.caches);
+    }
+  }
+  // A kind outside the list: refused at plan time by name, the compressor left unplanned.
+  kvevict::compressor_options opt;
+  opt.model = {kLayers, kHq, kHkv, kDim, 0, kvevict::dtype::bf16};
+  opt.limits.max_tokens = 64;
+  opt.policy = kvevict::policy::h2o();
+  snapkv_only c;
+  const kvevict::status st = snapkv_only::plan(opt, &c);
+  REQUIRE(st.code() == kvevict::errc::unsupported);
+  REQUIRE(std::string(st.argument()) == "policy.kind");
+  REQUIRE_FALSE(c.planned());
+  opt.policy = kvevict::policy::snapkv();
+  REQUIRE(snapkv_only::plan(opt, &c).ok());
+  REQUIRE(c.sequence_state_size() == 0);
+  opt.policy = kvevict::policy::deferkv();
+  deferkv_knorm dk;
+  REQUIRE(deferkv_knorm::plan(opt, &dk).ok());
+  kvevict::compressor every;
+  REQUIRE(kvevict::compressor::plan(opt, &every).ok());
+  REQUIRE(dk.sequence_state_size() == every.sequence_state_size());
+  REQUIRE(dk.workspace_size() == every.workspace_size());
 }
 
 TEST_CASE("compressor: one run() per layer per step; the tracer counts them", "[compressor]") {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kvevict/policies/deferkv.hpp"
+#include "kvevict/policies/deferkv_state.hpp"
 #include "kvevict/scoring/observation_scores.hpp"
 #include "kvevict/selection/select.hpp"
 #include "reference/reference.hpp"

@@ -848,7 +848,7 @@ TEST_CASE("vLLM packed K|V and FlashInfer's single tensor: both halves compact i
         return ((table[j / bs] * bs + j % bs) * hkv + h) * (2 * d) + (v ? d : 0) + c;
       };
     } else {
-      kv = kvevict::flashinfer_paged_kv(pool.data(), blocks, bs, hkv, d, table.data(), l);
+      kv = kvevict::flashinfer_paged_kv(pool.data(), blocks, bs, hkv, d, table.data(), l, kvevict::block_order::nhd);
       at = [&](bool v, i64 h, i64 j, i64 c) {
         return table[j / bs] * (2 * bs * hkv * d) + (v ? bs * hkv * d : 0) + ((j % bs) * hkv + h) * d + c;
       };

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -530,4 +531,70 @@ TEST_CASE("flatten_varlen rejects unsafe overlaps and short buffers", "[eviction
   expect(kvevict::flatten_varlen(hf.view, bad.view(), out.data(), total, d), "keep.indices", errc::invalid_keep_list);
   REQUIRE(sums ==
           std::vector<std::uint64_t>{test::checksum(hf.buffer), test::checksum(tm.buffer), test::checksum(pg.buffer)});
+}
+
+TEST_CASE("removed_position_ranges: the complement of a keep set as [p0, p1) ranges", "[eviction]") {
+  std::mt19937_64 rng(91);
+  for (int trial = 0; trial < 400; ++trial) {
+    const std::int64_t begin = static_cast<std::int64_t>(rng() % 5), span = static_cast<std::int64_t>(rng() % 40);
+    const std::int64_t end = begin + span;
+    std::vector<std::int64_t> kept;
+    const unsigned density = static_cast<unsigned>(rng() % 4);  // none, sparse, half, almost all kept
+    for (std::int64_t p = begin; p < end; ++p)
+      if (density != 0 && rng() % 4 < density) kept.push_back(p);
+    // Reference: mark every position, then read the runs of unmarked ones.
+    std::vector<char> keep(static_cast<std::size_t>(span), 0);
+    for (std::int64_t p : kept) keep[static_cast<std::size_t>(p - begin)] = 1;
+    std::vector<std::int64_t> expect;
+    for (std::int64_t p = begin; p < end;) {
+      if (keep[static_cast<std::size_t>(p - begin)]) {
+        ++p;
+        continue;
+      }
+      std::int64_t q = p;
+      while (q < end && !keep[static_cast<std::size_t>(q - begin)]) ++q;
+      expect.push_back(p);
+      expect.push_back(q);
+      p = q;
+    }
+    const auto n_kept = static_cast<std::int64_t>(kept.size());
+    std::vector<std::int64_t> ranges(static_cast<std::size_t>(2 * (n_kept + 1)), -7);
+    std::int64_t n = -1;
+    REQUIRE(kvevict::removed_position_ranges(kept.data(), n_kept, begin, end, ranges.data(), n_kept + 1, &n).ok());
+    REQUIRE(n == static_cast<std::int64_t>(expect.size() / 2));
+    ranges.resize(static_cast<std::size_t>(2 * n));
+    REQUIRE(ranges == expect);
+    if (n > 0) {  // one range too few: refused by name, nothing written
+      std::vector<std::int64_t> short_ranges(static_cast<std::size_t>(2 * n), -7);
+      std::int64_t m = -1;
+      const kvevict::status st =
+          kvevict::removed_position_ranges(kept.data(), n_kept, begin, end, short_ranges.data(), n - 1, &m);
+      REQUIRE(st.code() == kvevict::errc::invalid_shape);
+      REQUIRE(std::string(st.argument()) == "capacity");
+      REQUIRE(m == -1);
+      REQUIRE(std::all_of(short_ranges.begin(), short_ranges.end(), [](std::int64_t x) { return x == -7; }));
+    }
+  }
+}
+
+TEST_CASE("removed_position_ranges refuses bad input by name and writes nothing", "[eviction][errors]") {
+  const std::int64_t kept[] = {2, 5, 5};
+  std::int64_t ranges[8] = {-7, -7, -7, -7, -7, -7, -7, -7};
+  std::int64_t n = -1;
+  const auto argument_of = [&](const kvevict::status& st) { return std::string(st.ok() ? "" : st.argument()); };
+  REQUIRE(argument_of(kvevict::removed_position_ranges(kept, 3, 0, 8, ranges, 4, &n)) == "kept");  // not ascending
+  REQUIRE(argument_of(kvevict::removed_position_ranges(kept, 2, 3, 8, ranges, 4, &n)) == "kept");  // below begin
+  REQUIRE(argument_of(kvevict::removed_position_ranges(kept, 2, 0, 5, ranges, 4, &n)) == "kept");  // at end
+  REQUIRE(argument_of(kvevict::removed_position_ranges(nullptr, 2, 0, 8, ranges, 4, &n)) == "kept");
+  REQUIRE(argument_of(kvevict::removed_position_ranges(kept, -1, 0, 8, ranges, 4, &n)) == "num_kept");
+  REQUIRE(argument_of(kvevict::removed_position_ranges(kept, 2, 4, 3, ranges, 4, &n)) == "end");
+  REQUIRE(argument_of(kvevict::removed_position_ranges(kept, 2, 0, 8, ranges, 4, nullptr)) == "num_ranges");
+  REQUIRE(argument_of(kvevict::removed_position_ranges(kept, 2, 0, 8, nullptr, 4, &n)) == "ranges");
+  REQUIRE(argument_of(kvevict::removed_position_ranges(kept, 2, 0, 8, ranges, -1, &n)) == "capacity");
+  REQUIRE(n == -1);
+  REQUIRE(std::all_of(ranges, ranges + 8, [](std::int64_t x) { return x == -7; }));
+  // Nothing removed: no range, and no array needed.
+  const std::int64_t all[] = {0, 1, 2};
+  REQUIRE(kvevict::removed_position_ranges(all, 3, 0, 3, nullptr, 0, &n).ok());
+  REQUIRE(n == 0);
 }

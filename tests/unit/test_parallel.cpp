@@ -284,6 +284,27 @@ TEST_CASE("a plan learns where its heads start and how many words run() passes a
   for (i64 m : most) CHECK(m == 8 * (tp_test::kPrompts[0] + tp_test::kSteps) + 1);
 }
 
+TEST_CASE("TOVA under tensor parallelism: every rank's plan refuses it by name", "[parallel]") {
+  // TOVA averages every query head of a layer; no rank holds them all, so the ranks' keep sets
+  // would disagree: the plan refuses it on every rank, naming the option.
+  const std::vector<int> split{2, 2};
+  std::vector<std::string> arguments(split.size());
+  std::vector<bool> planned(split.size(), true);
+  tp_test::thread_group group(static_cast<int>(split.size()));
+  group.run([&](int rank) {
+    const kvevict::collective c = group.member(rank);
+    tp_test::scenario sc;
+    sc.policy = kvevict::policy::tova();
+    kvevict::compressor comp;
+    const auto r = static_cast<std::size_t>(rank);
+    const kvevict::status st = kvevict::compressor::plan(tp_test::options_for(sc, split[r], &c), &comp);
+    arguments[r] = st.ok() ? "" : st.argument();
+    planned[r] = comp.planned();
+  });
+  CHECK(arguments == std::vector<std::string>{"tensor_parallel", "tensor_parallel"});
+  CHECK(planned == std::vector<bool>{false, false});
+}
+
 TEST_CASE("a policy's evict() over a sharded layer: one process's caches, or an error on every rank", "[parallel]") {
   // The building block under the compressor: KNorm with AdaKV, each rank compacting its heads.
   const i64 tokens = 48, dim = 8;

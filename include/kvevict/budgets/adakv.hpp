@@ -45,7 +45,7 @@ inline void carve_adakv_layout(arena& a, std::int64_t heads, std::int64_t candid
 }
 
 /// Step 1 for one head: its candidates copied to `row` [C], scaled when normalising.
-/// `picked` holds b indices. Shared with the sharded allocator (parallel/sharded_adakv.hpp),
+/// `picked` holds b indices. Shared with the sharded allocator (budgets/adakv_sharded.hpp),
 /// which must produce the same floats.
 inline void adakv_head_row(const const_score_view& scores, std::int64_t h, std::int64_t candidates, std::int64_t b,
                            const adakv_params& params, float* row, std::int64_t* picked, const topk_scratch& topk) {

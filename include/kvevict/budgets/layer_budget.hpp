@@ -27,6 +27,7 @@
 #include <limits>
 
 #include "kvevict/budgets/adakv.hpp"
+#include "kvevict/budgets/adakv_sharded.hpp"
 #include "kvevict/budgets/layer_budget_params.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/detail/checked.hpp"
@@ -34,11 +35,10 @@
 #include "kvevict/executor.hpp"
 #include "kvevict/parallel/agreement.hpp"
 #include "kvevict/parallel/head_shard.hpp"
-#include "kvevict/parallel/sharded_adakv.hpp"
-#include "kvevict/parallel/sharded_scope.hpp"
 #include "kvevict/selection/budget.hpp"
 #include "kvevict/selection/keep_list.hpp"
 #include "kvevict/selection/scope.hpp"
+#include "kvevict/selection/scope_sharded.hpp"
 #include "kvevict/selection/select.hpp"
 #include "kvevict/views/matrix_view.hpp"
 #include "kvevict/workspace.hpp"

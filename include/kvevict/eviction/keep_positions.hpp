@@ -58,6 +58,68 @@ inline status keep_list_positions(const_keep_list_view keep, std::int64_t num_to
   return status();
 }
 
+/// The positions a sequence no longer keeps, as half-open ranges [p0, p1): what llama.cpp's
+/// `llama_memory_seq_rm(mem, seq_id, p0, p1)` removes, for a keep set shared by every head
+/// and layer (selection_scope::per_sequence with compaction::keep_list_only).
+///
+///   kept:       [num_kept] the kept tokens' positions, strictly ascending, in [begin, end)
+///               (a shared keep set's report: its first report.length kept_positions)
+///   begin, end: the sequence's positions before eviction, [begin, end) (llama.cpp: 0 and
+///               n_past; positions missing from the sequence may fall inside a range, which
+///               removes nothing there)
+///   ranges:     [capacity][2] out: p0 and p1 of each range, ascending, non-empty, disjoint
+///   capacity:   ranges it can hold (num_kept + 1 always suffices)
+///   num_ranges: out, the ranges written
+///
+/// On error nothing is written.
+inline status removed_position_ranges(const std::int64_t* kept, std::int64_t num_kept, std::int64_t begin,
+                                      std::int64_t end, std::int64_t* ranges, std::int64_t capacity,
+                                      std::int64_t* num_ranges) noexcept {
+  static constexpr const char* fn = "kvevict::removed_position_ranges";
+  if (num_kept < 0)
+    return status::error(errc::invalid_shape, fn, "num_kept", "expected >= 0, got %lld",
+                         static_cast<long long>(num_kept));
+  if (num_kept > 0 && kept == nullptr)
+    return status::error(errc::null_pointer, fn, "kept", "expected [%lld] positions", static_cast<long long>(num_kept));
+  if (end < begin)
+    return status::error(errc::invalid_argument, fn, "end", "expected >= begin = %lld, got %lld",
+                         static_cast<long long>(begin), static_cast<long long>(end));
+  if (num_ranges == nullptr) return status::error(errc::null_pointer, fn, "num_ranges", "expected non-null");
+  if (capacity < 0)
+    return status::error(errc::invalid_shape, fn, "capacity", "expected >= 0, got %lld",
+                         static_cast<long long>(capacity));
+  std::int64_t needed = 0, next = begin;  // next: the first position not yet covered
+  for (std::int64_t i = 0; i < num_kept; ++i) {
+    const std::int64_t p = kept[i];
+    if (p < next || p >= end)
+      return status::error(errc::invalid_argument, fn, "kept",
+                           "expected strictly ascending positions in [begin, end) = [%lld, %lld): kept[%lld] = %lld",
+                           static_cast<long long>(begin), static_cast<long long>(end), static_cast<long long>(i),
+                           static_cast<long long>(p));
+    needed += p > next ? 1 : 0;
+    next = p + 1;
+  }
+  needed += end > next ? 1 : 0;
+  if (needed > capacity)
+    return status::error(errc::invalid_shape, fn, "capacity", "expected room for %lld ranges, got %lld",
+                         static_cast<long long>(needed), static_cast<long long>(capacity));
+  if (needed > 0 && ranges == nullptr)
+    return status::error(errc::null_pointer, fn, "ranges", "expected [%lld][2]", static_cast<long long>(needed));
+  std::int64_t n = 0;
+  next = begin;
+  for (std::int64_t i = 0; i <= num_kept; ++i) {
+    const std::int64_t stop = i < num_kept ? kept[i] : end;
+    if (stop > next) {
+      ranges[2 * n] = next;
+      ranges[2 * n + 1] = stop;
+      ++n;
+    }
+    next = stop + 1;
+  }
+  *num_ranges = n;
+  return status();
+}
+
 KVEVICT_NAMESPACE_END
 
 #endif  // KVEVICT_EVICTION_KEEP_POSITIONS_HPP

@@ -16,9 +16,9 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
-#include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/executor.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
+#include "kvevict/policies/scoring_policy.hpp"
 #include "kvevict/selection/budget.hpp"
 #include "kvevict/shape.hpp"
 #include "kvevict/views/matrix_view.hpp"

@@ -15,10 +15,10 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
-#include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/executor.hpp"
 #include "kvevict/policies/configs.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
+#include "kvevict/policies/scoring_policy.hpp"
 #include "kvevict/scoring/attention_scores.hpp"
 #include "kvevict/scoring/observation_scores.hpp"
 #include "kvevict/selection/budget.hpp"

@@ -74,6 +74,26 @@ struct deferred_of<policy_list<Ts...>> {
   static_assert((0 + ... + (Ts::deferred ? 1 : 0)) <= 1, "a policy list holds at most one deferred policy");
   using type = typename deferred_policy<Ts...>::type;
 };
+/// The list's deferred traits (void if it has none) and whether it has one.
+template <class List>
+using deferred_traits_t = typename deferred_of<List>::type;
+template <class List>
+constexpr bool has_deferred_v = !std::is_void<deferred_traits_t<List>>::value;
+
+/// f(Traits{}) for the traits of `List` whose kind (index in default_policies) is `kind`;
+/// `fallback` when the list does not hold it. An engine's own list (a subset, any order) is
+/// visited by the kinds of policy_config, so options mean the same under every list.
+template <class R, class... Ts, class F>
+R visit_listed(policy_list<Ts...>, std::size_t kind, R fallback, F&& f) {
+  (void)((index_of<Ts>(default_policies{}) == kind ? (fallback = f(Ts{}), true) : false) || ...);
+  return fallback;
+}
+
+/// Whether `List` holds the policy of kind `kind`.
+template <class... Ts>
+constexpr bool lists_kind(policy_list<Ts...>, std::size_t kind) noexcept {
+  return (false || ... || (index_of<Ts>(default_policies{}) == kind));
+}
 }  // namespace detail
 
 /// A policy's kind: its index in the list.

@@ -11,9 +11,9 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
-#include "kvevict/eviction/evict_layer.hpp"
 #include "kvevict/executor.hpp"
 #include "kvevict/policies/layer_inputs.hpp"
+#include "kvevict/policies/scoring_policy.hpp"
 #include "kvevict/scoring/observation_scores.hpp"
 #include "kvevict/scoring/presets.hpp"
 #include "kvevict/selection/budget.hpp"

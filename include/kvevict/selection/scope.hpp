@@ -91,7 +91,7 @@ inline float normaliser_of(const float* x, std::int64_t n) noexcept {
 
 /// Folds one row into a combined row: the first row is copied (normalised), later rows
 /// combine by nan_max or by sum. Candidates are [0, candidates); the tail is copied as is.
-/// Out of line: the tensor-parallel mean (parallel/sharded_scope.hpp) calls it on the same rows
+/// Out of line: the tensor-parallel mean (selection/scope_sharded.hpp) calls it on the same rows
 /// in the same order and must get the same bits, FMA contraction or not.
 /// Products and sums are not contracted: cuda/scope.cuh repeats them with __fmul_rn/__fadd_rn.
 KVEVICT_NOINLINE KVEVICT_FP_CONTRACT_OFF void fold_row(float* acc, const float* row, std::int64_t tokens,

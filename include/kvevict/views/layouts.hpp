@@ -35,7 +35,9 @@ KVEVICT_HOST_DEVICE cache_view<T> strided_cache(T* data, std::int64_t num_heads,
 }
 
 /// HF transformers: one sequence of a contiguous [batch, Hkv, max_tokens, d] tensor, `data`
-/// pointing at that sequence; its first `num_tokens` tokens are in use.
+/// pointing at that sequence; its first `num_tokens` tokens are in use. Follows
+/// src/transformers/cache_utils.py (DynamicLayer: [batch, heads, seq_len, head_dim], the KV
+/// heads, concatenated on the token axis; StaticLayer pre-allocates max_cache_len rows).
 /// max_tokens < 0 means max_tokens == num_tokens.
 template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> hf_contiguous(T* data, std::int64_t num_heads, std::int64_t num_tokens,
@@ -86,7 +88,8 @@ KVEVICT_HOST_DEVICE cache_view<T> paged_hnd(T* pool, std::int64_t num_blocks, st
 }
 
 /// FlashInfer paged K or V cache, NHD: [max_num_pages, page_size, Hkv, d]; the sequence's
-/// pages are page_indices[0 .. ceil(num_tokens / page_size)).
+/// pages are page_indices[0 .. ceil(num_tokens / page_size)). Follows FlashInfer's
+/// docs/tutorials/kv_layout.rst (separate K and V tensors).
 template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> flashinfer_paged_nhd(T* pool, std::int64_t num_pages, std::int64_t page_size,
                                                        std::int64_t num_heads, std::int64_t head_dim,
@@ -119,7 +122,9 @@ KVEVICT_HOST_DEVICE batch_cache_view<T> flashinfer_paged_batch(cache_view<T> poo
 }
 
 /// vLLM paged K or V cache [num_blocks, block_size, Hkv, d]; `block_table` is the
-/// sequence's row of the block table.
+/// sequence's row of the block table. Follows vllm/v1/attention/backends/flash_attn.py
+/// (get_kv_cache_shape: (2, num_blocks, block_size, Hkv, d), K = [0], V = [1]). vLLM's HND
+/// setting keeps these extents and permutes the strides: use vllm_paged_hnd then.
 template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> vllm_paged(T* pool, std::int64_t num_blocks, std::int64_t block_size,
                                              std::int64_t num_heads, std::int64_t head_dim, index_ptr block_table,
@@ -151,7 +156,10 @@ KVEVICT_HOST_DEVICE batch_cache_view<T> vllm_paged_batch(cache_view<T> pool_layo
 
 /// TensorRT-LLM paged cache: every block is [Hkv][tokens_per_block][d] and the pool is an
 /// array of such blocks; K and V of a sequence have separate block-offset lists into the
-/// same pool (make one view with the K offsets and one with the V offsets).
+/// same pool (make one view with the K offsets and one with the V offsets). Follows
+/// cpp/tensorrt_llm/kernels/kvCacheUtils.h (KVBlockArray::getKVLocalIdx: a block is
+/// [numHeads, tokensPerBlock, sizePerHead]; offsets of K and V per sequence, V's = K's + 1 in
+/// a pool allocated by kvCacheManager.cpp). Its int32 KVCacheIndex offsets widen losslessly.
 template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> trtllm_paged(T* pool, std::int64_t num_pool_blocks, std::int64_t tokens_per_block,
                                                std::int64_t num_heads, std::int64_t head_dim,
@@ -161,7 +169,8 @@ KVEVICT_HOST_DEVICE cache_view<T> trtllm_paged(T* pool, std::int64_t num_pool_bl
 
 /// llama.cpp K cache: [kv_size][row_stride] rows, one per cell, channels head-major
 /// (head h's d channels at h*d). row_stride < 0 means Hkv*d. The first num_tokens cells
-/// are the sequence's tokens in order.
+/// are the sequence's tokens in order. Follows src/llama-kv-cache.cpp (per layer
+/// ggml_new_tensor_3d(type_k, n_embd_k_gqa, kv_size, n_stream): one stream, unquantised types).
 template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> llamacpp_k(T* data, std::int64_t num_heads, std::int64_t num_tokens,
                                              std::int64_t head_dim, std::int64_t row_stride = -1) noexcept {
@@ -177,7 +186,8 @@ KVEVICT_HOST_DEVICE cache_view<T> llamacpp_v(T* data, std::int64_t num_heads, st
 }
 
 /// llama.cpp transposed V cache (no flash attention): channel-major, element
-/// (cell i, channel c) at c*kv_size + i, with channel c = h*d + dim.
+/// (cell i, channel c) at c*kv_size + i, with channel c = h*d + dim. Follows
+/// src/llama-kv-cache.cpp (get_v's view when v_trans = !flash_attn).
 template <class T>
 KVEVICT_HOST_DEVICE cache_view<T> llamacpp_v_transposed(T* data, std::int64_t kv_size, std::int64_t num_heads,
                                                         std::int64_t num_tokens, std::int64_t head_dim) noexcept {
@@ -202,18 +212,21 @@ KVEVICT_HOST_DEVICE cache_view<T> paged_per_head(T* pool, std::int64_t num_block
 }
 
 /// Axis order inside one block (page) of a paged pool: tokens then heads (NHD) or heads then
-/// tokens (HND).
+/// tokens (HND). The packed factories take it explicitly: both orders have the same extents,
+/// so no check could tell a wrong one, and engines choose it at run time (vLLM:
+/// VLLM_KV_CACHE_LAYOUT, HND for FlashInfer on SM 10.x; FlashInfer: kv_layout).
 enum class block_order : std::int32_t { nhd, hnd };
 
 /// vLLM's packed K|V pool: each block holds K and V side by side in the last axis,
 /// (num_blocks, Hkv, block_size, 2*d) (block_order::hnd) or (num_blocks, block_size, Hkv, 2*d)
 /// (block_order::nhd): K is channels [0, d), V channels [d, 2d). One block table serves both
-/// (they share every block), so kvevict checks the table once.
+/// (they share every block), so kvevict checks the table once. Follows vLLM's per-layer
+/// (B, H, N, 2*D) tensor split into K and V in the last axis (v1 flash_attn backend, the
+/// KVCacheLayout of vllm/v1/kv_cache_layout.py; the physical order is the engine's setting).
 template <class T>
 KVEVICT_HOST_DEVICE layer_cache<T> vllm_packed_kv(T* pool, std::int64_t num_blocks, std::int64_t block_size,
                                                   std::int64_t num_heads, std::int64_t head_dim, index_ptr block_table,
-                                                  std::int64_t num_tokens,
-                                                  block_order order = block_order::hnd) noexcept {
+                                                  std::int64_t num_tokens, block_order order) noexcept {
   const std::int64_t row = 2 * head_dim;
   cache_view<T> k = order == block_order::hnd
                         ? strided_cache(pool, num_heads, num_tokens, head_dim, block_size * row, row, 1)
@@ -229,12 +242,15 @@ KVEVICT_HOST_DEVICE layer_cache<T> vllm_packed_kv(T* pool, std::int64_t num_bloc
 
 /// FlashInfer's single-tensor paged cache [max_pages, 2, page_size, Hkv, d] (block_order::nhd)
 /// or [max_pages, 2, Hkv, page_size, d] (block_order::hnd): page p's K half, then its V half;
-/// the sequence's pages are page_indices[0 .. ceil(num_tokens / page_size)).
+/// the sequence's pages are page_indices[0 .. ceil(num_tokens / page_size)). Follows
+/// FlashInfer's docs/tutorials/kv_layout.rst and flashinfer/page.py (NHD is its default); vLLM's
+/// FlashInfer backend allocates this shape per layer (vllm/v1/attention/backends/flashinfer.py,
+/// get_kv_cache_shape).
 template <class T>
 KVEVICT_HOST_DEVICE layer_cache<T> flashinfer_paged_kv(T* pool, std::int64_t num_pages, std::int64_t page_size,
                                                        std::int64_t num_heads, std::int64_t head_dim,
                                                        index_ptr page_indices, std::int64_t num_tokens,
-                                                       block_order order = block_order::nhd) noexcept {
+                                                       block_order order) noexcept {
   cache_view<T> k = order == block_order::nhd
                         ? paged_nhd(pool, num_pages, page_size, num_heads, head_dim, page_indices, num_tokens)
                         : paged_hnd(pool, num_pages, page_size, num_heads, head_dim, page_indices, num_tokens);

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-#ifndef KVEVICT_PARALLEL_SHARDED_SCOPE_HPP
-#define KVEVICT_PARALLEL_SHARDED_SCOPE_HPP
+#ifndef KVEVICT_SELECTION_SCOPE_SHARDED_HPP
+#define KVEVICT_SELECTION_SCOPE_SHARDED_HPP
 
 // One combined score per token when the layer's heads are spread over ranks: the shared
 // selection scopes (per layer, per sequence) of design.md §14 under tensor parallelism (§15).
@@ -136,4 +136,4 @@ inline status combine_head_scores_sharded(const_score_view scores, std::int64_t 
 }  // namespace detail
 KVEVICT_NAMESPACE_END
 
-#endif  // KVEVICT_PARALLEL_SHARDED_SCOPE_HPP
+#endif  // KVEVICT_SELECTION_SCOPE_SHARDED_HPP

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-#ifndef KVEVICT_PARALLEL_SHARDED_ADAKV_HPP
-#define KVEVICT_PARALLEL_SHARDED_ADAKV_HPP
+#ifndef KVEVICT_BUDGETS_ADAKV_SHARDED_HPP
+#define KVEVICT_BUDGETS_ADAKV_SHARDED_HPP
 
 // AdaKV head budgets when the layer's heads are spread over ranks (design.md §15). AdaKV
 // counts, per head, how many of its candidates are among the layer's top Hkv*b (ties: smaller
@@ -156,4 +156,4 @@ inline status adakv_head_budgets_sharded(const_score_view scores, std::int64_t p
 }  // namespace detail
 KVEVICT_NAMESPACE_END
 
-#endif  // KVEVICT_PARALLEL_SHARDED_ADAKV_HPP
+#endif  // KVEVICT_BUDGETS_ADAKV_SHARDED_HPP

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-#ifndef KVEVICT_EVICTION_EVICT_LAYER_HPP
-#define KVEVICT_EVICTION_EVICT_LAYER_HPP
+#ifndef KVEVICT_POLICIES_SCORING_POLICY_HPP
+#define KVEVICT_POLICIES_SCORING_POLICY_HPP
 
 // The body of every policy's evict(): score -> budgets -> select -> compact one layer, in one
 // status-checked call with one workspace. Policies that are a score() (StreamingLLM, KNorm,
@@ -188,4 +188,4 @@ class scoring_policy {
 
 KVEVICT_NAMESPACE_END
 
-#endif  // KVEVICT_EVICTION_EVICT_LAYER_HPP
+#endif  // KVEVICT_POLICIES_SCORING_POLICY_HPP

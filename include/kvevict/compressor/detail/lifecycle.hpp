@@ -1,0 +1,147 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_COMPRESSOR_DETAIL_LIFECYCLE_HPP
+#define KVEVICT_COMPRESSOR_DETAIL_LIFECYCLE_HPP
+
+// A sequence's lifecycle in the compressor: what each event does at a layer (observe, evict,
+// fold into the sequence's shared scores), decided from the event and the sequence's state
+// before anything changes, and the state's set-up. A deferred policy (DeferKV) observes the
+// prompt and decode steps into its per-layer state and evicts at its step d.
+
+#include <cstdint>
+#include <cstring>
+
+#include "kvevict/compressor/detail/compressor_core.hpp"
+#include "kvevict/compressor/detail/state_layout.hpp"
+#include "kvevict/compressor/sequence.hpp"
+#include "kvevict/config.hpp"
+#include "kvevict/detail/in_sequence.hpp"
+#include "kvevict/detail/memory_ranges.hpp"
+#include "kvevict/error.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace detail {
+
+class compressor_lifecycle : protected compressor_core {
+ protected:
+  /// Sets up a sequence's state: each layer's policy state and the scope's header.
+  template <class List>
+  status init_state(void* state, std::size_t bytes, const char* fn) const noexcept {
+    KVEVICT_RETURN_IF_ERROR(check_state_memory(state, bytes, state_bytes_, fn, "state", "sequence_state_size"));
+    const model_shape& m = options_.model;
+    if constexpr (has_deferred_v<List>) {
+      if (layer_state_bytes_ > 0) {
+        // the state layout does not depend on the type
+        const deferred_policy<List, float, float> policy(deferred_config<List>());
+        for (std::int64_t l = 0; l < m.num_layers; ++l)
+          KVEVICT_RETURN_IF_ERROR(policy.init_state(layer_state(state, l), m.num_kv_heads, options_.limits.max_tokens));
+      }
+    }
+    if (scope_bytes_ > 0) *scope_header(state) = scope_state{};
+    sequence_state_header h;
+    h.magic = sequence_state_magic;
+    h.layers = m.num_layers;
+    h.layer_bytes = layer_state_bytes_;
+    h.scope_bytes = scope_bytes_;
+    std::memcpy(state, &h, sizeof(h));
+    return status();
+  }
+
+  /// Decides what the event does; for a deferred policy and the sequence scope also checks
+  /// the state.
+  template <class List, class T, class Q>
+  status decide(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, plan_step* out) const {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    *out = plan_step{};
+    if (io.event == sequence_event::idle) return status();
+    if (state_bytes_ > 0) KVEVICT_RETURN_IF_ERROR(check_state(io.state, s));
+    if (!defers<List>()) {
+      if (io.event == sequence_event::prefill_end) out->action = scores_act(layer);
+    } else if constexpr (has_deferred_v<List>) {
+      KVEVICT_RETURN_IF_ERROR(decide_deferred<List>(layer, io, s, out));
+      if (out->action == act::none) return status();
+    }
+    if (out->action == act::fold || out->action == act::fold_and_evict_all) {
+      const scope_state* sc = scope_header(io.state);
+      if (sc->done != 0) {  // the sequence's keep set was applied: nothing more to do
+        *out = plan_step{};
+        return status();
+      }
+      if (sc->folded != layer)
+        return status::error(errc::invalid_state, fn, io_name(s, "state"),
+                             "a keep set shared by every layer folds the layers in order: expected layer %lld, got "
+                             "%lld",
+                             static_cast<long long>(sc->folded), static_cast<long long>(layer));
+      // Every layer's deferred state is marked evicted with the sequence's keep set: check them
+      // now, before anything changes (the earlier layers observed this step and are ready).
+      if constexpr (has_deferred_v<List>) {
+        if (out->action == act::fold_and_evict_all && defers<List>()) {
+          const deferred_policy<List, T, Q> d(deferred_config<List>());
+          for (std::int64_t l = 0; l < layer; ++l)
+            if (!d.intact(layer_state(io.state, l)) || !d.ready(layer_state(io.state, l)))
+              return status::error(errc::invalid_state, fn, io_name(s, "state"),
+                                   "layer %lld's DeferKV state is not ready to evict (the layers run in order at "
+                                   "every step)",
+                                   static_cast<long long>(l));
+        }
+      }
+    }
+    return status();
+  }
+
+  /// The deferred policy's part of decide(): observe the prompt window, then each decode step
+  /// until step d, when the layer's scores are acted on.
+  template <class List, class T, class Q>
+  status decide_deferred(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, plan_step* out) const {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    const deferred_policy<List, T, Q> d(deferred_config<List>());
+    const policy_state st = layer_state(io.state, layer);
+    if (!d.intact(st))
+      return status::error(errc::invalid_state, fn, io_name(s, "state"),
+                           "layer %lld's DeferKV state was overwritten: reset_sequence() when the sequence starts",
+                           static_cast<long long>(layer));
+    const bool fed_back = deferred_traits<List>::feeds_back(deferred_config<List>());
+    if (io.event == sequence_event::prefill_end) {
+      if (d.started(st))
+        return status::error(errc::invalid_state, fn, io_name(s, "state"),
+                             "layer %lld already observed this sequence's prefill; reset_sequence() for a new one",
+                             static_cast<long long>(layer));
+      out->observe = true;
+      out->action = fed_back ? act::none : scores_act(layer);
+    } else if (d.evicted(st)) {
+      return status();  // decoding goes on after eviction
+    } else if (d.ready(st)) {
+      out->action = scores_act(layer);
+    } else if (!d.started(st)) {
+      return status::error(errc::invalid_state, fn, io_name(s, "event"),
+                           "a decode step before this sequence's prefill_end at layer %lld",
+                           static_cast<long long>(layer));
+    } else {
+      out->observe = true;
+      out->action = d.steps_observed(st) + 1 >= deferred_traits<List>::delay(deferred_config<List>())
+                        ? scores_act(layer)
+                        : act::none;
+    }
+    return status();
+  }
+
+  status check_state(const void* state, std::int64_t s) const noexcept {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    if (state == nullptr)
+      return status::error(errc::null_pointer, fn, io_name(s, "state"),
+                           "expected sequence_state_size() = %zu bytes set up by reset_sequence()", state_bytes_);
+    if (reinterpret_cast<std::uintptr_t>(state) % 8 != 0)
+      return status::error(errc::invalid_argument, fn, io_name(s, "state"), "expected 8-byte alignment");
+    sequence_state_header h;
+    std::memcpy(&h, state, sizeof(h));
+    if (h.magic != sequence_state_magic || h.layers != options_.model.num_layers ||
+        h.layer_bytes != layer_state_bytes_ || h.scope_bytes != scope_bytes_)
+      return status::error(errc::invalid_state, fn, io_name(s, "state"),
+                           "not a state of this plan: call reset_sequence() when the sequence starts");
+    return status();
+  }
+};
+
+}  // namespace detail
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_COMPRESSOR_DETAIL_LIFECYCLE_HPP

@@ -1,0 +1,238 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_COMPRESSOR_DETAIL_STEP_EXECUTOR_HPP
+#define KVEVICT_COMPRESSOR_DETAIL_STEP_EXECUTOR_HPP
+
+// One sequence's step at one layer, after run()'s checks passed: observe (a deferred policy),
+// then score -> budget -> select -> compact through the policy's own evict() (so the result
+// equals the building blocks' bit for bit), or fold the layer's scores into the sequence's
+// shared row and, at the last layer, select one keep set and compact every layer with it.
+// Fills the sequence's report.
+
+#include <cmath>
+#include <cstdint>
+
+#include "kvevict/compressor/detail/run_checks.hpp"
+#include "kvevict/compressor/sequence.hpp"
+#include "kvevict/config.hpp"
+#include "kvevict/dtype.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/policies/layer_inputs.hpp"
+#include "kvevict/policies/scoring_policy.hpp"
+#include "kvevict/selection/scope.hpp"
+#include "kvevict/selection/scope_sharded.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace detail {
+
+/// Elements of a row (n of them, `stride` apart) that are NaN or infinite.
+template <class T>
+std::int64_t count_nonfinite(const T* row, std::int64_t n, std::int64_t stride) noexcept {
+  std::int64_t k = 0;
+  for (std::int64_t c = 0; c < n; ++c) k += std::isfinite(to_float(row[c * stride])) ? 0 : 1;
+  return k;
+}
+
+class compressor_steps : protected compressor_checks {
+ protected:
+  /// The layer's scores [Hkv, scored] for the sequence scope, from the policy's own scoring.
+  template <class List, class T, class Q>
+  status layer_scores(const sequence_io<T, Q>& io, policy_state st, const shared_layout& sh, score_view* out,
+                      selection_params* sel) const {
+    const layer_cache<T> cache = io.cache();
+    const std::int64_t scored = scored_tokens<List>(io);
+    *out = score_view{sh.scores, io.keys.num_heads, scored, scored};
+    if constexpr (has_deferred_v<List>) {
+      if (defers<List>()) {
+        const deferred_policy<List, T, Q> d(deferred_config<List>());
+        *sel = d.selection(st);
+        layer_inputs<T, Q> in;
+        in.state = st;
+        return d.score(in, *out, sh.score, options_.exec);
+      }
+    }
+    const layer_observations<Q> o = observations_of(io, prefill_queries(io), policy_state{});
+    return with_scoring_policy<List, T, Q>([&](auto traits, const auto& policy) {
+      *sel = policy.selection();
+      return decltype(traits)::score_layer(policy, cache, o, *out, sh.score, options_.exec);
+    });
+  }
+  /// The report's counts of non-finite values in what the call scores with: the observation
+  /// queries, and the keys (every key at prefill_end, the newest at an observed decode step).
+  /// Scoring absorbs them by design; the counts tell the engine. Keys are counted per head
+  /// through the executor into the layout's head_lengths (written again by the eviction).
+  template <class T, class Q>
+  void count_nonfinite(const sequence_io<T, Q>& io, const plan_step& what, const run_layout& lay,
+                       sequence_report* r) const {
+    const policy_kind kind = options_.policy.kind;
+    const bool prefill = io.event == sequence_event::prefill_end;
+    if (!prefill && !what.observe) return;  // DeferKV evicting from its state: nothing read
+    if (reads_queries(kind)) {
+      const query_view<const Q> q = prefill ? prefill_queries(io) : io.queries;
+      std::int64_t n = 0;
+      for (std::int64_t h = 0; h < q.num_heads; ++h)
+        for (std::int64_t t = 0; t < q.num_queries; ++t)
+          for (std::int64_t c = 0; c < q.head_dim; ++c) n += std::isfinite(to_float(q.at(h, t, c))) ? 0 : 1;
+      r->nonfinite_queries = n;
+    }
+    if (!reads_keys(kind)) return;
+    struct task_context {
+      cache_view<T> keys;
+      std::int64_t first, last;
+      std::int64_t* counts;
+    } ctx{io.keys, prefill ? 0 : io.keys.num_tokens - 1, io.keys.num_tokens, lay.head_lengths};
+    options_.exec.run(
+        io.keys.num_heads,
+        [](void* arg, std::int64_t h, int) {
+          const auto& c = *static_cast<const task_context*>(arg);
+          std::int64_t n = 0;
+          for (std::int64_t j = c.first < 0 ? 0 : c.first; j < c.last; ++j)
+            n += detail::count_nonfinite(c.keys.row(h, j), c.keys.head_dim, c.keys.dim_stride);
+          c.counts[h] = n;
+        },
+        &ctx);
+    std::int64_t n = 0;
+    for (std::int64_t h = 0; h < io.keys.num_heads; ++h) n += lay.head_lengths[h];
+    r->nonfinite_keys = n;
+  }
+
+  template <class List, class T, class Q>
+  status step(std::int64_t layer, const sequence_io<T, Q>& io, const run_layout& lay, sequence_report* r) const {
+    plan_step what;
+    KVEVICT_RETURN_IF_ERROR(decide<List>(layer, io, 0, &what));
+    r->length = io.keys.num_tokens;
+    r->next_slot = io.keys.num_tokens;
+    r->next_position = next_position_after(io);
+    if (!what.observe && what.action == act::none) return status();
+    count_nonfinite(io, what, lay, r);
+    eviction_result result;
+    result.head_lengths = io.head_lengths != nullptr ? io.head_lengths : lay.head_lengths;
+    result.positions = io.kept_positions;
+    result.indices = lay.indices;
+    result.changed_blocks = io.changed_blocks;
+    result.head_freed_blocks = io.head_freed_blocks;
+    layer_cache<T> cache = io.cache();
+    cache.compact = options_.compact != compaction::keep_list_only;
+    const executor& exec = options_.exec;
+    const bool defer = defers<List>();
+    const policy_state st = defer ? layer_state(io.state, layer) : policy_state{};
+    if constexpr (has_deferred_v<List>) {
+      if (what.observe) {
+        const deferred_policy<List, T, Q> d(deferred_config<List>());
+        layer_inputs<T, Q> in;
+        in.keys = io.keys;
+        in.observation.key_positions = io.key_positions;
+        in.state = st;
+        in.queries = io.event == sequence_event::prefill_end ? prefill_queries(io) : io.queries;
+        if (io.event == sequence_event::prefill_end) {
+          KVEVICT_RETURN_IF_ERROR(d.observe_prefill(in, lay.policy, exec));
+        } else {
+          KVEVICT_RETURN_IF_ERROR(d.observe_decode(in, lay.policy, exec));
+        }
+        r->action = sequence_action::observed;
+      }
+    }
+    if (what.action == act::none) return status();
+    std::int64_t scored = io.keys.num_tokens;
+    if (what.action == act::evict) {
+      bool evicted_from_state = false;
+      if constexpr (has_deferred_v<List>) {
+        if (defer) {
+          const deferred_policy<List, T, Q> d(deferred_config<List>());
+          layer_observations<Q> o;
+          o.observation.key_positions = io.key_positions;
+          o.state = st;
+          KVEVICT_RETURN_IF_ERROR(
+              d.evict(cache, o, budget_for(layer, io.keys.num_tokens, d.selection(st), lay), result, lay.policy, exec));
+          evicted_from_state = true;
+        }
+      }
+      if (!evicted_from_state) {
+        const query_view<const Q> q = prefill_queries(io);
+        const layer_observations<Q> o = observations_of(io, q, policy_state{});
+        const status evicted = with_scoring_policy<List, T, Q>([&](auto traits, const auto& policy) {
+          scored = decltype(traits)::scored_tokens(policy, io.keys.num_tokens, q.num_queries);
+          return policy.evict(cache, o, budget_for(layer, scored, policy.selection(), lay), result, lay.policy, exec);
+        });
+        KVEVICT_RETURN_IF_ERROR(evicted);
+      }
+    } else {
+      // The sequence scope: fold this layer's combined scores into the sequence's row; at the
+      // last layer select one keep set from it and apply it to every layer.
+      arena a(lay.policy);
+      shared_layout sh;
+      carve_shared(a, shared_score_bytes_, &sh);
+      score_view scores;
+      selection_params sel;
+      const status scored_ok = layer_scores<List>(io, st, sh, &scores, &sel);
+      const bool sharded = options_.tensor_parallel != nullptr;
+      if (!sharded) KVEVICT_RETURN_IF_ERROR(scored_ok);
+      scored = scores.cols;
+      scope_state* sc = scope_header(io.state);
+      float* row = scope_row(io.state);
+      const std::int64_t candidates = scored > sel.protected_tail ? scored - sel.protected_tail : 0;
+      if (sharded) {  // every head of the group, the same bits on every rank (a scoring failure ends it there)
+        KVEVICT_RETURN_IF_ERROR(combine_head_scores_sharded(scores, sel.protected_tail, options_.combine, shard(),
+                                                            sh.row, sh.gather, scored_ok, "kvevict::compressor::run"));
+      } else {
+        KVEVICT_RETURN_IF_ERROR(combine_head_scores(scores, sel.protected_tail, options_.combine, sh.row));
+      }
+      // Layers fold as more heads of the same combination: no second normalisation.
+      const scope_combine across = combines_by_max(options_.combine) ? scope_combine::max : scope_combine::mean;
+      fold_row(row, sh.row, scored, candidates, across, layer == 0);
+      sc->folded = layer + 1;
+      sc->tokens = scored;
+      if (what.action == act::fold) {
+        r->action = sequence_action::observed;
+        return status();
+      }
+      finish_mean(row, candidates, options_.model.num_layers, across);
+      const keep_list_view keep{io.keys.num_heads, sh.offsets, sh.indices, keep_capacity_};
+      KVEVICT_RETURN_IF_ERROR(select_shared(const_score_view{row, 1, scored, scored}, sel, base_budget(), keep,
+                                            sh.one_head, sh.select, exec));
+      if (options_.compact == compaction::keep_list_only) {
+        KVEVICT_RETURN_IF_ERROR(
+            compact_layer(cache, const_keep_list_view(keep), result, sh.compact, io.key_positions, exec));
+      } else {
+        for (std::int64_t l = 0; l < options_.model.num_layers; ++l) {
+          eviction_result lr = result;
+          if (l != layer) lr.changed_blocks = nullptr;  // one list for the call (the layer's own)
+          KVEVICT_RETURN_IF_ERROR(
+              compact_layer(io.layers[l], const_keep_list_view(keep), lr, sh.compact, io.key_positions, exec));
+          if (l == layer) result = lr;
+        }
+      }
+      if constexpr (has_deferred_v<List>) {
+        if (defer) {
+          const deferred_policy<List, T, Q> d(deferred_config<List>());
+          for (std::int64_t l = 0; l < options_.model.num_layers; ++l)
+            KVEVICT_RETURN_IF_ERROR(d.mark_evicted(layer_state(io.state, l)));
+        }
+      }
+      sc->done = 1;
+    }
+    r->action = sequence_action::evicted;
+    r->length = result.max_length;
+    r->next_slot = result.max_length;
+    r->freed_blocks = result.freed_blocks;
+    r->dropped = io.keys.num_tokens - result.max_length;
+    r->num_changed_blocks = result.num_changed_blocks;
+    r->kept = 0;
+    for (std::int64_t h = 0; h < io.keys.num_heads; ++h) r->kept += result.head_lengths[h];
+    if (reuses_positions(options_.policy.kind)) r->next_position = scored;
+    if (io.padded_indices != nullptr) {
+      std::int64_t k = 0;
+      for (std::int64_t h = 0; h < io.keys.num_heads; ++h) {
+        std::int64_t* row = io.padded_indices + h * head_capacity_;
+        const std::int64_t n = result.head_lengths[h];
+        for (std::int64_t i = 0; i < head_capacity_; ++i) row[i] = i < n ? lay.indices[k + i] : -1;
+        k += n;
+      }
+    }
+    return status();
+  }
+};
+
+}  // namespace detail
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_COMPRESSOR_DETAIL_STEP_EXECUTOR_HPP
