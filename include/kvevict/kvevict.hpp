@@ -24,6 +24,7 @@
 #include "kvevict/views/layer_cache.hpp"
 #include "kvevict/views/layouts.hpp"
 #include "kvevict/views/matrix_view.hpp"
+#include "kvevict/views/probe.hpp"
 #include "kvevict/views/query_view.hpp"
 
 #include "kvevict/scoring/attention_scores.hpp"

@@ -8,7 +8,9 @@
 #include "kvevict/views/batch_cache_view.hpp"
 #include "kvevict/views/cache_view.hpp"
 #include "kvevict/views/layouts.hpp"
+#include "kvevict/views/probe.hpp"
 #include "kvevict/views/query_view.hpp"
+#include "support/test_cache.hpp"
 
 using kvevict::bf16;
 using kvevict::fp16;
@@ -210,4 +212,40 @@ TEST_CASE("query views: [Hq, W, d] and token-major [W, Hq, d]", "[views]") {
     }
   kvevict::query_view<const float> ro = a;
   REQUIRE(ro.positions[4] == 14);
+}
+
+TEST_CASE("probe_address: the address each layout factory computes, and null outside the view", "[views]") {
+  // Every layout of the test caches against the test's own flat indexing of its buffer.
+  for (test::layout kind : test::kAllLayouts) {
+    INFO(test::name(kind));
+    const std::int64_t heads = 3, tokens = 21, dim = 5;
+    auto c = test::make_cache<kvevict::bf16>(kind, heads, tokens, dim,
+                                             test::normal(static_cast<std::size_t>(heads * tokens * dim), 5), 4, 9);
+    const kvevict::cache_view<kvevict::bf16>& v = c.view;
+    for (std::int64_t j = 0; j < tokens; ++j)
+      for (std::int64_t h = 0; h < heads; ++h)
+        for (std::int64_t ch = 0; ch < dim; ++ch)
+          REQUIRE(kvevict::probe_address(v, j, h, ch) == c.buffer.data() + c.offset(h, j, ch));
+    CHECK(kvevict::probe_address(v, tokens, 0, 0) == nullptr);
+    CHECK(kvevict::probe_address(v, -1, 0, 0) == nullptr);
+    CHECK(kvevict::probe_address(v, 0, heads, 0) == nullptr);
+    CHECK(kvevict::probe_address(v, 0, 0, dim) == nullptr);
+    CHECK(kvevict::probe_address(v, 0, 0, -1) == nullptr);
+    if (v.is_paged() && v.num_pool_blocks > 0) {  // a table entry outside the pool
+      c.set_table(0, static_cast<std::int32_t>(v.num_pool_blocks));
+      CHECK(kvevict::probe_address(c.view, 0, 0, 0) == nullptr);
+      c.set_table(0, -1);
+      CHECK(kvevict::probe_address(c.view, 0, 0, 0) == nullptr);
+    }
+  }
+  // The two block orders of a packed pool have the same extents; the probe tells them apart.
+  std::vector<float> pool(4 * 2 * 8 * 2 * 3, 0.0f);
+  const std::int32_t table[] = {2, 0};
+  const auto hnd = kvevict::vllm_packed_kv(pool.data(), 4, 8, 2, 3, table, 10, kvevict::block_order::hnd);
+  const auto nhd = kvevict::vllm_packed_kv(pool.data(), 4, 8, 2, 3, table, 10, kvevict::block_order::nhd);
+  CHECK(hnd.keys.num_heads == nhd.keys.num_heads);
+  CHECK(hnd.keys.num_tokens == nhd.keys.num_tokens);
+  CHECK(kvevict::probe_address(hnd.keys, 1, 1, 0) == pool.data() + ((2 * 2 + 1) * 8 + 1) * 6);
+  CHECK(kvevict::probe_address(nhd.keys, 1, 1, 0) == pool.data() + ((2 * 8 + 1) * 2 + 1) * 6);
+  CHECK(kvevict::probe_address(hnd.values, 1, 1, 0) == pool.data() + ((2 * 2 + 1) * 8 + 1) * 6 + 3);
 }
