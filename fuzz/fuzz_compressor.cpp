@@ -43,6 +43,15 @@ i64 block_of(const test::test_cache<T>& c, i64 offset) {
   }
 }
 
+/// A TOVA or KeyDiff configuration (the same two fields): a protected tail of 0..3 tokens,
+/// inside or on top of the budget.
+template <class Config>
+Config protected_tail_config(FuzzedDataProvider& in, Config c) {
+  c.protected_tail = in.ConsumeIntegralInRange<i64>(0, 3);
+  if (in.ConsumeBool()) c.protect = kvevict::protected_mode::on_top_of_budget;
+  return c;
+}
+
 /// What the fuzz input chose, shared by the three runs.
 struct choice {
   i64 layers = 1, hkv = 1, group = 1, d = 1, seqs = 1, block = 4;
@@ -435,20 +444,12 @@ void one_type(FuzzedDataProvider& in) {
       o.policy = kvevict::policy::snapkv(c);
       break;
     }
-    case 5: {
-      kvevict::tova_config c;
-      c.protected_tail = in.ConsumeIntegralInRange<i64>(0, 3);
-      if (in.ConsumeBool()) c.protect = kvevict::protected_mode::on_top_of_budget;
-      o.policy = kvevict::policy::tova(c);
+    case 5:
+      o.policy = kvevict::policy::tova(protected_tail_config(in, kvevict::tova_config{}));
       break;
-    }
-    case 6: {
-      kvevict::keydiff_config c;
-      c.protected_tail = in.ConsumeIntegralInRange<i64>(0, 3);
-      if (in.ConsumeBool()) c.protect = kvevict::protected_mode::on_top_of_budget;
-      o.policy = kvevict::policy::keydiff(c);
+    case 6:
+      o.policy = kvevict::policy::keydiff(protected_tail_config(in, kvevict::keydiff_config{}));
       break;
-    }
     default: {
       kvevict::deferkv_config c;
       c.window = in.ConsumeIntegralInRange<i64>(1, 4);

@@ -58,7 +58,6 @@ class compressor_lifecycle : protected compressor_core {
       if (io.event == sequence_event::prefill_end) out->action = scores_act(layer);
     } else if constexpr (has_deferred_v<List>) {
       KVEVICT_RETURN_IF_ERROR(decide_deferred<List>(layer, io, s, out));
-      if (out->action == act::none) return status();
     }
     if (out->action == act::fold || out->action == act::fold_and_evict_all) {
       const scope_state* sc = scope_header(io.state);
