@@ -12,6 +12,9 @@
 //     and is otherwise untouched, and every paged block whose bytes changed is listed in
 //     changed_blocks; out of place, the sources are untouched and the destinations hold the
 //     gathered rows;
+//   - chunked prefill: in the in-place run the first rows of each prompt's window are handed
+//     earlier as a prefill_chunk (chunked_prefill planned), the rest at prefill_end; the keep
+//     sets must still equal the other runs', which hand the whole window at once;
 //   - a fuzz-chosen corruption of one call (shapes, block tables, queries, state, a block
 //     marked shared, a short destination, the layer index) fails with an error and leaves
 //     every byte of every sequence as it was, or succeeds with every check above holding
@@ -59,6 +62,7 @@ struct choice {
   std::vector<test::layout> klayout, vlayout;
   kvevict::compressor_options options;
   bool decode = false;  ///< DeferKV: one decode step after prefill
+  i64 chunk_rows = 0;   ///< in place: rows of each prompt window handed first as a prefill_chunk
   // Corruption of one call.
   int corrupt = 0;
   i64 corrupt_seq = 0, corrupt_layer = 0, corrupt_step = 0;
@@ -132,6 +136,8 @@ run_result run_mode(const choice& ch, kvevict::compaction mode) {
   res.sets.resize(static_cast<std::size_t>(ch.seqs));
   kvevict::compressor_options o = ch.options;
   o.compact = mode;
+  const bool chunked = ch.chunk_rows > 0 && mode == kvevict::compaction::in_place;
+  o.chunked_prefill = chunked;
   if (std::getenv("KVEVICT_FUZZ_VERBOSE") != nullptr)
     std::fprintf(stderr,
                  "mode %d policy %s chunk %lld scope %d combine %d lengths %d heads %d layers %d: %lld layers, "
@@ -162,8 +168,11 @@ run_result run_mode(const choice& ch, kvevict::compaction mode) {
       w.v.push_back(test::make_cache<T>(vl, ch.hkv, cap, ch.d, test::normal(n, seed + 1), ch.block, seed + 2));
       w.dk.push_back(test::make_cache<T>(kl, ch.hkv, cap, ch.d, test::normal(n, seed + 3), ch.block, seed + 4));
       w.dv.push_back(test::make_cache<T>(vl, ch.hkv, cap, ch.d, test::normal(n, seed + 5), ch.block, seed + 6));
-      // H2O counts every prompt query; the windowed policies the last W (all of a shorter prompt).
-      const i64 rows = o.policy.kind == kvevict::policy_kind::h2o ? len : std::max<i64>(1, std::min(window, len));
+      // H2O counts every prompt query; the windowed policies the last W (all of a shorter prompt),
+      // handed with up to 2 earlier ones (they use the last W; a chunk's window drops them).
+      const bool every = o.policy.kind == kvevict::policy_kind::h2o;
+      const i64 last = every ? len : std::max<i64>(1, std::min(window, len));
+      const i64 rows = last + (every ? 0 : std::min<i64>(len - last, 2));
       std::vector<i64> qpos;
       for (i64 t = 0; t < rows; ++t) qpos.push_back(len - rows + t);
       w.prompt_q.push_back(test::make_queries<T>(
@@ -192,6 +201,30 @@ run_result run_mode(const choice& ch, kvevict::compaction mode) {
   const int steps = ch.decode ? 2 : 1;
   for (int step = 0; step < steps; ++step) {
     for (i64 l = 0; l < ch.layers; ++l) {
+      // Chunked prefill: the first rows of each window go first, as a prompt chunk.
+      std::vector<i64> split(static_cast<std::size_t>(ch.seqs), 0);
+      if (step == 0 && chunked) {
+        std::vector<kvevict::sequence_io<T>> cio(static_cast<std::size_t>(ch.seqs));
+        for (i64 s = 0; s < ch.seqs; ++s) {
+          sequence_world<T>& w = world[static_cast<std::size_t>(s)];
+          kvevict::sequence_io<T>& x = cio[static_cast<std::size_t>(s)];
+          const kvevict::query_view<const T> q = w.prompt_q[static_cast<std::size_t>(l)].view;
+          const i64 rows = std::min(ch.chunk_rows, q.num_queries - 1);
+          const i64 tokens = ch.lengths[static_cast<std::size_t>(s)] - q.num_queries + rows;
+          x.keys = w.k[static_cast<std::size_t>(l)].view;
+          x.values = w.v[static_cast<std::size_t>(l)].view;
+          x.keys.num_tokens = x.values.num_tokens = tokens;
+          if (rows <= 0) continue;  // idle: a one-query window is handed whole
+          split[static_cast<std::size_t>(s)] = rows;
+          x.event = kvevict::sequence_event::prefill_chunk;
+          x.queries = q;
+          x.queries.num_queries = rows;
+          x.state = comp.sequence_state_size() > 0 ? w.state.data() : nullptr;
+        }
+        std::vector<kvevict::sequence_report> creports(static_cast<std::size_t>(ch.seqs));
+        const kvevict::status cst = comp.run(l, cio.data(), ch.seqs, creports.data(), {ws.data() + 1, ws.size() - 1});
+        FUZZ_REQUIRE(cst.ok(), "a prompt chunk: %s", cst.message());
+      }
       fresh_outputs();
       std::vector<kvevict::sequence_io<T>> io(static_cast<std::size_t>(ch.seqs));
       for (i64 s = 0; s < ch.seqs; ++s) {
@@ -216,6 +249,11 @@ run_result run_mode(const choice& ch, kvevict::compaction mode) {
         x.dst_values = mine.dst_values;
         x.queries =
             step == 0 ? w.prompt_q[static_cast<std::size_t>(l)].view : w.decode_q[static_cast<std::size_t>(l)].view;
+        if (const i64 first = split[static_cast<std::size_t>(s)]) {  // the rest of a chunked window
+          x.queries.data += first * x.queries.query_stride;
+          x.queries.positions += first;
+          x.queries.num_queries -= first;
+        }
         x.state = comp.sequence_state_size() > 0 ? w.state.data() : nullptr;
         x.layers = w.layers.data();
         outputs& ou = out[static_cast<std::size_t>(s)];
@@ -477,6 +515,8 @@ void one_type(FuzzedDataProvider& in) {
     ch.corrupt_value = in.ConsumeIntegral<std::uint32_t>();
   }
   ch.seed = in.ConsumeIntegral<std::uint16_t>();
+  // A flipped state word lands elsewhere in a state that also holds windows: no chunks then.
+  if (ch.corrupt != 6) ch.chunk_rows = in.ConsumeIntegralInRange<i64>(0, 3);
 
   std::vector<run_result> runs;
   for (kvevict::compaction mode : kModes) runs.push_back(run_mode<T>(ch, mode));

@@ -400,6 +400,8 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
   });
   cases.push_back({base, kvevict::errc::unsupported, "policy.chunk_length"});
   cases.back().o.policy = base.policy.chunked(8);
+  cases.push_back({base, kvevict::errc::unsupported, "chunked_prefill"});
+  cases.back().o.chunked_prefill = true;
   cases.push_back({base, kvevict::errc::unsupported, "scope"});
   cases.back().o.scope = kvevict::selection_scope::per_sequence;
   cases.push_back({base, kvevict::errc::unsupported, "adakv.normalize"});

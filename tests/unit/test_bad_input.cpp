@@ -1209,9 +1209,14 @@ TEST_CASE("bad input: deferkv_state lifecycle", "[errors]") {
       [](world& wd) { return wd.state.observe_decode(3, -1, wd.decode(0), wd.span()); });
   add("decode: cache of the wrong length (wrong layer's cache?)", errc::invalid_shape, "keys.num_tokens", 2,
       [](world& wd) { return wd.state.observe_decode(3, 0, wd.decode(1), wd.span()); });
-  add("decode: two queries", errc::invalid_shape, "queries.num_queries", 2, [](world& wd) {
+  add("decode: two queries, one new token in the cache", errc::invalid_shape, "keys.num_tokens", 2, [](world& wd) {
     kvevict::layer_inputs<float> in = wd.decode(0);
     in.queries.num_queries = 2;
+    return wd.state.observe_decode(3, 0, in, wd.span());
+  });
+  add("decode: no queries", errc::invalid_shape, "queries.num_queries", 2, [](world& wd) {
+    kvevict::layer_inputs<float> in = wd.decode(0);
+    in.queries.num_queries = 0;
     return wd.state.observe_decode(3, 0, in, wd.span());
   });
   add("decode: other KV head count", errc::invalid_shape, "keys.num_heads", 2, [](world& wd) {

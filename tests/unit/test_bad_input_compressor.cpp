@@ -358,6 +358,8 @@ TEST_CASE("bad input: compressor::run", "[errors]") {
   static std::vector<i64> negative_pos{20, -1, 22, 23}, early_pos{0, 1, 2, 3};
   static std::vector<float> lse(world::hq * world::w, 2.0f);
   static std::vector<float> bf16_pool(10);
+  static std::vector<float> long_step(world::hq * (world::w + 1) * world::d, 0.5f);
+  static std::vector<i64> long_step_pos{24, 25, 26, 27, 28};
   run_table(
       "compressor::run",
       {
@@ -424,6 +426,8 @@ TEST_CASE("bad input: compressor::run", "[errors]") {
            }},
           r("unknown event", errc::invalid_argument, "seqs[1].event",
             [](world&, io_vec& io) { io[1].event = static_cast<kvevict::sequence_event>(7); }),
+          r("a prompt chunk in a plan without chunked_prefill", errc::invalid_argument, "seqs[1].event",
+            [](world&, io_vec& io) { io[1].event = kvevict::sequence_event::prefill_chunk; }),
           r("keys: wrong head count", errc::invalid_shape, "seqs[0].values.num_heads",
             [](world&, io_vec& io) { io[0].keys.num_heads = 1; }),
           r("keys and values: both wrong head count", errc::invalid_shape, "seqs[0].keys",
@@ -536,10 +540,17 @@ TEST_CASE("bad input: compressor::run", "[errors]") {
             [](world&, io_vec& io) { io[0].lse = lse.data(); }),
           dd("DeferKV: prefill twice", errc::invalid_state, "seqs[0].state",
              [](world&, io_vec& io) { io[0].event = kvevict::sequence_event::prefill_end; }),
-          dd("DeferKV: decode with two queries", errc::invalid_shape, "seqs[1].queries.num_queries",
+          dd("DeferKV: a step of two queries, one new token in the cache", errc::invalid_shape,
+             "seqs[1].keys.num_tokens",
              [](world& wd, io_vec& io) {
                io[1].queries =
                    kvevict::contiguous_queries<const float>(wd.q.data(), world::hq, 2, world::d, wd.qpos.data());
+             }),
+          dd("DeferKV: a step of more tokens than limits.max_queries", errc::invalid_shape,
+             "seqs[1].queries.num_queries",
+             [](world&, io_vec& io) {
+               io[1].queries = kvevict::contiguous_queries<const float>(long_step.data(), world::hq, world::w + 1,
+                                                                        world::d, long_step_pos.data());
              }),
           dd("DeferKV: decode without the new token", errc::invalid_shape, "seqs[2].keys.num_tokens",
              [](world&, io_vec& io) { io[2].keys.num_tokens = io[2].values.num_tokens = world::l; }),

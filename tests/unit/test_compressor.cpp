@@ -273,10 +273,22 @@ struct call_counter {
   }
 };
 
+/// Observations t in [from, to) of a query view.
+template <class T>
+kvevict::query_view<const T> slice(kvevict::query_view<const T> q, i64 from, i64 to) {
+  q.data += from * q.query_stride;
+  q.positions += from;
+  q.num_queries = to - from;
+  return q;
+}
+
 /// The compressor path: one run() per layer at prefill end, then per layer per decode step.
+/// chunk > 0: the prompt is prefilled in chunks of that many tokens, every one but the last
+/// handed as prefill_chunk (a sequence with fewer chunks is idle meanwhile), the last one's
+/// queries at prefill_end.
 template <class T, class Compressor = kvevict::compressor>
 outcome by_compressor(std::vector<sequence_data<T>>& seqs, const kvevict::policy_config& pc, kvevict::budget b, alloc a,
-                      call_counter* counter = nullptr) {
+                      call_counter* counter = nullptr, i64 chunk = 0) {
   kvevict::compressor_options opt;
   opt.model = {kLayers, kHq, kHkv, kDim, 0, kvevict::dtype_of<T>::value};
   opt.sharing = kvevict::block_sharing::none;  // no block is shared between sequences
@@ -292,6 +304,7 @@ outcome by_compressor(std::vector<sequence_data<T>>& seqs, const kvevict::policy
   opt.limits.max_tokens = most;
   opt.limits.max_queries = most;
   if (counter != nullptr) opt.tracer = {counter, &call_counter::on_run};
+  opt.chunked_prefill = chunk > 0;
   Compressor c;
   const kvevict::status planned = Compressor::plan(opt, &c);
   INFO(planned.message());
@@ -309,20 +322,50 @@ outcome by_compressor(std::vector<sequence_data<T>>& seqs, const kvevict::policy
   o.next_positions.assign(n, -1);
   o.evicted_at.assign(n, -1);
   std::vector<std::vector<kvevict::sequence_report>> evict_reports(n, std::vector<kvevict::sequence_report>(kLayers));
+  const bool pseudo = pc.kind == kvevict::policy_kind::dapq && pc.dapq.source == kvevict::dapq_source::pseudo_tokens;
+  // The tokens each sequence's last chunk starts at (0: one chunk, no prefill_chunk).
+  std::vector<i64> last_chunk(n, 0);
+  if (chunk > 0) {
+    for (std::size_t s = 0; s < n; ++s) last_chunk[s] = (seqs[s].prompt - 1) / chunk * chunk;
+    for (i64 from = 0;; from += chunk) {
+      bool any = false;
+      for (i64 l = 0; l < kLayers; ++l) {
+        std::vector<kvevict::sequence_io<T>> io(n);
+        for (std::size_t s = 0; s < n; ++s) {
+          if (from >= last_chunk[s]) continue;  // idle: its prompt ends in its last chunk
+          any = true;
+          layer_data<T>& d = seqs[s].layers[static_cast<std::size_t>(l)];
+          io[s].event = kvevict::sequence_event::prefill_chunk;
+          io[s].keys = d.k.view.first_tokens(from + chunk);
+          io[s].values = d.v.view.first_tokens(from + chunk);
+          io[s].queries = slice<T>(d.prompt_q.view, from, from + chunk);
+          io[s].state = c.sequence_state_size() > 0 ? states[s].data() : nullptr;
+        }
+        std::vector<kvevict::sequence_report> reports(n);
+        const kvevict::status st = c.run(l, io.data(), static_cast<i64>(n), reports.data(), ws);
+        INFO(st.message());
+        REQUIRE(st.ok());
+        for (std::size_t s = 0; s < n; ++s) {
+          REQUIRE(reports[s].action != kvevict::sequence_action::evicted);
+          if (io[s].event == kvevict::sequence_event::prefill_chunk) REQUIRE(reports[s].length == from + chunk);
+        }
+      }
+      if (!any) break;
+    }
+  }
   for (i64 step = 0; step <= kSteps; ++step) {
     for (i64 l = 0; l < kLayers; ++l) {
       std::vector<kvevict::sequence_io<T>> io(n);
       for (std::size_t s = 0; s < n; ++s) {
         layer_data<T>& d = seqs[s].layers[static_cast<std::size_t>(l)];
-        const bool pseudo =
-            pc.kind == kvevict::policy_kind::dapq && pc.dapq.source == kvevict::dapq_source::pseudo_tokens;
         const i64 tokens =
             step == 0 ? (pseudo ? seqs[s].prompt + seqs[s].extra : seqs[s].prompt) : seqs[s].prompt + step;
         io[s].event = step == 0 ? kvevict::sequence_event::prefill_end : kvevict::sequence_event::decode;
         io[s].keys = d.k.view.first_tokens(tokens);
         io[s].values = d.v.view.first_tokens(tokens);
-        io[s].queries = step == 0 ? (pseudo ? d.pseudo_q.view : d.prompt_q.view)
-                                  : kvevict::query_view<const T>(d.decode_q[static_cast<std::size_t>(step - 1)].view);
+        io[s].queries = step == 0
+                            ? (pseudo ? d.pseudo_q.view : slice<T>(d.prompt_q.view, last_chunk[s], seqs[s].prompt))
+                            : kvevict::query_view<const T>(d.decode_q[static_cast<std::size_t>(step - 1)].view);
         io[s].state = c.sequence_state_size() > 0 ? states[s].data() : nullptr;
         io[s].head_lengths = lengths[s][static_cast<std::size_t>(l)].data();
         io[s].kept_positions = positions[s][static_cast<std::size_t>(l)].data();
@@ -440,6 +483,135 @@ TEST_CASE("compressor equals the building blocks bit for bit: bf16, paged NHD", 
 
 TEST_CASE("compressor equals the building blocks bit for bit: fp16, token-major", "[compressor]") {
   check_all<fp16>({test::layout::token_major, test::layout::padded}, 31);
+}
+
+// Issue 26: vLLM v1 always chunks prefill. Each chunk but the last is handed as prefill_chunk
+// and folds its last queries into the sequence's state; the keep set after the last chunk is
+// the unchunked one bit for bit for every chunking, whatever the last chunk holds (1 query,
+// fewer than the window, the window, more), every policy and allocation.
+TEST_CASE("chunked prefill: every chunking keeps what the unchunked prompt keeps, bit for bit", "[compressor]") {
+  const layouts lay{test::layout::paged_nhd, test::layout::paged_hnd, 5};
+  for (const auto& pc : all_policies())
+    for (alloc a : {alloc::uniform, alloc::pyramid_adakv}) {
+      const kvevict::budget b = kvevict::budget::tokens(14);
+      const i64 extra = pc.kind == kvevict::policy_kind::dapq ? pc.dapq.pseudo_tokens : kSteps;
+      const i64 prompts[] = {37, 50, 23};
+      const auto sequences = [&] {
+        std::vector<sequence_data<bf16>> seqs;
+        for (int s = 0; s < 3; ++s) seqs.push_back(make_sequence<bf16>(prompts[s], extra, lay, 41 + 7 * s));
+        return seqs;
+      };
+      auto hand = sequences();
+      const outcome want = by_hand(hand, pc, b, a);
+      kvevict::compressor_options o;
+      o.model = {kLayers, kHq, kHkv, kDim, 0, kvevict::dtype::bf16};
+      o.policy = pc;
+      o.limits.max_tokens = 64;
+      kvevict::compressor probe;
+      REQUIRE(kvevict::compressor::plan(o, &probe).ok());
+      const i64 w = std::max<i64>(1, probe.observation_window());
+      for (i64 chunk : {i64{1}, i64{7}, std::max<i64>(1, w - 1), w, i64{49}, i64{64}}) {
+        INFO(describe(pc, a, b) << " chunk " << chunk);
+        auto comp = sequences();
+        const outcome got = by_compressor(comp, pc, b, a, nullptr, chunk);
+        REQUIRE(got.evicted_at == want.evicted_at);
+        REQUIRE(got.next_positions == want.next_positions);
+        REQUIRE(got.lengths == want.lengths);
+        REQUIRE(got.positions == want.positions);
+        REQUIRE(got.caches == want.caches);
+      }
+    }
+}
+
+namespace {
+/// DeferKV through the compressor for one sequence of kLayers layers: prefill_end, then decode
+/// steps of `steps[i]` tokens each until it evicts. Returns every layer's kept positions and
+/// cache checksum, and the tokens observed when it evicted (-1: never).
+struct multi_token_outcome {
+  std::vector<std::vector<i64>> positions;
+  std::vector<std::uint64_t> caches;
+  i64 observed = -1;
+};
+multi_token_outcome run_deferkv_steps(const kvevict::deferkv_config& dc, const std::vector<i64>& steps) {
+  const layouts lay{test::layout::paged_nhd, test::layout::paged_hnd, 5};
+  const i64 prompt = 30, extra = 8;
+  sequence_data<bf16> seq = make_sequence<bf16>(prompt, extra, lay, 123);
+  std::vector<test::test_queries<bf16>> decode_q;  // per layer [Hq, extra, d], positions prompt ..
+  for (i64 l = 0; l < kLayers; ++l) {
+    std::vector<i64> pos;
+    for (i64 t = 0; t < extra; ++t) pos.push_back(prompt + t);
+    decode_q.push_back(test::make_queries<bf16>(
+        kHq, extra, kDim, test::normal(kHq * extra * kDim, 900 + static_cast<std::uint64_t>(l), 1.5), pos));
+  }
+  kvevict::compressor_options opt;
+  opt.model = {kLayers, kHq, kHkv, kDim, 0, kvevict::dtype::bf16};
+  opt.sharing = kvevict::block_sharing::none;
+  opt.policy = kvevict::policy::deferkv(dc);
+  opt.per_head = kvevict::budget::tokens(9);
+  opt.heads = kvevict::head_allocation::adakv;
+  opt.limits.max_tokens = prompt + extra;
+  opt.limits.max_queries = 6;  // the window, and steps of up to 6 tokens
+  kvevict::compressor c;
+  REQUIRE(kvevict::compressor::plan(opt, &c).ok());
+  kvevict::workspace ws(c.workspace_size());
+  std::vector<std::uint64_t> state(c.sequence_state_size() / 8 + 1);
+  REQUIRE(c.reset_sequence(state.data(), c.sequence_state_size()).ok());
+  multi_token_outcome out;
+  out.positions.assign(kLayers, std::vector<i64>(static_cast<std::size_t>(c.keep_capacity()), -1));
+  i64 done = 0;  // decoded tokens in the cache
+  for (std::size_t step = 0; step <= steps.size() && out.observed < 0; ++step) {
+    const i64 n = step == 0 ? 0 : steps[step - 1];
+    for (i64 l = 0; l < kLayers; ++l) {
+      layer_data<bf16>& d = seq.layers[static_cast<std::size_t>(l)];
+      kvevict::sequence_io<bf16> io;
+      io.event = step == 0 ? kvevict::sequence_event::prefill_end : kvevict::sequence_event::decode;
+      io.keys = d.k.view.first_tokens(prompt + done + n);
+      io.values = d.v.view.first_tokens(prompt + done + n);
+      io.queries = step == 0 ? kvevict::query_view<const bf16>(d.prompt_q.view)
+                             : slice<bf16>(decode_q[static_cast<std::size_t>(l)].view, done, done + n);
+      io.state = state.data();
+      io.kept_positions = out.positions[static_cast<std::size_t>(l)].data();
+      kvevict::sequence_report r;
+      const kvevict::status st = c.run(l, &io, 1, &r, ws);
+      INFO(st.message());
+      REQUIRE(st.ok());
+      if (r.action == kvevict::sequence_action::evicted) {
+        out.observed = done + n;
+        out.positions[static_cast<std::size_t>(l)].resize(static_cast<std::size_t>(r.kept));
+        REQUIRE(r.next_position == prompt + done + n);
+      }
+    }
+    done += n;
+  }
+  for (const auto& d : seq.layers) out.caches.push_back(test::fnv(test::fnv(test::fnv_seed, d.k.buffer), d.v.buffer));
+  return out;
+}
+}  // namespace
+
+// Issue 26: speculative verification and multi-token prediction decode k tokens in one step.
+// DeferKV's d counts decoded tokens; a step of k tokens equals the same tokens in k one-token
+// steps, and one that carries the count past d evicts with all of them, as one-token steps
+// with that many tokens do.
+TEST_CASE("DeferKV: a decode step of k tokens equals the same tokens in k steps", "[compressor]") {
+  kvevict::deferkv_config dc;
+  dc.window = 6;
+  const std::vector<std::vector<i64>> patterns = {{1, 1, 1, 1, 1, 1}, {2, 1, 3}, {3, 3}, {4, 2}, {1, 4, 1}, {2, 2, 2}};
+  for (i64 delay : {1, 2, 3, 4, 5})
+    for (const auto& p : patterns) {
+      INFO("d = " << delay << ", steps " << p[0] << " " << p[1]);
+      dc.delay = delay;
+      const multi_token_outcome got = run_deferkv_steps(dc, p);
+      i64 want_tokens = 0;
+      for (i64 k : p)
+        if (want_tokens < delay) want_tokens += k;
+      REQUIRE(got.observed == want_tokens);  // d, or past it with the step that crossed it
+      dc.delay = want_tokens;
+      const multi_token_outcome want =
+          run_deferkv_steps(dc, std::vector<i64>(static_cast<std::size_t>(want_tokens), 1));
+      REQUIRE(want.observed == want_tokens);
+      REQUIRE(got.positions == want.positions);
+      REQUIRE(got.caches == want.caches);
+    }
 }
 
 TEST_CASE("a compressor over a list of policies serves them as kvevict::compressor does, and refuses others",

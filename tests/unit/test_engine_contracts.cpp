@@ -760,6 +760,225 @@ TEST_CASE("chunked prefill: fewer queries than the window are refused; a shorter
   CHECK(st.ok());
 }
 
+namespace {
+/// One sequence of one layer for the chunked-prefill contracts: K/V of `tokens` tokens, every
+/// prompt query with its position.
+struct chunk_sequence {
+  static constexpr i64 hkv = 2, hq = 4, d = 8;
+  i64 tokens;
+  test::test_cache<bf16> k, v;
+  test::test_queries<bf16> q;
+  explicit chunk_sequence(i64 n)
+      : tokens(n),
+        k(test::make_cache<bf16>(test::layout::contiguous, hkv, n, d, test::normal(hkv * n * d, 1), 4, 1)),
+        v(test::make_cache<bf16>(test::layout::contiguous, hkv, n, d, test::normal(hkv * n * d, 2), 4, 2)) {
+    std::vector<i64> pos(static_cast<std::size_t>(n));
+    std::iota(pos.begin(), pos.end(), i64{0});
+    q = test::make_queries<bf16>(hq, n, d, test::normal(hq * n * d, 3), pos);
+  }
+  /// The call for prompt tokens [from, to): the cache holds the first `to`.
+  kvevict::sequence_io<bf16> chunk(i64 from, i64 to, kvevict::sequence_event e, void* state) const {
+    kvevict::sequence_io<bf16> io;
+    io.event = e;
+    io.keys = k.view.first_tokens(to);
+    io.values = v.view.first_tokens(to);
+    io.queries = q.view;
+    io.queries.data += from * io.queries.query_stride;
+    io.queries.positions += from;
+    io.queries.num_queries = to - from;
+    io.state = state;
+    return io;
+  }
+  std::uint64_t bytes() const { return test::fnv(test::fnv(test::fnv_seed, k.buffer), v.buffer); }
+};
+}  // namespace
+
+// Issue 26: chunked prefill is served through prefill_chunk; what cannot be served right is
+// refused by name, and a refused call changes neither the cache nor the state.
+TEST_CASE("chunked prefill: chunks the plan did not ask for, out of order or after prefill_end are refused",
+          "[contracts]") {
+  using ev = kvevict::sequence_event;
+  using seq = chunk_sequence;
+  const seq x(20);
+  kvevict::compressor_options o;
+  o.model = {1, seq::hq, seq::hkv, seq::d, 0, kvevict::dtype::bf16};
+  kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+  w.window = 4;
+  o.policy = kvevict::policy::snapkv(w);
+  o.per_head = kvevict::budget::tokens(6);
+  o.limits.max_tokens = 32;
+  const auto call = [&](const kvevict::compressor& c, const kvevict::sequence_io<bf16>& io,
+                        kvevict::sequence_report* r) {
+    kvevict::workspace ws(c.workspace_size());
+    return c.run(0, &io, 1, r, ws);
+  };
+  kvevict::sequence_report r;
+  {  // the plan said nothing of chunks
+    kvevict::compressor c;
+    REQUIRE(kvevict::compressor::plan(o, &c).ok());
+    const kvevict::status st = call(c, x.chunk(0, 8, ev::prefill_chunk, nullptr), &r);
+    INFO(st.message());
+    CHECK(st.code() == kvevict::errc::invalid_argument);
+    CHECK(std::string(st.argument()) == "seqs[0].event");
+    CHECK(std::string(st.message()).find("chunked_prefill") != std::string::npos);
+  }
+  o.chunked_prefill = true;
+  kvevict::compressor c;
+  REQUIRE(kvevict::compressor::plan(o, &c).ok());
+  // The state holds each layer's window: positions and [Hq, W, d] bf16 queries.
+  CHECK(c.sequence_state_size() >= 64 + 4 * 8 + seq::hq * 4 * seq::d * 2);
+  std::vector<std::uint64_t> state(c.sequence_state_size() / 8 + 1);
+  REQUIRE(c.reset_sequence(state.data(), c.sequence_state_size()).ok());
+  {
+    const kvevict::status st = call(c, x.chunk(0, 8, ev::prefill_chunk, state.data()), &r);
+    INFO(st.message());
+    REQUIRE(st.ok());
+    CHECK(r.action == kvevict::sequence_action::observed);
+    CHECK(r.length == 8);
+  }
+  const std::uint64_t cache_before = x.bytes();
+  const std::vector<std::uint64_t> state_before = state;
+  {  // the same chunk twice, or an earlier one: its queries are not after the window's newest
+    for (i64 from : {0, 4, 7}) {
+      const kvevict::status st = call(c, x.chunk(from, 12, ev::prefill_chunk, state.data()), &r);
+      INFO(st.message());
+      CHECK(st.code() == kvevict::errc::invalid_argument);
+      CHECK(std::string(st.argument()) == "seqs[0].queries.positions[0]");
+      CHECK(state == state_before);
+    }
+    // prefill_end with a query the window already holds: refused too
+    const kvevict::status st = call(c, x.chunk(6, 20, ev::prefill_end, state.data()), &r);
+    CHECK(std::string(st.argument()) == "seqs[0].queries.positions[0]");
+    CHECK(state == state_before);
+    CHECK(x.bytes() == cache_before);
+  }
+  {  // a chunk of the wrong shape
+    auto io = x.chunk(8, 12, ev::prefill_chunk, state.data());
+    io.queries.num_heads = 2;
+    const kvevict::status st = call(c, io, &r);
+    CHECK(std::string(st.argument()) == "seqs[0].queries");
+    CHECK(state == state_before);
+  }
+  REQUIRE(call(c, x.chunk(8, 19, ev::prefill_chunk, state.data()), &r).ok());
+  {  // the last chunk holds 1 of the window's 4 queries: served from the state
+    const kvevict::status st = call(c, x.chunk(19, 20, ev::prefill_end, state.data()), &r);
+    INFO(st.message());
+    REQUIRE(st.ok());
+    CHECK(r.action == kvevict::sequence_action::evicted);
+    CHECK(r.length == 6);
+  }
+  {  // DeferKV: a chunk after this sequence's prefill_end is a new prompt: reset_sequence()
+    kvevict::compressor_options od = o;
+    kvevict::deferkv_config dc;
+    dc.window = 4;
+    dc.delay = 2;
+    od.policy = kvevict::policy::deferkv(dc);
+    kvevict::compressor cd;
+    REQUIRE(kvevict::compressor::plan(od, &cd).ok());
+    std::vector<std::uint64_t> sd(cd.sequence_state_size() / 8 + 1);
+    REQUIRE(cd.reset_sequence(sd.data(), cd.sequence_state_size()).ok());
+    const seq y(12);
+    REQUIRE(call(cd, y.chunk(0, 9, ev::prefill_chunk, sd.data()), &r).ok());
+    REQUIRE(call(cd, y.chunk(9, 11, ev::prefill_end, sd.data()), &r).ok());
+    CHECK(r.action == kvevict::sequence_action::observed);
+    const std::vector<std::uint64_t> before = sd;
+    const kvevict::status st = call(cd, y.chunk(11, 12, ev::prefill_chunk, sd.data()), &r);
+    INFO(st.message());
+    CHECK(st.code() == kvevict::errc::invalid_state);
+    CHECK(std::string(st.argument()) == "seqs[0].state");
+    CHECK(sd == before);
+  }
+  {  // H2O observes with every prompt query: a prompt past limits.max_queries lost some
+    kvevict::compressor_options oh = o;
+    oh.policy = kvevict::policy::h2o();
+    oh.limits.max_queries = 10;
+    kvevict::compressor ch;
+    REQUIRE(kvevict::compressor::plan(oh, &ch).ok());
+    std::vector<std::uint64_t> sh(ch.sequence_state_size() / 8 + 1);
+    REQUIRE(ch.reset_sequence(sh.data(), ch.sequence_state_size()).ok());
+    const seq y(16);
+    REQUIRE(call(ch, y.chunk(0, 8, ev::prefill_chunk, sh.data()), &r).ok());
+    REQUIRE(call(ch, y.chunk(8, 14, ev::prefill_chunk, sh.data()), &r).ok());
+    const std::uint64_t yb = y.bytes();
+    const kvevict::status st = call(ch, y.chunk(14, 16, ev::prefill_end, sh.data()), &r);
+    INFO(st.message());
+    CHECK(st.code() == kvevict::errc::invalid_shape);
+    CHECK(std::string(st.argument()) == "seqs[0].queries.num_queries");
+    CHECK(y.bytes() == yb);
+  }
+}
+
+// The keep set one sequence shares across its layers (llama.cpp cells) folds every layer's
+// scores at prefill_end: with chunks, each layer's window comes from the state.
+TEST_CASE("chunked prefill under a keep set shared by every layer equals the unchunked one", "[contracts]") {
+  using ev = kvevict::sequence_event;
+  using seq = chunk_sequence;
+  const seq x(23);
+  kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+  w.window = 5;
+  kvevict::deferkv_config dc;
+  dc.window = 5;
+  dc.delay = 1;
+  for (const kvevict::policy_config& pc :
+       {kvevict::policy::snapkv(w), kvevict::policy::h2o(), kvevict::policy::deferkv(dc)}) {
+    for (i64 chunk : {1, 4, 5, 22}) {
+      INFO(kvevict::to_string(pc.kind) << " chunk " << chunk);
+      std::vector<i64> kept[2];
+      for (int chunked = 0; chunked < 2; ++chunked) {
+        kvevict::compressor_options o;
+        o.model = {2, seq::hq, seq::hkv, seq::d, 0, kvevict::dtype::bf16};
+        o.policy = pc;
+        o.per_head = kvevict::budget::tokens(7);
+        o.scope = kvevict::selection_scope::per_sequence;
+        o.compact = kvevict::compaction::keep_list_only;
+        o.limits.max_tokens = 32;
+        o.chunked_prefill = chunked == 1;
+        kvevict::compressor c;
+        REQUIRE(kvevict::compressor::plan(o, &c).ok());
+        kvevict::workspace ws(c.workspace_size());
+        std::vector<std::uint64_t> state(c.sequence_state_size() / 8 + 1);
+        REQUIRE(c.reset_sequence(state.data(), c.sequence_state_size()).ok());
+        std::vector<i64> positions(static_cast<std::size_t>(c.keep_capacity()), -1);
+        const i64 prompt = pc.kind == kvevict::policy_kind::deferkv ? x.tokens - 1 : x.tokens;
+        const i64 last = chunked == 1 ? (prompt - 1) / chunk * chunk : 0;
+        for (i64 from = 0; from < last; from += chunk)
+          for (i64 l = 0; l < 2; ++l) {
+            const auto io = x.chunk(from, from + chunk, ev::prefill_chunk, state.data());
+            kvevict::sequence_report r;
+            REQUIRE(c.run(l, &io, 1, &r, ws).ok());
+          }
+        for (i64 l = 0; l < 2; ++l) {
+          auto io = x.chunk(last, prompt, ev::prefill_end, state.data());
+          io.kept_positions = positions.data();
+          kvevict::sequence_report r;
+          const kvevict::status st = c.run(l, &io, 1, &r, ws);
+          INFO(st.message());
+          REQUIRE(st.ok());
+          if (l == 1 && pc.kind != kvevict::policy_kind::deferkv) {
+            REQUIRE(r.action == kvevict::sequence_action::evicted);
+            positions.resize(static_cast<std::size_t>(r.kept));
+          }
+        }
+        if (pc.kind == kvevict::policy_kind::deferkv)
+          for (i64 l = 0; l < 2; ++l) {  // step d = 1 evicts
+            auto io = x.chunk(prompt, x.tokens, ev::decode, state.data());
+            io.kept_positions = positions.data();
+            kvevict::sequence_report r;
+            REQUIRE(c.run(l, &io, 1, &r, ws).ok());
+            if (l == 1) {
+              REQUIRE(r.action == kvevict::sequence_action::evicted);
+              positions.resize(static_cast<std::size_t>(r.kept));
+            }
+          }
+        kept[chunked] = positions;
+      }
+      REQUIRE(kept[0].size() >= 7 * seq::hkv);  // (DeferKV keeps its decoded token on top)
+      REQUIRE(kept[0].size() < static_cast<std::size_t>(x.tokens * seq::hkv));
+      REQUIRE(kept[1] == kept[0]);
+    }
+  }
+}
+
 TEST_CASE("errors name what the caller wrote: the workspace figure is workspace_size()'s", "[contracts]") {
   using ev = kvevict::sequence_event;
   shared_batch b(kvevict::block_sharing::none);
@@ -1074,7 +1293,7 @@ TEST_CASE("out of place: the destination needs room for what this sequence can k
 }
 
 // Issue 26: NaN queries are absorbed by design, but nothing told the engine.
-TEST_CASE("reports count the non-finite queries and keys a call scored with", "[contracts]") {
+TEST_CASE("reports count the non-finite queries, keys and scores a call scored with", "[contracts]") {
   constexpr i64 l = 40, w = 4;
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   {  // SnapKV at prefill_end: the window's queries and every key
@@ -1150,5 +1369,43 @@ TEST_CASE("reports count the non-finite queries and keys a call scored with", "[
     CHECK(r.action == kvevict::sequence_action::observed);
     CHECK(r.nonfinite_queries == 1);
     CHECK(r.nonfinite_keys == 1);  // only the newest key is read at a decode step
+  }
+  // KNorm scores a NaN key NaN and an infinite one -inf: candidates counted, the protected
+  // tail (scored +inf by design) not; a clean cache counts none; a shared keep set counts
+  // each layer's scores.
+  for (const auto scope : {kvevict::selection_scope::per_head, kvevict::selection_scope::per_sequence}) {
+    INFO("scope " << static_cast<int>(scope));
+    kvevict::compressor_options opt;
+    opt.model = {1, strided_sequence::hq, strided_sequence::hkv, strided_sequence::d, 0, kvevict::dtype::f32};
+    opt.policy = kvevict::policy::knorm({3});
+    opt.per_head = kvevict::budget::tokens(12);
+    opt.scope = scope;
+    opt.limits.max_tokens = l;
+    kvevict::compressor c;
+    REQUIRE(kvevict::compressor::plan(opt, &c).ok());
+    kvevict::workspace ws(c.workspace_size());
+    std::vector<std::uint64_t> state(c.sequence_state_size() / 8 + 1);
+    kvevict::sequence_report r;
+    for (int dirty = 0; dirty < 2; ++dirty) {
+      REQUIRE(c.reset_sequence(state.data(), c.sequence_state_size()).ok());
+      strided_sequence seq(l, l, w, 9);
+      const auto k = kvevict::hf_contiguous(seq.k.data(), strided_sequence::hkv, l, strided_sequence::d, l);
+      if (dirty == 1) {
+        k.at(0, 2, 0) = nan;
+        k.at(1, 5, 3) = inf;
+        k.at(1, 6, 1) = -inf;
+        k.at(0, l - 1, 2) = nan;  // in the protected tail of 3
+      }
+      auto io = seq.io(kvevict::sequence_event::prefill_end);
+      io.state = c.sequence_state_size() > 0 ? state.data() : nullptr;
+      std::vector<kvevict::layer_cache<float>> layers{io.cache()};
+      io.layers = layers.data();
+      const kvevict::status st = c.run(0, &io, 1, &r, ws);
+      INFO(st.message());
+      REQUIRE(st.ok());
+      CHECK(r.action == kvevict::sequence_action::evicted);
+      CHECK(r.nonfinite_keys == (dirty == 1 ? 4 : 0));
+      CHECK(r.nonfinite_scores == (dirty == 1 ? 3 : 0));
+    }
   }
 }

@@ -234,7 +234,7 @@ TEMPLATE_TEST_CASE("integration: FlashInfer HND pages with a CSR page table, two
                    bf16) {
   using T = TestType;
   const std::int64_t page = 8, pool_pages = 40;
-  const std::vector<std::int64_t> seq_lens = {150, 97};
+  const std::vector<std::int32_t> seq_lens = {150, 97};  // FlashInfer's int32, as it is
   const layer<T> layers[2] = {make_layer<T>(seq_lens[0], 300), make_layer<T>(seq_lens[1], 400)};
   // indptr / indices as FlashInfer's BatchDecodeWithPagedKVCacheWrapper takes them.
   std::vector<std::int32_t> indptr = {0}, indices(static_cast<std::size_t>(pool_pages));

@@ -123,7 +123,9 @@ class basic_compressor : private detail::compressor_steps {
   }
   /// Bytes of state per sequence (0 when the policy is stateless and the scope is not
   /// per_sequence: then sequence_io::state may be null). DeferKV: [layers, Hkv, max_tokens]
-  /// floats plus small headers; a per-sequence scope adds [max_tokens] floats.
+  /// floats plus small headers; a per-sequence scope adds [max_tokens] floats; chunked_prefill
+  /// adds each layer's window of chunk queries ([Hq, rows, d] of the query type and rows
+  /// positions; rows: the observation window, H2O limits.max_queries).
   std::size_t sequence_state_size() const noexcept { return state_bytes_; }
   /// Entries of sequence_io::kept_positions one eviction may write.
   std::int64_t keep_capacity() const noexcept { return keep_capacity_; }

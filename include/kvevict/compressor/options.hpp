@@ -250,6 +250,12 @@ struct compressor_options {
   /// compact a paged cache in place.
   block_sharing sharing = block_sharing::undeclared;
   compressor_limits limits;
+  /// The engine prefills a sequence in chunks (vLLM v1, SGLang) and hands each chunk that is
+  /// not the last as sequence_event::prefill_chunk: the compressor keeps the chunks' last
+  /// queries in the sequence's state (each layer: the policy's window, H2O max_queries rows;
+  /// sequence_state_size() grows by [Hq, rows, d] queries per layer), so the last chunk may
+  /// hold fewer than the window and the keep set is the unchunked one.
+  bool chunked_prefill = false;
   executor exec;  ///< heads run through it; scratch is sized for its workers
   compressor_tracer tracer;
   /// Tensor parallelism (design.md §15): the engine's group of ranks that split the model's KV

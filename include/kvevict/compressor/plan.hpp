@@ -187,11 +187,15 @@ inline status check_compressor_options(compressor_options* options, const layer_
   return status();
 }
 
-/// The largest protected tail any call may see (DeferKV adds its decoded tokens).
-inline selection_params largest_selection(const policy_config& p) noexcept {
+/// The largest protected tail any call may see (DeferKV adds its decoded tokens: up to
+/// delay - 1 before its last step, and a step of up to limits.max_queries tokens).
+inline selection_params largest_selection(const compressor_options& o) noexcept {
+  const policy_config& p = o.policy;
   return with_policy_traits(p.kind, selection_params{}, [&](auto traits) {
     using Tr = decltype(traits);
-    return Tr::largest_selection(Tr::config(p));
+    selection_params sel = Tr::largest_selection(Tr::config(p));
+    if (Tr::deferred && o.limits.max_queries > 1) sel.protected_tail += o.limits.max_queries - 1;
+    return sel;
   });
 }
 
@@ -202,7 +206,7 @@ inline void keep_capacities(const compressor_options& o, layer_budget b, std::in
                             std::int64_t* per_head) noexcept {
   const std::int64_t heads = o.model.num_kv_heads, tokens = o.limits.max_tokens;
   if (o.layers == layer_allocation::pyramidkv) b.layer_candidates = tokens;
-  *keep = layer_keep_capacity(heads, tokens, largest_selection(o.policy), b);
+  *keep = layer_keep_capacity(heads, tokens, largest_selection(o), b);
   *per_head = o.heads == head_allocation::adakv || b.layer_candidates >= 0 ? tokens : (*keep + heads - 1) / heads;
 }
 
@@ -213,7 +217,7 @@ inline std::int64_t head_keep_bound(const compressor_options& o, layer_budget b,
   if (tokens < 1) return 0;
   const std::int64_t heads = o.model.num_kv_heads;
   if (o.layers == layer_allocation::pyramidkv) b.layer_candidates = tokens;
-  const std::int64_t keep = layer_keep_capacity(heads, tokens, largest_selection(o.policy), b);
+  const std::int64_t keep = layer_keep_capacity(heads, tokens, largest_selection(o), b);
   const std::int64_t per_head =
       o.heads == head_allocation::adakv || b.layer_candidates >= 0 ? keep : (keep + heads - 1) / heads;
   return per_head < tokens ? per_head : tokens;
@@ -244,14 +248,14 @@ inline status check_run_call(const compressor_options& o, dtype storage, dtype q
 template <class Q>
 status check_sequence_queries(const compressor_options& o, softmax_domain domain, const query_view<const Q>& q,
                               bool decode, const float* lse, std::int64_t lse_head_stride, std::int64_t s,
-                              const char* fn) noexcept {
+                              const char* fn, bool multi_token_steps = false) noexcept {
   const model_shape& m = o.model;
   if (q.num_heads != m.num_query_heads || q.head_dim != m.head_dim)
     return status::error(errc::invalid_shape, fn, io_name(s, "queries"),
                          "expected the model's [%lld query heads, d = %lld], got [%lld, %lld]",
                          static_cast<long long>(m.num_query_heads), static_cast<long long>(m.head_dim),
                          static_cast<long long>(q.num_heads), static_cast<long long>(q.head_dim));
-  if (decode && q.num_queries != 1)
+  if (decode && q.num_queries != 1 && !multi_token_steps)
     return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
                          "expected the decode step's query (1 per head), got %lld",
                          static_cast<long long>(q.num_queries));

@@ -18,9 +18,13 @@ KVEVICT_NAMESPACE_BEGIN
 
 /// What just happened to a sequence at this step.
 enum class sequence_event : std::int32_t {
-  idle,         ///< nothing for kvevict (a prefill chunk that is not the last, a paused sequence)
+  idle,         ///< nothing for kvevict (a paused sequence; a prefill chunk, when the plan has no
+                ///< chunked_prefill and the last chunk hands the whole window)
   prefill_end,  ///< the cache now holds the whole prompt (DapQ: the prompt and its pseudo tokens)
-  decode,       ///< the cache now holds one more decoded token
+  decode,       ///< the cache now holds the step's decoded tokens (one, or k >= 1: see queries)
+  /// a prompt chunk that is not the last (compressor_options::chunked_prefill): its queries'
+  /// last rows go to the sequence's state; nothing is scored or evicted
+  prefill_chunk,
 };
 
 /// One sequence at one layer. The cache views describe the layer's K and V after this step's
@@ -30,10 +34,17 @@ enum class sequence_event : std::int32_t {
 ///                SnapKV/DeferKV the last W prompt queries, or all of a shorter prompt; DapQ the
 ///                N pseudo queries or, for its re-rotated variant, the last N prompt queries;
 ///                H2O every prompt query); more rows are fine, the last ones are used. Fewer are
-///                refused (seqs[i].queries.num_queries): with chunked prefill, keep the last W
-///                queries of the earlier chunks and hand the whole window with the last chunk.
-///                StreamingLLM and KNorm read none.
-///   decode:      the step's query (one per query head). Only DeferKV reads it.
+///                refused (seqs[i].queries.num_queries): with chunked prefill, plan
+///                chunked_prefill and hand the earlier chunks as prefill_chunk (their rows
+///                count towards the window, before this call's), or keep the last W queries of
+///                the earlier chunks and hand the whole window with the last chunk.
+///                StreamingLLM, KNorm and KeyDiff read none.
+///   prefill_chunk: the chunk's queries (any number; positions after the previous chunk's).
+///   decode:      the step's queries, one per decoded token (k >= 1: speculative verification's
+///                accepted tokens, multi-token prediction), in time order. Only DeferKV reads
+///                them: its d counts decoded tokens, the k tokens are observed one after another
+///                exactly as k one-token steps, and it evicts at the end of the step that brings
+///                the count to d or past it (every token of that step observed and protected).
 template <class T, class Q = default_query_type_t<T>>
 struct sequence_io {
   sequence_event event = sequence_event::idle;
@@ -44,11 +55,13 @@ struct sequence_io {
   index_ptr key_positions = nullptr;
   /// Optional flash-attention log-sum-exp of the queries ([Hq, W] natural log, rows
   /// lse_head_stride apart; 0 means W): one sweep over K instead of two (softmax over
-  /// visible keys only; not for DeferKV, which normalises its own observations).
+  /// visible keys only; not for DeferKV, which normalises its own observations). Read only
+  /// when this call's queries hold the whole window: a window assembled with the rows of
+  /// earlier prefill chunks is normalised by kvevict.
   const float* lse = nullptr;
   std::int64_t lse_head_stride = 0;
   /// The sequence's compressor state (compressor::sequence_state_size() bytes, set up by
-  /// compressor::reset_sequence), for DeferKV and for selection_scope::per_sequence; null when
+  /// compressor::reset_sequence), for DeferKV, selection_scope::per_sequence and chunked_prefill; null when
   /// that size is 0.
   void* state = nullptr;
 
@@ -189,11 +202,16 @@ struct sequence_report {
   /// share a block table). Drop their prefix-cache hashes.
   std::int64_t num_changed_blocks = 0;
   /// Non-finite values (NaN, +-inf) this call met in what it scores with: the observation
-  /// queries it read, and the keys (every key at prefill_end; the newest one at a decode step
+  /// queries it read, and the keys (every key at prefill_end; the step's new ones at a decode step
   /// DeferKV observes; none for StreamingLLM). Scoring absorbs them by design (such a key
   /// scores lowest, such a query observes nothing); these counts tell the engine it happened.
   std::int64_t nonfinite_queries = 0;
   std::int64_t nonfinite_keys = 0;
+  /// Candidates (tokens the selection chose among, over every head; protected ones excluded)
+  /// whose score was NaN or infinite at the eviction (a keep set shared by every layer: this
+  /// layer's scores, counted at each layer's fold). Non-finite inputs, or a score that
+  /// overflowed; selection ranks them by design (NaN last).
+  std::int64_t nonfinite_scores = 0;
 };
 
 KVEVICT_NAMESPACE_END

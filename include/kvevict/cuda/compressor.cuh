@@ -206,6 +206,10 @@ class compressor {
                            to_string(o.policy.kind));
     if (o.policy.chunk_length > 0)
       return status::error(errc::unsupported, fn, "policy.chunk_length", "ChunkKV is not implemented on the GPU");
+    if (options.chunked_prefill)
+      return status::error(errc::unsupported, fn, "chunked_prefill",
+                           "prefill_chunk is not implemented on the GPU (hand the earlier chunks as idle and the whole "
+                           "window at prefill_end)");
     if (o.scope == selection_scope::per_sequence)
       return status::error(errc::unsupported, fn, "scope",
                            "the per-sequence keep set is not implemented on the GPU compressor (per_head and "
@@ -695,6 +699,10 @@ class compressor {
                         const launch_options& opt, detail::sequence_step* out) const {
     static constexpr const char* fn = "kvevict::cuda::compressor::run";
     using kvevict::detail::io_name;
+    if (io.event == sequence_event::prefill_chunk)
+      return status::error(errc::unsupported, fn, io_name(s, "event"),
+                           "prefill_chunk is not implemented on the GPU (hand the earlier chunks as idle and the whole "
+                           "window at prefill_end)");
     if (static_cast<unsigned>(io.event) > 2u)
       return status::error(errc::invalid_argument, fn, io_name(s, "event"), "expected a sequence_event value, got %d",
                            static_cast<int>(io.event));

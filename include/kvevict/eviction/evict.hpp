@@ -73,6 +73,10 @@ struct eviction_result {
   /// (per-head block tables: each head frees its own; one shared table: the entries beyond the
   /// longest head, freed_blocks, for every head).
   std::int64_t* head_freed_blocks = nullptr;
+  /// out, from a policy's evict(): the candidates (tokens the selection chose among; the
+  /// protected ones excluded) whose score was NaN or infinite, over every head. Selection
+  /// ranks them by design (NaN last); the count tells the caller it happened.
+  std::int64_t nonfinite_scores = 0;
 };
 
 /// Optional inputs and outputs of eviction beyond the keep-list.

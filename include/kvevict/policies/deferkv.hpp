@@ -76,7 +76,8 @@ enum deferkv_phase : std::int32_t { deferkv_empty = 0, deferkv_prefilled = 1, de
 /// Per layer and sequence:
 ///   init_state(state, Hkv, max_prompt)       once per sequence (or reset_state to reuse)
 ///   observe_prefill({keys [Lp], queries [W'], state})   end of prefill
-///   observe_decode({keys [Lp+k+1], queries [1], state})  decode steps k = 0 .. d-1
+///   observe_decode({keys [Lp+k+n], queries [n], state})  each decode step of n >= 1 tokens
+///                                                        (k before it) until k + n >= d
 ///   ready(state) -> evict(cache, {state}, budget, ...)  or score() + your own selection
 template <class T, class Q = default_query_type_t<T>>
 class deferkv {
@@ -180,18 +181,32 @@ class deferkv {
     return status();
   }
 
-  /// The next decode step (observed in order, none skipped). in.keys: [Hkv, Lp+k+1, d] (the
-  /// cache now holds the decoded tokens too); in.queries: [Hq, 1, d] this step's query.
+  /// The next decode step (observed in order, none skipped) of n >= 1 tokens (speculative
+  /// verification's accepted tokens, multi-token prediction). in.keys: [Hkv, Lp+k+n, d] (the
+  /// cache now holds the step's tokens too; k tokens were decoded before); in.queries:
+  /// [Hq, n, d] the step's queries in time order. The tokens are observed one after another,
+  /// each with the cache as it stood after it, exactly as n one-token steps. d counts decoded
+  /// tokens: the state is ready once at least d were observed (a step may carry it past d;
+  /// every token of the step is observed and protected).
   status observe_decode(const layer_inputs<T, Q>& in, workspace_span ws, const executor& exec = {}) const {
     static constexpr const char* fn = "kvevict::deferkv::observe_decode";
     detail::deferkv_header* h = nullptr;
     KVEVICT_RETURN_IF_ERROR(header(in.state, fn, &h));
     KVEVICT_RETURN_IF_ERROR(check_decode(*h, in, fn));
+    KVEVICT_RETURN_IF_ERROR(detail::validate_query_view(in.queries, fn, "queries"));
+    KVEVICT_RETURN_IF_ERROR(detail::validate_cache_view(in.keys, fn, "keys"));
     const float one = 1.0f;
-    KVEVICT_RETURN_IF_ERROR(
-        observe(fn, *h, sums(in.state), in, h->prompt_tokens, h->prompt_tokens, &one, /*first=*/false, ws, exec));
-    h->z = config_.effective_eta() * h->z + 1.0;
-    ++h->steps;
+    for (std::int64_t t = 0; t < in.queries.num_queries; ++t) {  // (valid views: no step below fails)
+      layer_inputs<T, Q> token = in;
+      token.keys = in.keys.first_tokens(h->prompt_tokens + h->steps + 1);
+      token.queries.data += t * in.queries.query_stride;
+      token.queries.positions += t;
+      token.queries.num_queries = 1;
+      KVEVICT_RETURN_IF_ERROR(observe(fn, *h, sums(in.state), token, h->prompt_tokens, h->prompt_tokens, &one,
+                                      /*first=*/false, ws, exec));
+      h->z = config_.effective_eta() * h->z + 1.0;
+      ++h->steps;
+    }
     if (h->steps >= config_.delay) h->phase = detail::deferkv_ready;
     return status();
   }
@@ -207,7 +222,7 @@ class deferkv {
   bool started(policy_state state) const noexcept { return phase_of(state) > detail::deferkv_empty; }
   /// Whether evict() already ran for this sequence.
   bool evicted(policy_state state) const noexcept { return phase_of(state) == detail::deferkv_evicted; }
-  /// Decode steps observed so far.
+  /// Decoded tokens observed so far.
   std::int64_t steps_observed(policy_state state) const noexcept {
     const detail::deferkv_header* h = peek(state);
     return h != nullptr ? h->steps : 0;
@@ -217,7 +232,7 @@ class deferkv {
     const detail::deferkv_header* h = peek(state);
     return h != nullptr ? h->prompt_tokens : 0;
   }
-  /// Tokens in the cache when eviction happens: prompt + observed decode steps.
+  /// Tokens in the cache when eviction happens: prompt + observed decoded tokens.
   std::int64_t num_tokens(policy_state state) const noexcept { return prompt_tokens(state) + steps_observed(state); }
   /// Protected tail at eviction: the window and every decoded token.
   selection_params selection(policy_state state) const noexcept {
@@ -420,13 +435,14 @@ class deferkv {
                            "expected the prefill's %lld KV heads and %lld query heads, got %lld and %lld",
                            static_cast<long long>(h.heads), static_cast<long long>(h.heads * h.group),
                            static_cast<long long>(in.keys.num_heads), static_cast<long long>(in.queries.num_heads));
-    if (in.queries.num_queries != 1)
-      return status::error(errc::invalid_shape, fn, "queries.num_queries", "expected 1 query per head, got %lld",
+    if (in.queries.num_queries < 1)
+      return status::error(errc::invalid_shape, fn, "queries.num_queries",
+                           "expected the step's queries (>= 1 per head), got %lld",
                            static_cast<long long>(in.queries.num_queries));
-    if (in.keys.num_tokens != h.prompt_tokens + h.steps + 1)
+    if (in.keys.num_tokens != h.prompt_tokens + h.steps + in.queries.num_queries)
       return status::error(errc::invalid_shape, fn, "keys.num_tokens",
                            "expected prompt + decoded tokens = %lld, got %lld (wrong layer or step?)",
-                           static_cast<long long>(h.prompt_tokens + h.steps + 1),
+                           static_cast<long long>(h.prompt_tokens + h.steps + in.queries.num_queries),
                            static_cast<long long>(in.keys.num_tokens));
     return status();
   }

@@ -96,7 +96,8 @@ class deferkv_state {
     return policy_.observe_prefill(with_state(in), ws, exec);
   }
 
-  /// Decode step `step` (0-based, observed in order, none skipped).
+  /// A decode step of in.queries.num_queries >= 1 tokens; `step`: the decoded tokens observed
+  /// before it (steps are observed in order, none skipped).
   status observe_decode(std::int64_t layer, std::int64_t step, const layer_inputs<T, Q>& in, workspace_span ws,
                         const executor& exec = {}) {
     static constexpr const char* fn = "kvevict::deferkv_state::observe_decode";

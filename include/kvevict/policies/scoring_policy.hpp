@@ -9,6 +9,7 @@
 // budget, the K and V views and the workspace up front, the scoring inputs by score(), the
 // keep-list and block tables by evict(); a failed call leaves the cache as it was.
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -115,6 +116,18 @@ status compact_layer(const layer_cache<T>& cache, const const_keep_list_view& ke
   return evict(cache.keys, cache.values, keep, result, ws, opt, exec);
 }
 
+/// Candidates of `scores` (every column before the protected tail of each row) whose score is
+/// NaN or infinite.
+inline std::int64_t count_nonfinite_candidates(const const_score_view& scores, std::int64_t protected_tail) noexcept {
+  const std::int64_t cand = scores.cols > protected_tail ? scores.cols - protected_tail : 0;
+  std::int64_t n = 0;
+  for (std::int64_t h = 0; h < scores.rows; ++h) {
+    const float* row = scores.data + h * scores.row_stride;
+    for (std::int64_t j = 0; j < cand; ++j) n += std::isfinite(row[j]) ? 0 : 1;
+  }
+  return n;
+}
+
 /// score -> select_layer -> evict for one layer. `score(scores, ws)` fills [Hkv, score_cols]
 /// scores (score_cols <= L; keys past it are dropped: DapQ's pseudo tokens); `score_bytes`
 /// is the scoring workspace it needs; `sel` is the policy's selection for this call.
@@ -144,6 +157,10 @@ status evict_layer(const char* fn, const layer_cache<T>& cache, const layer_obse
                       "expected at least %zu bytes (the policy's evict_workspace_size), got %zu", a.used(), ws.size),
         fn);
   const status scored = score(score_view{layout.scores, heads, score_cols, score_cols}, layout.score);
+  result.nonfinite_scores =
+      scored.ok() ? count_nonfinite_candidates(const_score_view{layout.scores, heads, score_cols, score_cols},
+                                               sel.protected_tail)
+                  : 0;
   const keep_list_view keep{heads, layout.offsets, layout.indices, layout.capacity};
   KVEVICT_RETURN_IF_ERROR(select_layer_impl(const_score_view{layout.scores, heads, score_cols, score_cols}, sel, b,
                                             keep, layout.select, exec, scored));

@@ -23,7 +23,8 @@ struct batch_cache_view {
   /// `block_tables` is set.
   cache_view<T> layout;
   std::int64_t num_seqs = 0;
-  const std::int64_t* seq_lens = nullptr;  ///< [num_seqs] tokens in each sequence
+  /// [num_seqs] tokens in each sequence (int32, as FlashInfer and vLLM keep them, or int64)
+  index_ptr seq_lens = nullptr;
 
   std::int64_t seq_stride = 0;  ///< strided: elements between consecutive sequences
 

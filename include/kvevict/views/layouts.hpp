@@ -51,7 +51,7 @@ KVEVICT_HOST_DEVICE cache_view<T> hf_contiguous(T* data, std::int64_t num_heads,
 template <class T>
 KVEVICT_HOST_DEVICE batch_cache_view<T> hf_contiguous_batch(T* data, std::int64_t num_seqs, std::int64_t num_heads,
                                                             std::int64_t max_tokens, std::int64_t head_dim,
-                                                            const std::int64_t* seq_lens) noexcept {
+                                                            index_ptr seq_lens) noexcept {
   batch_cache_view<T> b;
   b.layout = hf_contiguous(data, num_heads, max_tokens, head_dim, max_tokens);
   b.num_seqs = num_seqs;
@@ -107,11 +107,12 @@ KVEVICT_HOST_DEVICE cache_view<T> flashinfer_paged_hnd(T* pool, std::int64_t num
 
 /// FlashInfer ragged batch over a CSR page table: sequence s uses pages
 /// indices[indptr[s] .. indptr[s+1]) and holds seq_lens[s] tokens
-/// (= (pages - 1) * page_size + last_page_len[s] in FlashInfer's terms).
+/// (= (pages - 1) * page_size + last_page_len[s] in FlashInfer's terms). indptr, indices and
+/// seq_lens as FlashInfer keeps them (int32) or int64, each as it is: nothing is widened.
 template <class T>
 KVEVICT_HOST_DEVICE batch_cache_view<T> flashinfer_paged_batch(cache_view<T> pool_layout, std::int64_t num_seqs,
                                                                index_ptr indptr, index_ptr indices,
-                                                               const std::int64_t* seq_lens) noexcept {
+                                                               index_ptr seq_lens) noexcept {
   batch_cache_view<T> b;
   b.layout = pool_layout;
   b.num_seqs = num_seqs;
@@ -144,7 +145,7 @@ KVEVICT_HOST_DEVICE cache_view<T> vllm_paged_hnd(T* pool, std::int64_t num_block
 template <class T>
 KVEVICT_HOST_DEVICE batch_cache_view<T> vllm_paged_batch(cache_view<T> pool_layout, std::int64_t num_seqs,
                                                          index_ptr block_tables, std::int64_t max_blocks_per_seq,
-                                                         const std::int64_t* seq_lens) noexcept {
+                                                         index_ptr seq_lens) noexcept {
   batch_cache_view<T> b;
   b.layout = pool_layout;
   b.num_seqs = num_seqs;

@@ -120,7 +120,7 @@ class compressor_agreement : protected compressor_lifecycle {
             batch.add(static_cast<std::uint64_t>(d.steps_observed(st)));
           }
         } else if (what.action != act::none) {
-          batch.add(static_cast<std::uint64_t>(scored_tokens<List>(io)));
+          batch.add(static_cast<std::uint64_t>(scored_tokens<List>(io, layer)));
         }
       }
     }

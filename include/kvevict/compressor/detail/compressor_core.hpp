@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "kvevict/budgets/layer_budget.hpp"
 #include "kvevict/compressor/detail/state_layout.hpp"
@@ -60,6 +61,10 @@ class compressor_core {
     out->head_lengths = a.take<std::int64_t>(options_.model.num_kv_heads);
     out->indices = a.take<std::int64_t>(keep_capacity_);
     out->policy = take_span(a, policy_bytes_);
+    if (window_bytes_ > 0) {
+      out->window_queries = a.take<unsigned char>(window_scratch_bytes_);
+      out->window_positions = a.take<std::int64_t>(window_capacity_);
+    }
   }
 
   void carve_shared(arena& a, std::size_t score_bytes, shared_layout* out) const noexcept {
@@ -84,7 +89,7 @@ class compressor_core {
   }
 
   /// The largest protected tail any call may see (DeferKV adds its decoded tokens).
-  selection_params largest_selection() const noexcept { return detail::largest_selection(options_.policy); }
+  selection_params largest_selection() const noexcept { return detail::largest_selection(options_); }
 
   /// The budget a layer call starts from (before PyramidKV sets layer_candidates). The layer
   /// scope is select_layer's; the sequence scope is the compressor's own.
@@ -155,20 +160,105 @@ class compressor_core {
     return reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(scope_header(state)) + sizeof(scope_state));
   }
 
-  /// The queries a prefill_end observation uses: the policy's window (H2O: all).
+  // ---- chunked prefill: a layer's window of the earlier chunks' queries in the state --------
+
+  window_state* window_header(void* state, std::int64_t layer) const noexcept {
+    return reinterpret_cast<window_state*>(static_cast<unsigned char*>(state) + sequence_state_offset + scope_bytes_ +
+                                           static_cast<std::size_t>(options_.model.num_layers) * layer_state_bytes_ +
+                                           static_cast<std::size_t>(layer) * window_bytes_);
+  }
+  static std::int64_t* window_positions(window_state* w) noexcept { return reinterpret_cast<std::int64_t*>(w + 1); }
+  template <class Q>
+  Q* window_rows(window_state* w) const noexcept {
+    return reinterpret_cast<Q*>(window_positions(w) + window_capacity_);
+  }
+  /// The rows a prefill_end call finds buffered by earlier chunks (0 without chunks).
   template <class T, class Q>
-  query_view<const Q> prefill_queries(const sequence_io<T, Q>& io) const noexcept {
-    return every_prompt_query(options_.policy.kind) ? io.queries : last_queries(io.queries, window_);
+  std::int64_t buffered_rows(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
+    if (window_bytes_ == 0 || io.event != sequence_event::prefill_end || io.state == nullptr) return 0;
+    return window_header(io.state, layer)->count;
+  }
+  /// How many queries a prefill_end observation uses: the policy's window (H2O: all) of the
+  /// buffered rows followed by this call's.
+  template <class T, class Q>
+  std::int64_t prefill_query_count(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
+    const std::int64_t n = buffered_rows(io, layer) + io.queries.num_queries;
+    return every_prompt_query(options_.policy.kind) || n < window_ ? n : window_;
+  }
+  /// The queries a prefill_end observation uses: the last prefill_query_count() of the buffered
+  /// rows and this call's, assembled in the workspace when rows were buffered (at most the
+  /// window's capacity: checked), else a view of this call's.
+  template <class T, class Q>
+  query_view<const Q> prefill_queries(const sequence_io<T, Q>& io, std::int64_t layer,
+                                      const run_layout& lay) const noexcept {
+    const std::int64_t held = buffered_rows(io, layer);
+    const std::int64_t total = prefill_query_count(io, layer);
+    if (held == 0) return last_queries(io.queries, total);
+    window_state* w = window_header(io.state, layer);
+    const std::int64_t from_call = io.queries.num_queries < total ? io.queries.num_queries : total;
+    const std::int64_t from_state = total - from_call;
+    const std::int64_t heads = options_.model.num_query_heads, d = options_.model.head_dim, cap = window_capacity_;
+    const Q* kept = window_rows<Q>(w);
+    Q* out = static_cast<Q*>(lay.window_queries);
+    const query_view<const Q> tail = last_queries(io.queries, from_call);
+    for (std::int64_t h = 0; h < heads; ++h) {
+      std::memcpy(out + h * cap * d, kept + (h * cap + w->count - from_state) * d,
+                  static_cast<std::size_t>(from_state * d) * sizeof(Q));
+      for (std::int64_t t = 0; t < from_call; ++t)
+        for (std::int64_t c = 0; c < d; ++c) out[(h * cap + from_state + t) * d + c] = tail.at(h, t, c);
+    }
+    const std::int64_t* kept_positions = window_positions(w);
+    for (std::int64_t t = 0; t < from_state; ++t) lay.window_positions[t] = kept_positions[w->count - from_state + t];
+    for (std::int64_t t = 0; t < from_call; ++t) lay.window_positions[from_state + t] = tail.positions[t];
+    query_view<const Q> v;
+    v.data = out;
+    v.num_heads = heads;
+    v.num_queries = total;
+    v.head_dim = d;
+    v.head_stride = cap * d;
+    v.query_stride = d;
+    v.dim_stride = 1;
+    v.positions = lay.window_positions;
+    return v;
+  }
+  /// prefill_chunk: the chunk's last rows join the layer's window (the oldest leave it).
+  template <class T, class Q>
+  void buffer_chunk(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
+    window_state* w = window_header(io.state, layer);
+    const std::int64_t cap = window_capacity_, d = options_.model.head_dim;
+    const std::int64_t n = io.queries.num_queries;
+    const std::int64_t take = n < cap ? n : cap;
+    const std::int64_t keep = w->count < cap - take ? w->count : cap - take;
+    Q* rows = window_rows<Q>(w);
+    std::int64_t* positions = window_positions(w);
+    const query_view<const Q> tail = last_queries(io.queries, take);
+    for (std::int64_t h = 0; h < options_.model.num_query_heads; ++h) {
+      Q* head = rows + h * cap * d;
+      std::memmove(head, head + (w->count - keep) * d, static_cast<std::size_t>(keep * d) * sizeof(Q));
+      for (std::int64_t t = 0; t < take; ++t)
+        for (std::int64_t c = 0; c < d; ++c) head[(keep + t) * d + c] = tail.at(h, t, c);
+    }
+    std::memmove(positions, positions + (w->count - keep), static_cast<std::size_t>(keep) * sizeof(std::int64_t));
+    for (std::int64_t t = 0; t < take; ++t) positions[keep + t] = tail.positions[t];
+    w->count = keep + take;
+    w->seen += n;
+    w->last_position = tail.positions[take - 1];
+  }
+  /// prefill_end: the window was used; the next prompt starts from none.
+  template <class T, class Q>
+  void clear_window(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
+    if (window_bytes_ > 0 && io.event == sequence_event::prefill_end) *window_header(io.state, layer) = window_state{};
   }
 
-  /// The observation inputs of a sequence for the queries `q` it observes with.
+  /// The observation inputs of a sequence for the queries `q` it observes with (the engine's
+  /// LSE only for a window of this call's queries: an assembled one is normalised here).
   template <class T, class Q>
-  layer_observations<Q> observations_of(const sequence_io<T, Q>& io, const query_view<const Q>& q,
-                                        policy_state state) const noexcept {
+  layer_observations<Q> observations_of(const sequence_io<T, Q>& io, const query_view<const Q>& q, policy_state state,
+                                        bool assembled = false) const noexcept {
     layer_observations<Q> o;
     o.queries = q;
     o.observation.key_positions = io.key_positions;
-    if (io.lse != nullptr) {
+    if (io.lse != nullptr && !assembled) {
       const std::int64_t stride = io.lse_head_stride != 0 ? io.lse_head_stride : io.queries.num_queries;
       o.observation.lse = io.lse + (io.queries.num_queries - q.num_queries);  // the rows of the last queries
       o.observation.lse_head_stride = stride;
@@ -194,7 +284,7 @@ class compressor_core {
 
   /// Tokens the layer's scores cover: L, or DapQ's prompt length.
   template <class List, class T, class Q>
-  std::int64_t scored_tokens(const sequence_io<T, Q>& io) const noexcept {
+  std::int64_t scored_tokens(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
     const std::int64_t tokens = io.keys.num_tokens;
     return visit_listed(
         List{}, static_cast<std::size_t>(options_.policy.kind), tokens, [&](auto traits) -> std::int64_t {
@@ -203,7 +293,7 @@ class compressor_core {
             return tokens;
           } else {
             using P = typename Tr::template policy<T, Q>;
-            return Tr::scored_tokens(P(Tr::config(options_.policy)), tokens, prefill_queries(io).num_queries);
+            return Tr::scored_tokens(P(Tr::config(options_.policy)), tokens, prefill_query_count(io, layer));
           }
         });
   }
@@ -266,10 +356,25 @@ class compressor_core {
     } else {
       scope_bytes_ = 0;
     }
-    state_bytes_ = layer_state_bytes_ == 0 && scope_bytes_ == 0
+    // chunked prefill: each layer keeps the window's rows (H2O: every prompt query it may see)
+    window_bytes_ = 0;
+    window_capacity_ = 0;
+    window_scratch_bytes_ = 0;
+    if (options_.chunked_prefill && reads_queries(options_.policy.kind)) {
+      window_capacity_ = every_prompt_query(options_.policy.kind) ? lim.max_queries : window_;
+      window_scratch_bytes_ = round_up_64(saturating_mul(
+          saturating_mul(static_cast<std::size_t>(m.num_query_heads), static_cast<std::size_t>(window_capacity_)),
+          saturating_mul(static_cast<std::size_t>(m.head_dim), sizeof(Q))));
+      window_bytes_ = round_up_64(saturating_add(
+          saturating_add(sizeof(window_state),
+                         saturating_mul(static_cast<std::size_t>(window_capacity_), sizeof(std::int64_t))),
+          window_scratch_bytes_));
+    }
+    const std::size_t per_layer = saturating_add(layer_state_bytes_, window_bytes_);
+    state_bytes_ = per_layer == 0 && scope_bytes_ == 0
                        ? 0
                        : saturating_add(saturating_add(sequence_state_offset, scope_bytes_),
-                                        saturating_mul(static_cast<std::size_t>(m.num_layers), layer_state_bytes_));
+                                        saturating_mul(static_cast<std::size_t>(m.num_layers), per_layer));
     arena a;
     run_layout lay;
     carve(a, &lay);
@@ -286,6 +391,9 @@ class compressor_core {
   std::size_t layer_state_bytes_ = 0;
   std::size_t scope_bytes_ = 0;
   std::size_t shared_score_bytes_ = 0;
+  std::size_t window_bytes_ = 0;          ///< a layer's chunked-prefill window in the state
+  std::size_t window_scratch_bytes_ = 0;  ///< its queries (and the workspace's assembled window)
+  std::int64_t window_capacity_ = 0;      ///< rows it holds
   std::size_t state_bytes_ = 0;
   std::int64_t keep_capacity_ = 0;
   std::int64_t head_capacity_ = 0;

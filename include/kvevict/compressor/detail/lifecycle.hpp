@@ -37,11 +37,14 @@ class compressor_lifecycle : protected compressor_core {
       }
     }
     if (scope_bytes_ > 0) *scope_header(state) = scope_state{};
+    if (window_bytes_ > 0)
+      for (std::int64_t l = 0; l < m.num_layers; ++l) *window_header(state, l) = window_state{};
     sequence_state_header h;
     h.magic = sequence_state_magic;
     h.layers = m.num_layers;
     h.layer_bytes = layer_state_bytes_;
     h.scope_bytes = scope_bytes_;
+    h.window_bytes = window_bytes_;
     std::memcpy(state, &h, sizeof(h));
     return status();
   }
@@ -54,6 +57,7 @@ class compressor_lifecycle : protected compressor_core {
     *out = plan_step{};
     if (io.event == sequence_event::idle) return status();
     if (state_bytes_ > 0) KVEVICT_RETURN_IF_ERROR(check_state(io.state, s));
+    if (io.event == sequence_event::prefill_chunk) return decide_chunk<List>(layer, io, s, out);
     if (!defers<List>()) {
       if (io.event == sequence_event::prefill_end) out->action = scores_act(layer);
     } else if constexpr (has_deferred_v<List>) {
@@ -87,6 +91,34 @@ class compressor_lifecycle : protected compressor_core {
     return status();
   }
 
+  /// prefill_chunk: the chunk's queries join the layer's window (policies that read queries);
+  /// nothing is scored. Refused without chunked_prefill in the plan, or after prefill_end.
+  template <class List, class T, class Q>
+  status decide_chunk(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, plan_step* out) const {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    if (!options_.chunked_prefill)
+      return status::error(errc::invalid_argument, fn, io_name(s, "event"),
+                           "prefill_chunk needs compressor_options::chunked_prefill in the plan (or hand the earlier "
+                           "chunks as idle and the whole window at prefill_end)");
+    if constexpr (has_deferred_v<List>) {
+      if (defers<List>()) {
+        const deferred_policy<List, T, Q> d(deferred_config<List>());
+        const policy_state st = layer_state(io.state, layer);
+        if (!d.intact(st))
+          return status::error(errc::invalid_state, fn, io_name(s, "state"),
+                               "layer %lld's DeferKV state was overwritten: reset_sequence() when the sequence starts",
+                               static_cast<long long>(layer));
+        if (d.started(st))
+          return status::error(errc::invalid_state, fn, io_name(s, "state"),
+                               "a prefill chunk after this sequence's prefill_end at layer %lld: reset_sequence() for "
+                               "a new one",
+                               static_cast<long long>(layer));
+      }
+    }
+    out->buffer = window_bytes_ > 0;
+    return status();
+  }
+
   /// The deferred policy's part of decide(): observe the prompt window, then each decode step
   /// until step d, when the layer's scores are acted on.
   template <class List, class T, class Q>
@@ -116,9 +148,11 @@ class compressor_lifecycle : protected compressor_core {
                            static_cast<long long>(layer));
     } else {
       out->observe = true;
-      out->action = d.steps_observed(st) + 1 >= deferred_traits<List>::delay(deferred_config<List>())
-                        ? scores_act(layer)
-                        : act::none;
+      // d counts decoded tokens: a step of n tokens observes all n, and evicts once d are in
+      out->action =
+          d.steps_observed(st) + io.queries.num_queries >= deferred_traits<List>::delay(deferred_config<List>())
+              ? scores_act(layer)
+              : act::none;
     }
     return status();
   }
@@ -133,7 +167,7 @@ class compressor_lifecycle : protected compressor_core {
     sequence_state_header h;
     std::memcpy(&h, state, sizeof(h));
     if (h.magic != sequence_state_magic || h.layers != options_.model.num_layers ||
-        h.layer_bytes != layer_state_bytes_ || h.scope_bytes != scope_bytes_)
+        h.layer_bytes != layer_state_bytes_ || h.scope_bytes != scope_bytes_ || h.window_bytes != window_bytes_)
       return status::error(errc::invalid_state, fn, io_name(s, "state"),
                            "not a state of this plan: call reset_sequence() when the sequence starts");
     return status();

@@ -97,11 +97,12 @@ class compressor_checks : protected compressor_agreement {
   template <class List, class T, class Q>
   status check_sequence(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, const run_layout& lay) const {
     static constexpr const char* fn = "kvevict::compressor::run";
-    if (static_cast<unsigned>(io.event) > 2u)
+    if (static_cast<unsigned>(io.event) > 3u)
       return status::error(errc::invalid_argument, fn, io_name(s, "event"), "expected a sequence_event value, got %d",
                            static_cast<int>(io.event));
     plan_step what;
     KVEVICT_RETURN_IF_ERROR(decide<List>(layer, io, s, &what));
+    if (what.buffer) return check_chunk(layer, io, s);
     if (!what.observe && what.action == act::none) return status();
     KVEVICT_RETURN_IF_ERROR(
         check_layer_cache(io.cache(), s, "", what.action != act::none && what.action != act::fold, lay.policy));
@@ -109,7 +110,7 @@ class compressor_checks : protected compressor_agreement {
       return status::error(
           errc::invalid_shape, fn, io_name(s, "keys.num_tokens"), "expected at most limits.max_tokens = %lld, got %lld",
           static_cast<long long>(options_.limits.max_tokens), static_cast<long long>(io.keys.num_tokens));
-    KVEVICT_RETURN_IF_ERROR(check_queries<List>(layer, io, s, what));
+    KVEVICT_RETURN_IF_ERROR(check_queries<List>(layer, io, s, what, lay));
     if (what.action == act::fold_and_evict_all && options_.compact != compaction::keep_list_only) {
       if (io.layers == nullptr)
         return status::error(errc::null_pointer, fn, io_name(s, "layers"),
@@ -217,8 +218,30 @@ class compressor_checks : protected compressor_agreement {
     }
     return status();
   }
+  /// prefill_chunk: the chunk's queries, after the window's newest (a chunk handed twice, or
+  /// chunks out of order, would observe with the wrong queries).
+  template <class T, class Q>
+  status check_chunk(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s) const {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    KVEVICT_RETURN_IF_ERROR(validate_query_view(io.queries, fn, io_name(s, "queries")));
+    KVEVICT_RETURN_IF_ERROR(check_sequence_queries(options_, scoring_domain(), io.queries, false, nullptr, 0, s, fn));
+    return check_after_window(io, layer, s);
+  }
+  /// With rows buffered by earlier chunks, this call's queries come after the newest of them.
+  template <class T, class Q>
+  status check_after_window(const sequence_io<T, Q>& io, std::int64_t layer, std::int64_t s) const {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    if (window_bytes_ == 0) return status();
+    const window_state* w = window_header(io.state, layer);
+    if (w->seen == 0 || io.queries.positions[0] > w->last_position) return status();
+    return status::error(errc::invalid_argument, fn, io_name(s, "queries.positions[0]"),
+                         "expected a position after the earlier chunks' last query (%lld), got %lld: each chunk once, "
+                         "in order",
+                         static_cast<long long>(w->last_position), static_cast<long long>(io.queries.positions[0]));
+  }
   template <class List, class T, class Q>
-  status check_queries(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, const plan_step& what) const {
+  status check_queries(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, const plan_step& what,
+                       const run_layout& lay) const {
     static constexpr const char* fn = "kvevict::compressor::run";
     const policy_kind kind = options_.policy.kind;
     if (!reads_queries(kind)) return status();
@@ -226,14 +249,25 @@ class compressor_checks : protected compressor_agreement {
     if (defer && !what.observe) return status();  // scored from the state
     KVEVICT_RETURN_IF_ERROR(validate_query_view(io.queries, fn, io_name(s, "queries")));
     const bool decode = io.event == sequence_event::decode;
-    KVEVICT_RETURN_IF_ERROR(
-        check_sequence_queries(options_, scoring_domain(), io.queries, decode, io.lse, io.lse_head_stride, s, fn));
-    const query_view<const Q> q = decode ? io.queries : prefill_queries(io);
-    if (q.num_queries > options_.limits.max_queries)
+    KVEVICT_RETURN_IF_ERROR(check_sequence_queries(options_, scoring_domain(), io.queries, decode, io.lse,
+                                                   io.lse_head_stride, s, fn,
+                                                   /*multi_token_steps=*/true));
+    const std::int64_t held = decode ? 0 : buffered_rows(io, layer);
+    const std::int64_t used = decode ? io.queries.num_queries : prefill_query_count(io, layer);
+    if (used > options_.limits.max_queries && held > 0)
+      return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
+                           "expected at most limits.max_queries = %lld with the earlier chunks' %lld, got %lld",
+                           static_cast<long long>(options_.limits.max_queries), static_cast<long long>(held),
+                           static_cast<long long>(io.queries.num_queries));
+    if (used > options_.limits.max_queries)
       return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
                            "expected at most limits.max_queries = %lld, got %lld",
-                           static_cast<long long>(options_.limits.max_queries), static_cast<long long>(q.num_queries));
-    if (!decode) KVEVICT_RETURN_IF_ERROR(check_window<List>(io, s));
+                           static_cast<long long>(options_.limits.max_queries), static_cast<long long>(used));
+    if (!decode) {
+      KVEVICT_RETURN_IF_ERROR(check_after_window(io, layer, s));
+      KVEVICT_RETURN_IF_ERROR(check_window<List>(io, layer, s));
+    }
+    const query_view<const Q> q = decode ? io.queries : prefill_queries(io, layer, lay);
     KVEVICT_RETURN_IF_ERROR(visit_listed(List{}, static_cast<std::size_t>(kind), status(), [&](auto traits) -> status {
       using Tr = decltype(traits);
       if constexpr (Tr::deferred) {
@@ -254,10 +288,10 @@ class compressor_checks : protected compressor_agreement {
     }
     if (what.action == act::fold && layer > 0) {  // every layer of the fold scores as many tokens
       const scope_state* sc = scope_header(io.state);
-      if (scored_tokens<List>(io) != sc->tokens)
+      if (scored_tokens<List>(io, layer) != sc->tokens)
         return status::error(errc::invalid_shape, fn, io_name(s, "keys.num_tokens"),
                              "expected the %lld scored tokens of layer 0, got %lld", static_cast<long long>(sc->tokens),
-                             static_cast<long long>(scored_tokens<List>(io)));
+                             static_cast<long long>(scored_tokens<List>(io, layer)));
     }
     return status();
   }
@@ -267,7 +301,7 @@ class compressor_checks : protected compressor_agreement {
   /// them would choose another keep set, so the call is refused (the engine keeps the last W
   /// prompt queries across chunks and hands them all).
   template <class List, class T, class Q>
-  status check_window(const sequence_io<T, Q>& io, std::int64_t s) const noexcept {
+  status check_window(const sequence_io<T, Q>& io, std::int64_t layer, std::int64_t s) const noexcept {
     static constexpr const char* fn = "kvevict::compressor::run";
     const policy_config& p = options_.policy;
     const bool h2o = every_prompt_query(p.kind);
@@ -276,7 +310,14 @@ class compressor_checks : protected compressor_agreement {
       return Tr::fixed_window(Tr::config(p));
     });
     const std::int64_t need = h2o ? io.keys.num_tokens : pseudo ? window_ : std::min(window_, io.keys.num_tokens);
-    if (io.queries.num_queries >= need) return status();
+    const std::int64_t held = buffered_rows(io, layer);
+    if (held + io.queries.num_queries >= need) return status();
+    if (held > 0)
+      return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
+                           "expected %lld queries at prefill_end with the earlier chunks' %lld buffered, got %lld "
+                           "(the window holds the last %lld rows of the chunks)",
+                           static_cast<long long>(need), static_cast<long long>(held),
+                           static_cast<long long>(io.queries.num_queries), static_cast<long long>(window_capacity_));
     return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
                          h2o ? "expected every prompt query at prefill_end (H2O: keys.num_tokens = %lld), got %lld "
                                "(chunked prefill: keep the earlier chunks' queries)"

@@ -3,8 +3,9 @@
 #define KVEVICT_COMPRESSOR_DETAIL_STATE_LAYOUT_HPP
 
 // Where a compressor keeps things: the layout of a sequence's state in caller memory (a
-// header, the per-sequence scope's row, then each layer's policy state) and of one run()'s
-// workspace. Sizes are fixed by the plan, so a state or workspace is valid for every call.
+// header, the per-sequence scope's row, each layer's policy state, then each layer's
+// chunked-prefill window) and of one run()'s workspace. Sizes are fixed by the plan, so a state or workspace is valid
+// for every call.
 
 #include <cstddef>
 #include <cstdint>
@@ -22,6 +23,7 @@ struct sequence_state_header {
   std::int64_t layers = 0;
   std::uint64_t layer_bytes = 0;
   std::uint64_t scope_bytes = 0;
+  std::uint64_t window_bytes = 0;
 };
 /// The per-sequence scope's part of the state: layers folded so far, the tokens they scored,
 /// whether the keep set was applied; the combined row [max_tokens] follows.
@@ -29,6 +31,15 @@ struct scope_state {
   std::int64_t folded = 0;
   std::int64_t tokens = 0;
   std::int64_t done = 0;
+  std::int64_t reserved[5] = {};
+};
+/// A layer's chunked-prefill window (compressor_options::chunked_prefill): the last queries
+/// of the prompt chunks seen so far, in time order; positions [capacity] (int64) and the
+/// queries [Hq, capacity, d] (the plan's query type) follow. prefill_end empties it.
+struct window_state {
+  std::int64_t count = 0;          ///< rows held (the newest ones of the chunks so far)
+  std::int64_t last_position = 0;  ///< the newest buffered query's position (when seen > 0)
+  std::int64_t seen = 0;           ///< queries of every chunk so far (past the capacity too)
   std::int64_t reserved[5] = {};
 };
 constexpr std::uint64_t sequence_state_magic = 0x7173766576656b76ull;  // "vkevevsq"
@@ -45,6 +56,9 @@ struct run_layout {
   std::int64_t* head_lengths = nullptr;   ///< [Hkv] when the caller asks for none
   std::int64_t* indices = nullptr;        ///< [keep capacity] the keep-list (padded output)
   workspace_span policy;                  ///< the policy's evict / observe / scoring workspace
+  /// chunked prefill: a window assembled from the buffered rows and the last chunk's
+  void* window_queries = nullptr;            ///< [Hq, window capacity, d] of the query type
+  std::int64_t* window_positions = nullptr;  ///< [window capacity]
 };
 
 /// The per-sequence scope's scratch, carved from run_layout::policy.
@@ -63,6 +77,7 @@ struct shared_layout {
 /// layer, fold them into the sequence's combined scores, or fold and evict every layer.
 enum class step_act { none, evict, fold, fold_and_evict_all };
 struct plan_step {
+  bool buffer = false;  ///< prefill_chunk: the chunk's last queries into the layer's window
   bool observe = false;
   step_act action = step_act::none;
 };

@@ -36,10 +36,10 @@ class compressor_steps : protected compressor_checks {
  protected:
   /// The layer's scores [Hkv, scored] for the sequence scope, from the policy's own scoring.
   template <class List, class T, class Q>
-  status layer_scores(const sequence_io<T, Q>& io, policy_state st, const shared_layout& sh, score_view* out,
-                      selection_params* sel) const {
+  status layer_scores(const sequence_io<T, Q>& io, std::int64_t layer, const query_view<const Q>& window,
+                      policy_state st, const shared_layout& sh, score_view* out, selection_params* sel) const {
     const layer_cache<T> cache = io.cache();
-    const std::int64_t scored = scored_tokens<List>(io);
+    const std::int64_t scored = scored_tokens<List>(io, layer);
     *out = score_view{sh.scores, io.keys.num_heads, scored, scored};
     if constexpr (has_deferred_v<List>) {
       if (defers<List>()) {
@@ -50,7 +50,7 @@ class compressor_steps : protected compressor_checks {
         return d.score(in, *out, sh.score, options_.exec);
       }
     }
-    const layer_observations<Q> o = observations_of(io, prefill_queries(io), policy_state{});
+    const layer_observations<Q> o = observations_of(io, window, policy_state{}, buffered_rows(io, layer) > 0);
     return with_scoring_policy<List, T, Q>([&](auto traits, const auto& policy) {
       *sel = policy.selection();
       return decltype(traits)::score_layer(policy, cache, o, *out, sh.score, options_.exec);
@@ -61,13 +61,12 @@ class compressor_steps : protected compressor_checks {
   /// Scoring absorbs them by design; the counts tell the engine. Keys are counted per head
   /// through the executor into the layout's head_lengths (written again by the eviction).
   template <class T, class Q>
-  void count_nonfinite(const sequence_io<T, Q>& io, const plan_step& what, const run_layout& lay,
-                       sequence_report* r) const {
+  void count_nonfinite(const sequence_io<T, Q>& io, const query_view<const Q>& q, const plan_step& what,
+                       const run_layout& lay, sequence_report* r) const {
     const policy_kind kind = options_.policy.kind;
     const bool prefill = io.event == sequence_event::prefill_end;
     if (!prefill && !what.observe) return;  // DeferKV evicting from its state: nothing read
     if (reads_queries(kind)) {
-      const query_view<const Q> q = prefill ? prefill_queries(io) : io.queries;
       std::int64_t n = 0;
       for (std::int64_t h = 0; h < q.num_heads; ++h)
         for (std::int64_t t = 0; t < q.num_queries; ++t)
@@ -79,7 +78,7 @@ class compressor_steps : protected compressor_checks {
       cache_view<T> keys;
       std::int64_t first, last;
       std::int64_t* counts;
-    } ctx{io.keys, prefill ? 0 : io.keys.num_tokens - 1, io.keys.num_tokens, lay.head_lengths};
+    } ctx{io.keys, prefill ? 0 : io.keys.num_tokens - io.queries.num_queries, io.keys.num_tokens, lay.head_lengths};
     options_.exec.run(
         io.keys.num_heads,
         [](void* arg, std::int64_t h, int) {
@@ -102,8 +101,26 @@ class compressor_steps : protected compressor_checks {
     r->length = io.keys.num_tokens;
     r->next_slot = io.keys.num_tokens;
     r->next_position = next_position_after(io);
+    if (what.buffer) {  // a prompt chunk: its last queries join the layer's window
+      buffer_chunk(io, layer);
+      r->action = sequence_action::observed;
+      return status();
+    }
+    const status acted = apply_step<List>(layer, io, lay, what, r);
+    if (acted.ok()) clear_window(io, layer);  // prefill_end used the chunks' window
+    return acted;
+  }
+
+  /// What the step does at the end of prefill or a decode step, with the window of queries
+  /// it observes with.
+  template <class List, class T, class Q>
+  status apply_step(std::int64_t layer, const sequence_io<T, Q>& io, const run_layout& lay, const plan_step& what,
+                    sequence_report* r) const {
     if (!what.observe && what.action == act::none) return status();
-    count_nonfinite(io, what, lay, r);
+    const bool prefill = io.event == sequence_event::prefill_end;
+    const bool assembled = buffered_rows(io, layer) > 0;
+    const query_view<const Q> window = prefill ? prefill_queries(io, layer, lay) : io.queries;
+    count_nonfinite(io, window, what, lay, r);
     eviction_result result;
     result.head_lengths = io.head_lengths != nullptr ? io.head_lengths : lay.head_lengths;
     result.positions = io.kept_positions;
@@ -122,8 +139,8 @@ class compressor_steps : protected compressor_checks {
         in.keys = io.keys;
         in.observation.key_positions = io.key_positions;
         in.state = st;
-        in.queries = io.event == sequence_event::prefill_end ? prefill_queries(io) : io.queries;
-        if (io.event == sequence_event::prefill_end) {
+        in.queries = window;
+        if (prefill) {
           KVEVICT_RETURN_IF_ERROR(d.observe_prefill(in, lay.policy, exec));
         } else {
           KVEVICT_RETURN_IF_ERROR(d.observe_decode(in, lay.policy, exec));
@@ -147,8 +164,8 @@ class compressor_steps : protected compressor_checks {
         }
       }
       if (!evicted_from_state) {
-        const query_view<const Q> q = prefill_queries(io);
-        const layer_observations<Q> o = observations_of(io, q, policy_state{});
+        const query_view<const Q> q = window;
+        const layer_observations<Q> o = observations_of(io, q, policy_state{}, assembled);
         const status evicted = with_scoring_policy<List, T, Q>([&](auto traits, const auto& policy) {
           scored = decltype(traits)::scored_tokens(policy, io.keys.num_tokens, q.num_queries);
           return policy.evict(cache, o, budget_for(layer, scored, policy.selection(), lay), result, lay.policy, exec);
@@ -163,10 +180,11 @@ class compressor_steps : protected compressor_checks {
       carve_shared(a, shared_score_bytes_, &sh);
       score_view scores;
       selection_params sel;
-      const status scored_ok = layer_scores<List>(io, st, sh, &scores, &sel);
+      const status scored_ok = layer_scores<List>(io, layer, window, st, sh, &scores, &sel);
       const bool sharded = options_.tensor_parallel != nullptr;
       if (!sharded) KVEVICT_RETURN_IF_ERROR(scored_ok);
       scored = scores.cols;
+      if (scored_ok.ok()) r->nonfinite_scores = count_nonfinite_candidates(scores, sel.protected_tail);
       scope_state* sc = scope_header(io.state);
       float* row = scope_row(io.state);
       const std::int64_t candidates = scored > sel.protected_tail ? scored - sel.protected_tail : 0;
@@ -216,6 +234,7 @@ class compressor_steps : protected compressor_checks {
     r->freed_blocks = result.freed_blocks;
     r->dropped = io.keys.num_tokens - result.max_length;
     r->num_changed_blocks = result.num_changed_blocks;
+    if (what.action == act::evict) r->nonfinite_scores = result.nonfinite_scores;
     r->kept = 0;
     for (std::int64_t h = 0; h < io.keys.num_heads; ++h) r->kept += result.head_lengths[h];
     if (reuses_positions(options_.policy.kind)) r->next_position = scored;
