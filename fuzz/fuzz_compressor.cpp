@@ -12,6 +12,7 @@
 //     and is otherwise untouched, and every paged block whose bytes changed is listed in
 //     changed_blocks; out of place, the sources are untouched and the destinations hold the
 //     gathered rows;
+//   - DeferKV's decode step carries 1 to 3 tokens (speculative verification);
 //   - chunked prefill: in the in-place run the first rows of each prompt's window are handed
 //     earlier as a prefill_chunk (chunked_prefill planned), the rest at prefill_end; the keep
 //     sets must still equal the other runs', which hand the whole window at once;
@@ -61,8 +62,9 @@ struct choice {
   std::vector<i64> lengths;  ///< prompt tokens per sequence
   std::vector<test::layout> klayout, vlayout;
   kvevict::compressor_options options;
-  bool decode = false;  ///< DeferKV: one decode step after prefill
-  i64 chunk_rows = 0;   ///< in place: rows of each prompt window handed first as a prefill_chunk
+  bool decode = false;    ///< DeferKV: one decode step after prefill
+  i64 decode_tokens = 1;  ///< of that many tokens (speculative verification: 1 .. 3)
+  i64 chunk_rows = 0;     ///< in place: rows of each prompt window handed first as a prefill_chunk
   // Corruption of one call.
   int corrupt = 0;
   i64 corrupt_seq = 0, corrupt_layer = 0, corrupt_step = 0;
@@ -159,7 +161,7 @@ run_result run_mode(const choice& ch, kvevict::compaction mode) {
   std::vector<sequence_world<T>> world(static_cast<std::size_t>(ch.seqs));
   for (i64 s = 0; s < ch.seqs; ++s) {
     sequence_world<T>& w = world[static_cast<std::size_t>(s)];
-    const i64 len = ch.lengths[static_cast<std::size_t>(s)], cap = len + 1;
+    const i64 len = ch.lengths[static_cast<std::size_t>(s)], cap = len + ch.decode_tokens;
     for (i64 l = 0; l < ch.layers; ++l) {
       const std::uint64_t seed = ch.seed + static_cast<std::uint64_t>(s * 101 + l * 7);
       const auto kl = ch.klayout[static_cast<std::size_t>(s)], vl = ch.vlayout[static_cast<std::size_t>(s)];
@@ -177,8 +179,11 @@ run_result run_mode(const choice& ch, kvevict::compaction mode) {
       for (i64 t = 0; t < rows; ++t) qpos.push_back(len - rows + t);
       w.prompt_q.push_back(test::make_queries<T>(
           hq, rows, ch.d, test::normal(static_cast<std::size_t>(hq * rows * ch.d), seed + 8), qpos, (seed & 1) != 0));
+      std::vector<i64> dpos;
+      for (i64 t = 0; t < ch.decode_tokens; ++t) dpos.push_back(len + t);
       w.decode_q.push_back(test::make_queries<T>(
-          hq, 1, ch.d, test::normal(static_cast<std::size_t>(hq * ch.d), seed + 9), {len}, false));
+          hq, ch.decode_tokens, ch.d, test::normal(static_cast<std::size_t>(hq * ch.decode_tokens * ch.d), seed + 9),
+          dpos, false));
     }
     w.state.assign(comp.sequence_state_size() / 8 + 1, 0);
     if (comp.sequence_state_size() > 0)
@@ -229,7 +234,7 @@ run_result run_mode(const choice& ch, kvevict::compaction mode) {
       std::vector<kvevict::sequence_io<T>> io(static_cast<std::size_t>(ch.seqs));
       for (i64 s = 0; s < ch.seqs; ++s) {
         sequence_world<T>& w = world[static_cast<std::size_t>(s)];
-        const i64 tokens = ch.lengths[static_cast<std::size_t>(s)] + step;
+        const i64 tokens = ch.lengths[static_cast<std::size_t>(s)] + (step > 0 ? ch.decode_tokens : 0);
         w.layers.clear();
         for (i64 m = 0; m < ch.layers; ++m) {
           kvevict::layer_cache<T> c(w.k[static_cast<std::size_t>(m)].view, w.v[static_cast<std::size_t>(m)].view);
@@ -517,6 +522,10 @@ void one_type(FuzzedDataProvider& in) {
   ch.seed = in.ConsumeIntegral<std::uint16_t>();
   // A flipped state word lands elsewhere in a state that also holds windows: no chunks then.
   if (ch.corrupt != 6) ch.chunk_rows = in.ConsumeIntegralInRange<i64>(0, 3);
+  if (ch.decode) {  // a decode step of 1 .. 3 tokens (DeferKV's limits.max_queries covers it)
+    ch.decode_tokens = in.ConsumeIntegralInRange<i64>(1, 3);
+    o.limits.max_queries = std::max(o.policy.deferkv.window, ch.decode_tokens);
+  }
 
   std::vector<run_result> runs;
   for (kvevict::compaction mode : kModes) runs.push_back(run_mode<T>(ch, mode));
