@@ -23,7 +23,8 @@
 // PyramidKV/AdaKV budgets -> select -> compact), so the compressor's results equal the
 // building blocks' bit for bit. The data path, in order: detail/run_checks.hpp (check),
 // detail/step_executor.hpp (score, budget, select, compact); what each event does is
-// detail/lifecycle.hpp, the plan's sizes and layouts detail/compressor_core.hpp.
+// detail/lifecycle.hpp, the window of queries prefill_end observes with (chunked prefill)
+// detail/prefill_window.hpp, the plan's sizes and layouts detail/compressor_core.hpp.
 //
 // All or nothing per call: every sequence is validated (views, shapes against the plan,
 // queries, states, block tables) before any cache or state changes, so a failed call leaves

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kvevict/compressor/detail/compressor_core.hpp"
+#include "kvevict/compressor/detail/prefill_window.hpp"
 #include "kvevict/compressor/detail/state_layout.hpp"
 #include "kvevict/compressor/sequence.hpp"
 #include "kvevict/config.hpp"
@@ -21,7 +21,7 @@
 KVEVICT_NAMESPACE_BEGIN
 namespace detail {
 
-class compressor_lifecycle : protected compressor_core {
+class compressor_lifecycle : protected compressor_window {
  protected:
   /// Sets up a sequence's state: each layer's policy state and the scope's header.
   template <class List>
@@ -104,10 +104,7 @@ class compressor_lifecycle : protected compressor_core {
       if (defers<List>()) {
         const deferred_policy<List, T, Q> d(deferred_config<List>());
         const policy_state st = layer_state(io.state, layer);
-        if (!d.intact(st))
-          return status::error(errc::invalid_state, fn, io_name(s, "state"),
-                               "layer %lld's DeferKV state was overwritten: reset_sequence() when the sequence starts",
-                               static_cast<long long>(layer));
+        KVEVICT_RETURN_IF_ERROR(check_deferred_intact(d, st, layer, s));
         if (d.started(st))
           return status::error(errc::invalid_state, fn, io_name(s, "state"),
                                "a prefill chunk after this sequence's prefill_end at layer %lld: reset_sequence() for "
@@ -119,6 +116,15 @@ class compressor_lifecycle : protected compressor_core {
     return status();
   }
 
+  /// A layer's deferred state is one reset_sequence() set up and nothing overwrote since.
+  template <class D>
+  status check_deferred_intact(const D& d, policy_state st, std::int64_t layer, std::int64_t s) const {
+    if (d.intact(st)) return status();
+    return status::error(errc::invalid_state, "kvevict::compressor::run", io_name(s, "state"),
+                         "layer %lld's DeferKV state was overwritten: reset_sequence() when the sequence starts",
+                         static_cast<long long>(layer));
+  }
+
   /// The deferred policy's part of decide(): observe the prompt window, then each decode step
   /// until step d, when the layer's scores are acted on.
   template <class List, class T, class Q>
@@ -126,10 +132,7 @@ class compressor_lifecycle : protected compressor_core {
     static constexpr const char* fn = "kvevict::compressor::run";
     const deferred_policy<List, T, Q> d(deferred_config<List>());
     const policy_state st = layer_state(io.state, layer);
-    if (!d.intact(st))
-      return status::error(errc::invalid_state, fn, io_name(s, "state"),
-                           "layer %lld's DeferKV state was overwritten: reset_sequence() when the sequence starts",
-                           static_cast<long long>(layer));
+    KVEVICT_RETURN_IF_ERROR(check_deferred_intact(d, st, layer, s));
     const bool fed_back = deferred_traits<List>::feeds_back(deferred_config<List>());
     if (io.event == sequence_event::prefill_end) {
       if (d.started(st))

@@ -1,0 +1,136 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_COMPRESSOR_DETAIL_PREFILL_WINDOW_HPP
+#define KVEVICT_COMPRESSOR_DETAIL_PREFILL_WINDOW_HPP
+
+// The queries a sequence observes with at prefill_end. With chunked prefill
+// (compressor_options::chunked_prefill) each layer's state keeps the last queries of the
+// chunks handed so far (prefill_chunk), and prefill_end's window is those rows followed by the
+// last chunk's: the rows the unchunked prompt would have handed, in the same order, so the
+// keep set is the unchunked one bit for bit. Without chunks it is a view of the call's last
+// queries.
+
+#include <cstdint>
+#include <cstring>
+
+#include "kvevict/compressor/detail/compressor_core.hpp"
+#include "kvevict/compressor/detail/state_layout.hpp"
+#include "kvevict/compressor/plan.hpp"
+#include "kvevict/compressor/sequence.hpp"
+#include "kvevict/config.hpp"
+#include "kvevict/policies/policy_list.hpp"
+#include "kvevict/views/query_view.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace detail {
+
+class compressor_window : protected compressor_core {
+ protected:
+  window_state* window_header(void* state, std::int64_t layer) const noexcept {
+    return reinterpret_cast<window_state*>(static_cast<unsigned char*>(state) + sequence_state_offset + scope_bytes_ +
+                                           static_cast<std::size_t>(options_.model.num_layers) * layer_state_bytes_ +
+                                           static_cast<std::size_t>(layer) * window_bytes_);
+  }
+  static std::int64_t* window_positions(window_state* w) noexcept { return reinterpret_cast<std::int64_t*>(w + 1); }
+  template <class Q>
+  Q* window_rows(window_state* w) const noexcept {
+    return reinterpret_cast<Q*>(window_positions(w) + window_capacity_);
+  }
+  /// The rows a prefill_end call finds buffered by earlier chunks (0 without chunks).
+  template <class T, class Q>
+  std::int64_t buffered_rows(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
+    if (window_bytes_ == 0 || io.event != sequence_event::prefill_end || io.state == nullptr) return 0;
+    return window_header(io.state, layer)->count;
+  }
+  /// How many queries a prefill_end observation uses: the policy's window (H2O: all) of the
+  /// buffered rows followed by this call's.
+  template <class T, class Q>
+  std::int64_t prefill_query_count(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
+    const std::int64_t n = buffered_rows(io, layer) + io.queries.num_queries;
+    return every_prompt_query(options_.policy.kind) || n < window_ ? n : window_;
+  }
+  /// The queries a prefill_end observation uses: the last prefill_query_count() of the buffered
+  /// rows and this call's, assembled in the workspace when rows were buffered (at most the
+  /// window's capacity: checked), else a view of this call's.
+  template <class T, class Q>
+  query_view<const Q> prefill_queries(const sequence_io<T, Q>& io, std::int64_t layer,
+                                      const run_layout& lay) const noexcept {
+    const std::int64_t held = buffered_rows(io, layer);
+    const std::int64_t total = prefill_query_count(io, layer);
+    if (held == 0) return last_queries(io.queries, total);
+    window_state* w = window_header(io.state, layer);
+    const std::int64_t from_call = io.queries.num_queries < total ? io.queries.num_queries : total;
+    const std::int64_t from_state = total - from_call;
+    const std::int64_t heads = options_.model.num_query_heads, d = options_.model.head_dim, cap = window_capacity_;
+    const Q* kept = window_rows<Q>(w);
+    Q* out = static_cast<Q*>(lay.window_queries);
+    const query_view<const Q> tail = last_queries(io.queries, from_call);
+    for (std::int64_t h = 0; h < heads; ++h) {
+      std::memcpy(out + h * cap * d, kept + (h * cap + w->count - from_state) * d,
+                  static_cast<std::size_t>(from_state * d) * sizeof(Q));
+      for (std::int64_t t = 0; t < from_call; ++t)
+        for (std::int64_t c = 0; c < d; ++c) out[(h * cap + from_state + t) * d + c] = tail.at(h, t, c);
+    }
+    const std::int64_t* kept_positions = window_positions(w);
+    for (std::int64_t t = 0; t < from_state; ++t) lay.window_positions[t] = kept_positions[w->count - from_state + t];
+    for (std::int64_t t = 0; t < from_call; ++t) lay.window_positions[from_state + t] = tail.positions[t];
+    query_view<const Q> v;
+    v.data = out;
+    v.num_heads = heads;
+    v.num_queries = total;
+    v.head_dim = d;
+    v.head_stride = cap * d;
+    v.query_stride = d;
+    v.dim_stride = 1;
+    v.positions = lay.window_positions;
+    return v;
+  }
+  /// prefill_chunk: the chunk's last rows join the layer's window (the oldest leave it).
+  template <class T, class Q>
+  void buffer_chunk(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
+    window_state* w = window_header(io.state, layer);
+    const std::int64_t cap = window_capacity_, d = options_.model.head_dim;
+    const std::int64_t n = io.queries.num_queries;
+    const std::int64_t take = n < cap ? n : cap;
+    const std::int64_t keep = w->count < cap - take ? w->count : cap - take;
+    Q* rows = window_rows<Q>(w);
+    std::int64_t* positions = window_positions(w);
+    const query_view<const Q> tail = last_queries(io.queries, take);
+    for (std::int64_t h = 0; h < options_.model.num_query_heads; ++h) {
+      Q* head = rows + h * cap * d;
+      std::memmove(head, head + (w->count - keep) * d, static_cast<std::size_t>(keep * d) * sizeof(Q));
+      for (std::int64_t t = 0; t < take; ++t)
+        for (std::int64_t c = 0; c < d; ++c) head[(keep + t) * d + c] = tail.at(h, t, c);
+    }
+    std::memmove(positions, positions + (w->count - keep), static_cast<std::size_t>(keep) * sizeof(std::int64_t));
+    for (std::int64_t t = 0; t < take; ++t) positions[keep + t] = tail.positions[t];
+    w->count = keep + take;
+    w->seen += n;
+    w->last_position = tail.positions[take - 1];
+  }
+  /// prefill_end: the window was used; the next prompt starts from none.
+  template <class T, class Q>
+  void clear_window(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
+    if (window_bytes_ > 0 && io.event == sequence_event::prefill_end) *window_header(io.state, layer) = window_state{};
+  }
+
+  /// Tokens the layer's scores cover: L, or DapQ's prompt length.
+  template <class List, class T, class Q>
+  std::int64_t scored_tokens(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
+    const std::int64_t tokens = io.keys.num_tokens;
+    return visit_listed(
+        List{}, static_cast<std::size_t>(options_.policy.kind), tokens, [&](auto traits) -> std::int64_t {
+          using Tr = decltype(traits);
+          if constexpr (Tr::deferred) {
+            return tokens;
+          } else {
+            using P = typename Tr::template policy<T, Q>;
+            return Tr::scored_tokens(P(Tr::config(options_.policy)), tokens, prefill_query_count(io, layer));
+          }
+        });
+  }
+};
+
+}  // namespace detail
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_COMPRESSOR_DETAIL_PREFILL_WINDOW_HPP
