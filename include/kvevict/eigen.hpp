@@ -39,10 +39,12 @@ template <>
 struct element<Eigen::half> {
   using type = fp16;
 };
+#if EIGEN_VERSION_AT_LEAST(3, 4, 0)  // Eigen::bfloat16 came with 3.4
 template <>
 struct element<Eigen::bfloat16> {
   using type = bf16;
 };
+#endif
 template <class S>
 struct element<const S> {
   using type = const typename element<S>::type;

@@ -768,13 +768,14 @@ struct chunk_sequence {
   i64 tokens;
   test::test_cache<bf16> k, v;
   test::test_queries<bf16> q;
-  explicit chunk_sequence(i64 n)
+  explicit chunk_sequence(i64 n, std::uint64_t seed = 1)
       : tokens(n),
-        k(test::make_cache<bf16>(test::layout::contiguous, hkv, n, d, test::normal(hkv * n * d, 1), 4, 1)),
-        v(test::make_cache<bf16>(test::layout::contiguous, hkv, n, d, test::normal(hkv * n * d, 2), 4, 2)) {
+        k(test::make_cache<bf16>(test::layout::contiguous, hkv, n, d, test::normal(hkv * n * d, seed), 4, seed)),
+        v(test::make_cache<bf16>(test::layout::contiguous, hkv, n, d, test::normal(hkv * n * d, seed + 1), 4,
+                                 seed + 1)) {
     std::vector<i64> pos(static_cast<std::size_t>(n));
     std::iota(pos.begin(), pos.end(), i64{0});
-    q = test::make_queries<bf16>(hq, n, d, test::normal(hq * n * d, 3), pos);
+    q = test::make_queries<bf16>(hq, n, d, test::normal(hq * n * d, seed + 2), pos);
   }
   /// The call for prompt tokens [from, to): the cache holds the first `to`.
   kvevict::sequence_io<bf16> chunk(i64 from, i64 to, kvevict::sequence_event e, void* state) const {
@@ -906,6 +907,87 @@ TEST_CASE("chunked prefill: chunks the plan did not ask for, out of order or aft
     CHECK(std::string(st.argument()) == "seqs[0].queries.num_queries");
     CHECK(y.bytes() == yb);
   }
+  {  // DapQ's N pseudo queries come whole with prefill_end: prompt chunks do not count for them
+    kvevict::compressor_options op = o;
+    kvevict::dapq_config dq;
+    dq.pseudo_tokens = 4;
+    op.policy = kvevict::policy::dapq(dq);
+    kvevict::compressor cp;
+    REQUIRE(kvevict::compressor::plan(op, &cp).ok());
+    std::vector<std::uint64_t> sp(cp.sequence_state_size() / 8 + 1);
+    REQUIRE(cp.reset_sequence(sp.data(), cp.sequence_state_size()).ok());
+    const seq y(14);  // a 12-token prompt and its pseudo tokens at 12, 13 (of N = 4)
+    REQUIRE(call(cp, y.chunk(0, 12, ev::prefill_chunk, sp.data()), &r).ok());
+    const std::uint64_t yb = y.bytes();
+    const kvevict::status st = call(cp, y.chunk(12, 14, ev::prefill_end, sp.data()), &r);
+    INFO(st.message());
+    CHECK(st.code() == kvevict::errc::invalid_shape);
+    CHECK(std::string(st.argument()) == "seqs[0].queries.num_queries");
+    CHECK(y.bytes() == yb);
+  }
+  {  // a window header the chunks did not leave: refused, nothing read through it
+    std::vector<std::uint64_t> s2(c.sequence_state_size() / 8 + 1);
+    REQUIRE(c.reset_sequence(s2.data(), c.sequence_state_size()).ok());
+    const seq y(20);
+    REQUIRE(call(c, y.chunk(0, 8, ev::prefill_chunk, s2.data()), &r).ok());
+    s2[8] = 100000;  // the layer's buffered-row count (after the 64-byte sequence header)
+    const std::vector<std::uint64_t> corrupted = s2;
+    const std::uint64_t yb = y.bytes();
+    for (const auto e : {ev::prefill_chunk, ev::prefill_end}) {
+      const kvevict::status st = call(c, y.chunk(8, 20, e, s2.data()), &r);
+      INFO(st.message());
+      CHECK(st.code() == kvevict::errc::invalid_state);
+      CHECK(std::string(st.argument()) == "seqs[0].state");
+      CHECK(s2 == corrupted);
+      CHECK(y.bytes() == yb);
+    }
+  }
+}
+
+// The engine's log-sum-exp of the queries applies when the last chunk holds the whole window:
+// the chunked call then equals the unchunked call with the same LSE rows.
+TEST_CASE("chunked prefill: a last chunk holding the whole window uses the engine's LSE", "[contracts]") {
+  using ev = kvevict::sequence_event;
+  using seq = chunk_sequence;
+  const seq x(20);
+  std::vector<float> lse(static_cast<std::size_t>(seq::hq * x.tokens));  // [Hq, 20] made up, finite
+  for (std::size_t i = 0; i < lse.size(); ++i) lse[i] = 3.0f * static_cast<float>(i % 5);
+  std::vector<i64> kept[2];
+  for (int chunked = 0; chunked < 2; ++chunked) {
+    kvevict::compressor_options o;
+    o.model = {1, seq::hq, seq::hkv, seq::d, 0, kvevict::dtype::bf16};
+    kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+    w.window = 4;
+    o.policy = kvevict::policy::snapkv(w);
+    o.per_head = kvevict::budget::tokens(6);
+    o.limits.max_tokens = 32;
+    o.limits.max_queries = 20;
+    o.compact = kvevict::compaction::keep_list_only;
+    o.chunked_prefill = chunked == 1;
+    kvevict::compressor c;
+    REQUIRE(kvevict::compressor::plan(o, &c).ok());
+    kvevict::workspace ws(c.workspace_size());
+    std::vector<std::uint64_t> state(c.sequence_state_size() / 8 + 1);
+    REQUIRE(c.reset_sequence(state.data(), c.sequence_state_size()).ok());
+    kvevict::sequence_report r;
+    const i64 from = chunked == 1 ? 8 : 0;
+    if (chunked == 1) {
+      const auto io = x.chunk(0, 8, ev::prefill_chunk, state.data());
+      REQUIRE(c.run(0, &io, 1, &r, ws).ok());
+    }
+    auto io = x.chunk(from, 20, ev::prefill_end, state.data());
+    io.lse = lse.data() + from;  // this call's rows of each head's [20] LSE
+    io.lse_head_stride = 20;
+    std::vector<i64> positions(static_cast<std::size_t>(c.keep_capacity()));
+    io.kept_positions = positions.data();
+    const kvevict::status st = c.run(0, &io, 1, &r, ws);
+    INFO(st.message());
+    REQUIRE(st.ok());
+    positions.resize(static_cast<std::size_t>(r.kept));
+    kept[chunked] = positions;
+  }
+  REQUIRE(kept[1] == kept[0]);
+  // (the LSE matters here: without it the keep set is another one)
 }
 
 // The keep set one sequence shares across its layers (llama.cpp cells) folds every layer's
@@ -913,7 +995,7 @@ TEST_CASE("chunked prefill: chunks the plan did not ask for, out of order or aft
 TEST_CASE("chunked prefill under a keep set shared by every layer equals the unchunked one", "[contracts]") {
   using ev = kvevict::sequence_event;
   using seq = chunk_sequence;
-  const seq x(23);
+  const seq layer_data[2] = {seq(23, 11), seq(23, 21)};  // each layer its own K, V and queries
   kvevict::window_config w = kvevict::presets::kvpress_snapkv();
   w.window = 5;
   kvevict::deferkv_config dc;
@@ -939,16 +1021,16 @@ TEST_CASE("chunked prefill under a keep set shared by every layer equals the unc
         std::vector<std::uint64_t> state(c.sequence_state_size() / 8 + 1);
         REQUIRE(c.reset_sequence(state.data(), c.sequence_state_size()).ok());
         std::vector<i64> positions(static_cast<std::size_t>(c.keep_capacity()), -1);
-        const i64 prompt = pc.kind == kvevict::policy_kind::deferkv ? x.tokens - 1 : x.tokens;
+        const i64 prompt = pc.kind == kvevict::policy_kind::deferkv ? layer_data[0].tokens - 1 : layer_data[0].tokens;
         const i64 last = chunked == 1 ? (prompt - 1) / chunk * chunk : 0;
         for (i64 from = 0; from < last; from += chunk)
           for (i64 l = 0; l < 2; ++l) {
-            const auto io = x.chunk(from, from + chunk, ev::prefill_chunk, state.data());
+            const auto io = layer_data[l].chunk(from, from + chunk, ev::prefill_chunk, state.data());
             kvevict::sequence_report r;
             REQUIRE(c.run(l, &io, 1, &r, ws).ok());
           }
         for (i64 l = 0; l < 2; ++l) {
-          auto io = x.chunk(last, prompt, ev::prefill_end, state.data());
+          auto io = layer_data[l].chunk(last, prompt, ev::prefill_end, state.data());
           io.kept_positions = positions.data();
           kvevict::sequence_report r;
           const kvevict::status st = c.run(l, &io, 1, &r, ws);
@@ -961,7 +1043,7 @@ TEST_CASE("chunked prefill under a keep set shared by every layer equals the unc
         }
         if (pc.kind == kvevict::policy_kind::deferkv)
           for (i64 l = 0; l < 2; ++l) {  // step d = 1 evicts
-            auto io = x.chunk(prompt, x.tokens, ev::decode, state.data());
+            auto io = layer_data[l].chunk(prompt, layer_data[l].tokens, ev::decode, state.data());
             io.kept_positions = positions.data();
             kvevict::sequence_report r;
             REQUIRE(c.run(l, &io, 1, &r, ws).ok());
@@ -973,7 +1055,7 @@ TEST_CASE("chunked prefill under a keep set shared by every layer equals the unc
         kept[chunked] = positions;
       }
       REQUIRE(kept[0].size() >= 7 * seq::hkv);  // (DeferKV keeps its decoded token on top)
-      REQUIRE(kept[0].size() < static_cast<std::size_t>(x.tokens * seq::hkv));
+      REQUIRE(kept[0].size() < static_cast<std::size_t>(layer_data[0].tokens * seq::hkv));
       REQUIRE(kept[1] == kept[0]);
     }
   }
@@ -1407,5 +1489,19 @@ TEST_CASE("reports count the non-finite queries, keys and scores a call scored w
       CHECK(r.nonfinite_keys == (dirty == 1 ? 4 : 0));
       CHECK(r.nonfinite_scores == (dirty == 1 ? 3 : 0));
     }
+    // StreamingLLM scores its sinks +inf, kvevict's "always keep": nothing is wrong, none counted.
+    opt.policy = kvevict::policy::streaming_llm({4});
+    REQUIRE(kvevict::compressor::plan(opt, &c).ok());
+    kvevict::workspace ws2(c.workspace_size());
+    state.assign(c.sequence_state_size() / 8 + 1, 0);
+    REQUIRE(c.reset_sequence(state.data(), c.sequence_state_size()).ok());
+    strided_sequence clean(l, l, w, 10);
+    auto io = clean.io(kvevict::sequence_event::prefill_end);
+    io.state = c.sequence_state_size() > 0 ? state.data() : nullptr;
+    std::vector<kvevict::layer_cache<float>> layers{io.cache()};
+    io.layers = layers.data();
+    REQUIRE(c.run(0, &io, 1, &r, ws2).ok());
+    CHECK(r.action == kvevict::sequence_action::evicted);
+    CHECK(r.nonfinite_scores == 0);
   }
 }

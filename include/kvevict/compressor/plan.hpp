@@ -53,6 +53,14 @@ inline bool reads_keys(policy_kind k) noexcept {
 inline bool every_prompt_query(policy_kind k) noexcept {
   return with_policy_traits(k, false, [](auto traits) { return decltype(traits)::every_prompt_query; });
 }
+/// Whether prefill_end needs exactly observation_window() queries of its own call (DapQ's
+/// pseudo tokens), however short the prompt.
+inline bool fixed_window(const policy_config& p) noexcept {
+  return with_policy_traits(p.kind, false, [&](auto traits) {
+    using Tr = decltype(traits);
+    return Tr::fixed_window(Tr::config(p));
+  });
+}
 inline bool reuses_positions(policy_kind k) noexcept {
   return with_policy_traits(k, false, [](auto traits) { return decltype(traits)::reuses_positions; });
 }

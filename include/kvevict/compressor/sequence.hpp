@@ -208,9 +208,9 @@ struct sequence_report {
   std::int64_t nonfinite_queries = 0;
   std::int64_t nonfinite_keys = 0;
   /// Candidates (tokens the selection chose among, over every head; protected ones excluded)
-  /// whose score was NaN or infinite at the eviction (a keep set shared by every layer: this
-  /// layer's scores, counted at each layer's fold). Non-finite inputs, or a score that
-  /// overflowed; selection ranks them by design (NaN last).
+  /// whose score was NaN or -inf at the eviction (+inf is the "always keep" score of sinks) (a keep set shared by every
+  /// layer: this layer's scores, counted at each layer's fold). Non-finite inputs, or a score that overflowed;
+  /// selection ranks them by design (NaN last).
   std::int64_t nonfinite_scores = 0;
 };
 

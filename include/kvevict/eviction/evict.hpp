@@ -74,8 +74,9 @@ struct eviction_result {
   /// longest head, freed_blocks, for every head).
   std::int64_t* head_freed_blocks = nullptr;
   /// out, from a policy's evict(): the candidates (tokens the selection chose among; the
-  /// protected ones excluded) whose score was NaN or infinite, over every head. Selection
-  /// ranks them by design (NaN last); the count tells the caller it happened.
+  /// protected ones excluded) whose score was NaN or -inf, over every head (+inf is the "always
+  /// keep" score of sinks and protected tokens). Selection ranks them by design (NaN last);
+  /// the count tells the caller it happened.
   std::int64_t nonfinite_scores = 0;
 };
 

@@ -142,9 +142,12 @@ class deferkv {
     s.num_queries = s.num_queries < 1 ? 1 : s.num_queries;
     return observation_scores_workspace_size(s, config_.params(), exec);
   }
+  /// evict()'s workspace for caches of up to shape.num_tokens tokens; the protected tail may
+  /// grow past W + d by a step of up to shape.num_queries tokens that crossed d.
   std::size_t evict_workspace_size(const layer_shape& shape, const layer_budget& b,
                                    const executor& exec = {}) const noexcept {
-    const selection_params largest{config_.window + (config_.delay > 0 ? config_.delay : 0), config_.protect};
+    const std::int64_t step = shape.num_queries > 1 ? shape.num_queries - 1 : 0;
+    const selection_params largest{config_.window + (config_.delay > 0 ? config_.delay : 0) + step, config_.protect};
     return detail::evict_layer_workspace_size(shape, shape.num_tokens, largest, workspace_size(shape, exec), b, exec);
   }
 
@@ -195,6 +198,14 @@ class deferkv {
     KVEVICT_RETURN_IF_ERROR(check_decode(*h, in, fn));
     KVEVICT_RETURN_IF_ERROR(detail::validate_query_view(in.queries, fn, "queries"));
     KVEVICT_RETURN_IF_ERROR(detail::validate_cache_view(in.keys, fn, "keys"));
+    // The last token sees the most keys: checked first, so no token of the step is observed
+    // unless all are.
+    const std::size_t need =
+        workspace_size({in.queries.num_heads, in.keys.num_heads, in.keys.head_dim, in.keys.num_tokens, 1}, exec);
+    if (ws.size < need)
+      return status::error(errc::workspace_too_small, fn, "ws",
+                           "expected at least workspace_size() = %zu bytes for the step's %lld keys, got %zu", need,
+                           static_cast<long long>(in.keys.num_tokens), ws.size);
     const float one = 1.0f;
     for (std::int64_t t = 0; t < in.queries.num_queries; ++t) {  // (valid views: no step below fails)
       layer_inputs<T, Q> token = in;

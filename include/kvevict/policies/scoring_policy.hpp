@@ -117,13 +117,14 @@ status compact_layer(const layer_cache<T>& cache, const const_keep_list_view& ke
 }
 
 /// Candidates of `scores` (every column before the protected tail of each row) whose score is
-/// NaN or infinite.
+/// NaN or -inf. +inf is kvevict's "always keep" score (StreamingLLM's sinks, protected
+/// tokens), not a sign of bad data: it is not counted.
 inline std::int64_t count_nonfinite_candidates(const const_score_view& scores, std::int64_t protected_tail) noexcept {
   const std::int64_t cand = scores.cols > protected_tail ? scores.cols - protected_tail : 0;
   std::int64_t n = 0;
   for (std::int64_t h = 0; h < scores.rows; ++h) {
     const float* row = scores.data + h * scores.row_stride;
-    for (std::int64_t j = 0; j < cand; ++j) n += std::isfinite(row[j]) ? 0 : 1;
+    for (std::int64_t j = 0; j < cand; ++j) n += std::isnan(row[j]) || row[j] == -HUGE_VALF ? 1 : 0;
   }
   return n;
 }

@@ -88,6 +88,7 @@ class compressor_agreement : protected compressor_lifecycle {
         {"limits.max_sequences", static_cast<std::uint64_t>(o.limits.max_sequences)},
         {"limits.max_tokens", static_cast<std::uint64_t>(o.limits.max_tokens)},
         {"limits.max_queries", static_cast<std::uint64_t>(o.limits.max_queries)},
+        {"chunked_prefill", o.chunked_prefill ? 1u : 0u},
     };
     return agree(*o.tensor_parallel, fn, "tensor_parallel", local, fields,
                  static_cast<int>(sizeof(fields) / sizeof(fields[0])));

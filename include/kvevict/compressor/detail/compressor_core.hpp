@@ -253,7 +253,8 @@ class compressor_core {
     window_bytes_ = 0;
     window_capacity_ = 0;
     window_scratch_bytes_ = 0;
-    if (options_.chunked_prefill && reads_queries(options_.policy.kind)) {
+    // (DapQ's pseudo queries come whole with prefill_end: its prompt chunks keep nothing)
+    if (options_.chunked_prefill && reads_queries(options_.policy.kind) && !fixed_window(options_.policy)) {
       window_capacity_ = every_prompt_query(options_.policy.kind) ? lim.max_queries : window_;
       window_scratch_bytes_ = round_up_64(saturating_mul(
           saturating_mul(static_cast<std::size_t>(m.num_query_heads), static_cast<std::size_t>(window_capacity_)),

@@ -57,6 +57,10 @@ class compressor_lifecycle : protected compressor_window {
     *out = plan_step{};
     if (io.event == sequence_event::idle) return status();
     if (state_bytes_ > 0) KVEVICT_RETURN_IF_ERROR(check_state(io.state, s));
+    if (window_bytes_ > 0 && io.event != sequence_event::decode && !window_intact(io.state, layer))
+      return status::error(errc::invalid_state, fn, io_name(s, "state"),
+                           "layer %lld's prefill window was overwritten: reset_sequence() when the sequence starts",
+                           static_cast<long long>(layer));
     if (io.event == sequence_event::prefill_chunk) return decide_chunk<List>(layer, io, s, out);
     if (!defers<List>()) {
       if (io.event == sequence_event::prefill_end) out->action = scores_act(layer);

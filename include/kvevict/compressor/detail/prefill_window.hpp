@@ -48,15 +48,20 @@ class compressor_window : protected compressor_core {
     const std::int64_t n = buffered_rows(io, layer) + io.queries.num_queries;
     return every_prompt_query(options_.policy.kind) || n < window_ ? n : window_;
   }
+  /// Whether prefill_end's window takes rows earlier chunks buffered (then it is assembled and
+  /// normalised by kvevict), or is the call's own last queries (the engine's LSE applies).
+  template <class T, class Q>
+  bool assembles_window(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
+    return buffered_rows(io, layer) > 0 && io.queries.num_queries < prefill_query_count(io, layer);
+  }
   /// The queries a prefill_end observation uses: the last prefill_query_count() of the buffered
-  /// rows and this call's, assembled in the workspace when rows were buffered (at most the
+  /// rows and this call's, assembled in the workspace when it needs buffered rows (at most the
   /// window's capacity: checked), else a view of this call's.
   template <class T, class Q>
   query_view<const Q> prefill_queries(const sequence_io<T, Q>& io, std::int64_t layer,
                                       const run_layout& lay) const noexcept {
-    const std::int64_t held = buffered_rows(io, layer);
     const std::int64_t total = prefill_query_count(io, layer);
-    if (held == 0) return last_queries(io.queries, total);
+    if (!assembles_window(io, layer)) return last_queries(io.queries, total);
     window_state* w = window_header(io.state, layer);
     const std::int64_t from_call = io.queries.num_queries < total ? io.queries.num_queries : total;
     const std::int64_t from_state = total - from_call;
@@ -106,6 +111,12 @@ class compressor_window : protected compressor_core {
     w->count = keep + take;
     w->seen += n;
     w->last_position = tail.positions[take - 1];
+  }
+  /// A layer's window header as buffer_chunk leaves it: rows within the capacity and within
+  /// the queries seen (an overwritten state would send the copies out of bounds).
+  bool window_intact(void* state, std::int64_t layer) const noexcept {
+    const window_state* w = window_header(state, layer);
+    return w->count >= 0 && w->count <= window_capacity_ && w->count <= w->seen && w->seen >= 0;
   }
   /// prefill_end: the window was used; the next prompt starts from none.
   template <class T, class Q>

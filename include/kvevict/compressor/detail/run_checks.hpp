@@ -305,10 +305,7 @@ class compressor_checks : protected compressor_agreement {
     static constexpr const char* fn = "kvevict::compressor::run";
     const policy_config& p = options_.policy;
     const bool h2o = every_prompt_query(p.kind);
-    const bool pseudo = with_policy_traits(p.kind, false, [&](auto traits) {
-      using Tr = decltype(traits);
-      return Tr::fixed_window(Tr::config(p));
-    });
+    const bool pseudo = fixed_window(p);
     const std::int64_t need = h2o ? io.keys.num_tokens : pseudo ? window_ : std::min(window_, io.keys.num_tokens);
     const std::int64_t held = buffered_rows(io, layer);
     if (held + io.queries.num_queries >= need) return status();

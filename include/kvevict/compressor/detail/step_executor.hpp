@@ -50,7 +50,7 @@ class compressor_steps : protected compressor_checks {
         return d.score(in, *out, sh.score, options_.exec);
       }
     }
-    const layer_observations<Q> o = observations_of(io, window, policy_state{}, buffered_rows(io, layer) > 0);
+    const layer_observations<Q> o = observations_of(io, window, policy_state{}, assembles_window(io, layer));
     return with_scoring_policy<List, T, Q>([&](auto traits, const auto& policy) {
       *sel = policy.selection();
       return decltype(traits)::score_layer(policy, cache, o, *out, sh.score, options_.exec);
@@ -118,7 +118,7 @@ class compressor_steps : protected compressor_checks {
                     sequence_report* r) const {
     if (!what.observe && what.action == act::none) return status();
     const bool prefill = io.event == sequence_event::prefill_end;
-    const bool assembled = buffered_rows(io, layer) > 0;
+    const bool assembled = assembles_window(io, layer);
     const query_view<const Q> window = prefill ? prefill_queries(io, layer, lay) : io.queries;
     count_nonfinite(io, window, what, lay, r);
     eviction_result result;
