@@ -219,6 +219,22 @@ void register_all(bool quick) {
       bm_select(s, l, std_baseline::partial_sort);
     })->Unit(benchmark::kMicrosecond);
   }
+  // A batch of 8 paged sequences through the compressor in place, and the sharing check that
+  // run() makes across them (its cost as a share of the call).
+  for (std::int64_t l : {std::int64_t{4096}}) {
+    const std::string suffix = "/bf16/seqs:8/L:" + std::to_string(l);
+    const std::string key = "paged_batch" + suffix;
+    const auto make = [l] { return std::make_shared<kb::paged_batch<kb::bf16>>(kb::reference_model, 8, l); };
+    benchmark::RegisterBenchmark(("compressor/snapkv_paged_in_place" + suffix).c_str(), [key,
+                                                                                         make](benchmark::State& s) {
+      auto& c = cached_case<kb::paged_batch<kb::bf16>>(key, make);
+      for (auto _ : s) c.run();
+    })->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("compressor/sharing_check" + suffix).c_str(), [key, make](benchmark::State& s) {
+      auto& c = cached_case<kb::paged_batch<kb::bf16>>(key, make);
+      for (auto _ : s) c.sharing_check();
+    })->Unit(benchmark::kMicrosecond);
+  }
   // The rooflines as benchmarks too, so every report carries them next to the kernels.
   benchmark::RegisterBenchmark("roofline/fma_peak", [](benchmark::State& s) {
     volatile float seed = 1.0f;  // read per call: the kernel is pure and would be hoisted

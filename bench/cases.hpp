@@ -422,6 +422,83 @@ struct dapq_layer {
   std::size_t scratch_bytes() const { return ws.size() + sws.size(); }
 };
 
+/// A batch of `seqs` sequences of L tokens in one vLLM paged pool (blocks of 16, sequences'
+/// blocks interleaved as an allocator hands them out), SnapKV through the compressor at
+/// prefill_end, compacted in place with block_sharing::marked (every block's reference count
+/// is 1). run() is the engine's one call per layer; sharing_check() is the part of it that
+/// keeps two sequences of the call from reaching one block (issue "sharing is never silent").
+template <class T>
+struct paged_batch {
+  static constexpr std::int64_t block = 16;
+  model_shape shape;
+  std::int64_t seqs, tokens, window, blocks_per_seq;
+  buffer<T> kpool, vpool, q;
+  std::vector<std::int64_t> positions;
+  std::vector<std::vector<std::int32_t>> tables;
+  std::vector<std::int32_t> refcounts, scratch;
+  kvevict::compressor compressor;
+  kvevict::workspace ws;
+  std::vector<kvevict::sequence_io<T>> io;
+  std::vector<kvevict::sequence_report> reports;
+
+  paged_batch(const model_shape& s, std::int64_t n, std::int64_t l, std::int64_t w = reference_window)
+      : shape(s), seqs(n), tokens(l), window(w), blocks_per_seq((l + block - 1) / block) {
+    const std::int64_t num_blocks = seqs * blocks_per_seq;
+    kpool.resize(static_cast<std::size_t>(num_blocks * block * s.hkv * s.d));
+    vpool.resize(kpool.size());
+    q.resize(static_cast<std::size_t>(s.hq * w * s.d));
+    fill_normal(kpool, 1, 1.0f);
+    fill_normal(vpool, 2, 1.0f);
+    fill_normal(q, 3, 2.0f);
+    for (std::int64_t t = 0; t < w; ++t) positions.push_back(l - w + t);
+    tables.assign(static_cast<std::size_t>(seqs), std::vector<std::int32_t>(static_cast<std::size_t>(blocks_per_seq)));
+    for (std::int64_t b = 0; b < blocks_per_seq; ++b)
+      for (std::int64_t q_seq = 0; q_seq < seqs; ++q_seq)
+        tables[static_cast<std::size_t>(q_seq)][static_cast<std::size_t>(b)] =
+            static_cast<std::int32_t>(b * seqs + q_seq);
+    refcounts.assign(static_cast<std::size_t>(num_blocks), 1);
+    scratch.resize(static_cast<std::size_t>(2 * blocks_per_seq));
+
+    kvevict::compressor_options opt;
+    opt.model = {1, s.hq, s.hkv, s.d, 0, kvevict::dtype_of<T>::value};
+    opt.policy = kvevict::policy::snapkv(reference_snapkv(w));
+    opt.per_head = kvevict::budget::tokens(std::min(reference_budget, l / 2));
+    opt.compact = kvevict::compaction::in_place;
+    opt.sharing = kvevict::block_sharing::marked;
+    opt.limits.max_sequences = seqs;
+    opt.limits.max_tokens = l;
+    die("compressor::plan", kvevict::compressor::plan(opt, &compressor));
+    ws.reserve(compressor.workspace_size());
+    io.resize(static_cast<std::size_t>(seqs));
+    reports.resize(static_cast<std::size_t>(seqs));
+    for (std::int64_t i = 0; i < seqs; ++i) {
+      auto& e = io[static_cast<std::size_t>(i)];
+      e.event = kvevict::sequence_event::prefill_end;
+      e.keys = view(kpool, i);
+      e.values = view(vpool, i);
+      e.queries = kvevict::contiguous_queries<const T>(q.data(), s.hq, w, s.d, positions.data());
+      e.block_refcounts = refcounts.data();
+    }
+  }
+  kvevict::cache_view<T> view(buffer<T>& pool, std::int64_t seq) {
+    return kvevict::vllm_paged(pool.data(), seqs * blocks_per_seq, block, shape.hkv, shape.d,
+                               tables[static_cast<std::size_t>(seq)].data(), tokens);
+  }
+  /// The timed pipeline. Compaction moves rows in place; repeated runs compact the compacted
+  /// cache again (the same number of rows moves each time).
+  void run() { die("compressor::run", compressor.run(0, io.data(), seqs, reports.data(), ws)); }
+  /// run()'s check that no block a compacted sequence uses is reached by another sequence of
+  /// the call: every pair of sequences' block ids (what a batch of `seqs` adds to run()).
+  void sharing_check() {
+    const auto kseq = [this](std::int64_t i) { return io[static_cast<std::size_t>(i)].keys; };
+    const auto vseq = [this](std::int64_t i) { return io[static_cast<std::size_t>(i)].values; };
+    die("check_blocks_not_reached", kvevict::detail::check_blocks_not_reached(
+                                        seqs, kseq, vseq, [](std::int64_t) { return true; }, scratch.data(), "bench",
+                                        kvevict::detail::block_naming::seqs));
+  }
+  std::size_t scratch_bytes() const { return ws.size(); }
+};
+
 }  // namespace kb
 
 #endif  // KVEVICT_BENCH_CASES_HPP

@@ -25,6 +25,7 @@
 
 #include "common.hpp"
 #include "kvevict/cpu_isa.hpp"
+#include "kvevict/detail/isa/amx.hpp"
 #include "kvevict/detail/isa/target.hpp"
 
 namespace kb {
@@ -131,19 +132,11 @@ KVEVICT_TARGET_END
 KVEVICT_TARGET_AMX_BEGIN
 /// `iterations` rounds of four independent TDPBF16PS, operands resident in tile registers.
 __attribute__((noinline)) inline void amx_kernel(std::int64_t iterations) {
-  struct alignas(64) tile_config {
-    std::uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    std::uint16_t colsb[16] = {};
-    std::uint8_t rows[16] = {};
-  } cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
+  const kvevict::detail::isa_avx512::amx_tile_config cfg(8);
   alignas(64) static std::uint16_t operand[16 * 32];
-  for (auto& x : operand) x = 0x3f80;  // bf16 1.0
-  _tile_loadconfig(&cfg);
-  _tile_zero(0);  // tile numbers must be constants
+  for (auto& x : operand) x = 0x3f80;                  // bf16 1.0
+  kvevict::detail::isa_avx512::load_tile_config(cfg);  // not _tile_loadconfig: see there
+  _tile_zero(0);                                       // tile numbers must be constants
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);

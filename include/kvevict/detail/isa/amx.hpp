@@ -35,6 +35,14 @@ struct alignas(64) amx_tile_config {
   }
 };
 
+/// LDTILECFG with the whole 64-byte configuration as its operand. GCC 12's _tile_loadconfig
+/// tells the optimiser it reads 8 bytes (a pointer's worth), so the stores that fill in the
+/// tile shapes may be removed as dead: the bench's AMX roofline, built that way, loaded a
+/// configuration of zero shapes and faulted in LDTILECFG.
+inline void load_tile_config(const amx_tile_config& cfg) noexcept {
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
 /// out[r * ld + t] = scale * dot(q[r], k[t]) for rows r < rows and keys t < keys, both
 /// multiples of 32. q: bf16 rows [rows][dim] (dim % 32 == 0), unscaled; panels: the keys'
 /// groups of 16 packed by pack_key_tile_pairs, group g at panels + g * (dim / 32) * 256.
@@ -43,7 +51,7 @@ struct alignas(64) amx_tile_config {
 inline void logits_tile_amx(const std::uint16_t* q, std::int64_t rows, std::int64_t dim, const std::uint32_t* panels,
                             std::int64_t keys, float scale, float* out, std::int64_t ld) noexcept {
   const amx_tile_config cfg(8);
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
   const std::int64_t chunks = dim / 32, group_stride = chunks * 256;
   const auto q_stride = static_cast<long>(dim * 2), out_stride = static_cast<long>(ld * 4);
   const __m512 vs = _mm512_set1_ps(scale);
@@ -89,7 +97,7 @@ inline void narrow_logits_amx(const std::uint16_t* k, std::int64_t k_stride, std
                               const std::uint32_t* q_panels, std::int64_t rows, float scale, float* out,
                               std::int64_t out_stride) noexcept {
   const amx_tile_config cfg(3);
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
   alignas(64) std::uint32_t c_tile[16 * 16];
   const std::int64_t chunks = dim / 32;
   const auto stride_bytes = static_cast<long>(k_stride * 2);
