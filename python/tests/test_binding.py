@@ -1,0 +1,175 @@
+"""The binding: zero-copy views over torch and numpy tensors, the compressor and the building
+blocks, bad input, threads. kvevict's math is checked against its references in the C++
+suite; here the checks are that Python reaches it intact (same results through every route,
+the tensors' own memory, errors that name the argument and change nothing)."""
+import threading
+
+import numpy as np
+import pytest
+
+import kvevict
+
+torch = pytest.importorskip("torch")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def batch(b=2, hq=8, hkv=2, length=97, d=32, w=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, hkv, length, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, length, d, generator=g).to(dtype)
+    q = (2 * torch.randn(b, hq, w, d, generator=g)).to(dtype)
+    pos = torch.arange(length - w, length, dtype=torch.int64)
+    return k, v, q, pos
+
+
+def reference_scores(q, k, pos, kernel=5):
+    """SnapKV at kvpress's conventions in double precision, over every key (no protected tail):
+    softmax over the keys each query sees, mean over the window, average pool counting padding,
+    then the mean over each KV head's query group."""
+    q, k = q.double().numpy(), k.double().numpy()
+    hq, w, d = q.shape
+    hkv, length, _ = k.shape
+    group = hq // hkv
+    out = np.zeros((hkv, length))
+    for h in range(hq):
+        logits = q[h] @ k[h // group].T / np.sqrt(d)
+        logits[np.arange(length)[None, :] > pos.numpy()[:, None]] = -np.inf
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        s = np.convolve(np.pad(p.mean(axis=0), kernel // 2), np.ones(kernel) / kernel, mode="valid")
+        out[h // group] += s / group
+    return out
+
+
+def test_observation_scores_match_a_double_reference():
+    k, _, q, pos = batch()
+    got = kvevict.observation_scores(q[0], k[0], pos)
+    want = reference_scores(q[0], k[0], pos)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_compressor_equals_the_building_blocks_in_the_tensors_own_memory(dtype):
+    k, v, q, pos = batch(dtype=DTYPES[dtype])
+    k0, v0 = k.clone(), v.clone()
+    c = kvevict.Compressor(1, 8, 2, 32, dtype, "snapkv", tokens=40, window=16, max_sequences=2, max_tokens=97)
+    lengths = torch.zeros(2, 2, dtype=torch.int64)
+    kept = torch.full((2, c.keep_capacity), -1, dtype=torch.int64)
+    ptr = k.data_ptr()
+    reports = c.run(0, k, v, q, pos, head_lengths=lengths, kept_positions=kept)
+    assert k.data_ptr() == ptr
+    assert [r.action for r in reports] == ["evicted", "evicted"]
+    assert lengths.eq(40).all()
+    for s in range(2):
+        scores = kvevict.observation_scores(q[s], k0[s], pos, protected_tail=16)
+        offsets, indices = kvevict.select(scores, tokens=40, protected_tail=16)
+        kb, vb = k0[s].clone(), v0[s].clone()
+        assert kvevict.evict(kb, vb, offsets, indices).tolist() == [40, 40]
+        assert torch.equal(k[s, :, :40], kb[:, :40]) and torch.equal(v[s, :, :40], vb[:, :40])
+        assert kept[s, :80].tolist() == indices.tolist()  # positions are indices here
+
+
+def test_strided_views_read_the_tensor_as_it_lies():
+    k, v, q, pos = batch()
+    # vLLM's NHD order [batch, tokens, kv_heads, d], handed over as a [batch, kv_heads, tokens, d] view.
+    k_nhd = k.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    v_nhd = v.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    assert not k_nhd.is_contiguous()
+    c = kvevict.Compressor(1, 8, 2, 32, "float32", "snapkv", compression_ratio=0.5, window=16,
+                           max_sequences=2, max_tokens=97)
+    c.run(0, k, v, q, pos)
+    c.run(0, k_nhd, v_nhd, q, pos)
+    assert torch.equal(k[:, :, :48], k_nhd[:, :, :48]) and torch.equal(v[:, :, :48], v_nhd[:, :, :48])
+
+
+def test_numpy_arrays_and_int32_positions():
+    k, v, q, pos = batch()
+    kn, vn, qn = k.numpy().copy(), v.numpy().copy(), q.numpy()
+    c = kvevict.Compressor(1, 8, 2, 32, "float32", "snapkv", compression_ratio=0.5, window=16,
+                           max_sequences=2, max_tokens=97)
+    c.run(0, k, v, q, pos)
+    c.run(0, kn, vn, qn, pos.numpy().astype(np.int32))
+    np.testing.assert_array_equal(kn[:, :, :48], k[:, :, :48].numpy())
+
+
+def test_bad_input_names_the_argument_and_changes_nothing():
+    k, v, q, pos = batch()
+    c = kvevict.Compressor(1, 8, 2, 32, "float32", "snapkv", compression_ratio=0.5, window=16,
+                           max_sequences=2, max_tokens=97)
+    k0, v0 = k.clone(), v.clone()
+    cases = [
+        (dict(queries=q.half()), "queries"),
+        (dict(query_positions=pos[:3]), "query_positions"),
+        (dict(event=["prefill_start"]), "event"),
+        (dict(keys=k.half(), values=v.half()), "keys"),
+        (dict(values=v[:, :, :50]), "values"),
+        (dict(query_positions=pos.float()), "query_positions"),
+        (dict(keys=torch.zeros(3, 2, 97, 32), values=torch.zeros(3, 2, 97, 32)), "max_sequences"),
+    ]
+    for change, name in cases:
+        args = dict(keys=k, values=v, queries=q, query_positions=pos)
+        args.update(change)
+        with pytest.raises(ValueError, match=name):
+            c.run(0, **args)
+        assert torch.equal(k, k0) and torch.equal(v, v0), name
+    with pytest.raises(ValueError, match="policy"):
+        kvevict.Compressor(1, 8, 2, 32, "float32", "snapkv2", max_tokens=97)
+    with pytest.raises(ValueError, match="dtype"):
+        kvevict.Compressor(1, 8, 2, 32, "float64", max_tokens=97)
+    with pytest.raises(ValueError, match="num_kv_heads|model"):
+        kvevict.Compressor(1, 8, 3, 32, "float32", max_tokens=97)
+
+
+def test_threads_share_nothing_but_the_process():
+    """The GIL is released during run(): compressors in four threads at once give what each
+    gives alone, and so does one compressor called from four threads (its calls take turns)."""
+    inputs = [batch(length=1500, seed=s) for s in range(4)]
+
+    def plan():
+        return kvevict.Compressor(1, 8, 2, 32, "float32", compression_ratio=0.7, window=16, max_sequences=2,
+                                  max_tokens=1500)
+
+    alone = []
+    for k, v, q, pos in inputs:
+        k, v = k.clone(), v.clone()
+        plan().run(0, k, v, q, pos)
+        alone.append((k, v))
+    shared = plan()
+    for compressor_of in (lambda i: plan(), lambda i: shared):
+        caches = [(k.clone(), v.clone()) for k, v, _, _ in inputs]
+        threads = [threading.Thread(target=lambda i=i: compressor_of(i).run(0, *caches[i], *inputs[i][2:]))
+                   for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for (k, v), (ka, va) in zip(caches, alone):
+            assert torch.equal(k[:, :, :450], ka[:, :, :450]) and torch.equal(v[:, :, :450], va[:, :, :450])
+
+
+def test_deferkv_observes_then_evicts_at_the_first_decode_step():
+    k, v, q, pos = batch(b=1, length=97 + 1, w=16)
+    c = kvevict.Compressor(1, 8, 2, 32, "float32", "deferkv", tokens=24, window=16, delay=1,
+                           max_sequences=1, max_tokens=98)
+    assert c.state_size > 0
+    states = torch.zeros(1, c.state_size, dtype=torch.uint8)
+    c.reset_state(states[0])
+    r = c.run(0, k, v, q, pos, states=states, seq_lens=torch.tensor([97]))
+    assert r[0].action == "observed"
+    step_q = torch.randn(1, 8, 1, 32)
+    r = c.run(0, k, v, step_q, torch.tensor([97]), event=["decode"], states=states)
+    assert r[0].action == "evicted" and r[0].length == 24 + 16 + 1  # B candidates, window and the step on top
+    with pytest.raises(ValueError, match="states"):
+        c.run(0, k, v, q, pos)
+
+
+def test_fp8_caches_are_compacted_as_bytes():
+    k = torch.randint(0, 255, (2, 50, 16), dtype=torch.uint8)
+    v = torch.randint(0, 255, (2, 50, 16), dtype=torch.uint8)
+    k0 = k.clone()
+    offsets, indices = kvevict.select(torch.randn(2, 50), tokens=10)
+    lengths = kvevict.evict(k, v, offsets, indices)
+    assert lengths.tolist() == [10, 10]
+    for h in range(2):
+        assert torch.equal(k[h, :10], k0[h, indices[offsets[h]:offsets[h + 1]]])

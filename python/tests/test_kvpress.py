@@ -1,0 +1,137 @@
+"""kvpress as the oracle: kvpress's own presses and KvevictPress on one transformers Llama.
+
+The model is a small Llama with seeded random weights built here (no hub). Each test runs the
+same prompt through a kvpress press and through KvevictPress and compares, per layer and KV
+head, the set of kept key rows (rows are distinct random vectors, so equal row sets mean
+equal keep sets) and then the greedy continuations.
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+kvpress = pytest.importorskip("kvpress")
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from kvevict.kvpress import KvevictPress  # noqa: E402
+
+PROMPT_TOKENS = 203  # odd, not a multiple of the window
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10000.0, attn_implementation="eager",
+        initializer_range=0.2,  # the default 0.02 gives layer-0 keys of near-equal norms (float32 ties)
+    )
+    m = LlamaForCausalLM(config).eval()
+    return m
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 128, (2, PROMPT_TOKENS), generator=g)
+
+
+def prefill(model, press, ids):
+    cache = DynamicCache()
+    with torch.inference_mode(), press(model):
+        out = model(ids, past_key_values=cache)
+    return cache, out
+
+
+def row_sets(cache):
+    """Per layer: keys [batch, kv_heads, kept, d] with each head's rows sorted (order-free)."""
+    result = []
+    for layer in cache.layers:
+        k = layer.keys.clone()
+        order = torch.argsort(k[..., 0], dim=-1)
+        result.append(torch.gather(k, 2, order.unsqueeze(-1).expand_as(k)))
+    return result
+
+
+def greedy(model, press, ids, steps=12):
+    cache, out = prefill(model, press, ids)
+    tokens = []
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    with torch.inference_mode():
+        for _ in range(steps):
+            tokens.append(nxt)
+            out = model(nxt, past_key_values=cache)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    return torch.cat(tokens, dim=1)
+
+
+def full_keys(model, ids):
+    """Every layer's uncompressed keys: prefill's outputs do not depend on the press (each layer
+    is compressed after its own attention), so a run without one gives the keys both presses see."""
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(ids, past_key_values=cache)
+    return [layer.keys.clone() for layer in cache.layers]
+
+
+def knorm_ties_only(full, a, b):
+    """Whether rows kept by only one side all score (-||k||, in double) what the boundary token
+    scores: exact ties, which kvpress breaks by torch.topk's order and kvevict by the smaller
+    position (docs/peer-conventions.md). Repeated tokens tie exactly in KNorm: RoPE keeps norms."""
+    kept = a.shape[2]
+    for bi in range(a.shape[0]):
+        for h in range(a.shape[1]):
+            norms = full[bi, h].double().norm(dim=-1)
+            boundary = torch.sort(norms).values[kept - 1]
+            only = [r for r in a[bi, h] if not (b[bi, h] == r).all(-1).any()]
+            only += [r for r in b[bi, h] if not (a[bi, h] == r).all(-1).any()]
+            for r in only:
+                if abs(r.double().norm().item() - boundary.item()) > 1e-6 * boundary.item():
+                    return False
+    return True
+
+
+CASES = [
+    ("snapkv", lambda r: kvpress.SnapKVPress(compression_ratio=r, window_size=16, kernel_size=5),
+     lambda r: KvevictPress("snapkv", compression_ratio=r, window_size=16, kernel_size=5)),
+    ("snapkv_w64", lambda r: kvpress.SnapKVPress(compression_ratio=r),
+     lambda r: KvevictPress("snapkv", compression_ratio=r)),
+    ("streaming_llm", lambda r: kvpress.StreamingLLMPress(compression_ratio=r, n_sink=4),
+     lambda r: KvevictPress("streaming_llm", compression_ratio=r, options={"sinks": 4})),
+    ("knorm", lambda r: kvpress.KnormPress(compression_ratio=r),
+     lambda r: KvevictPress("knorm", compression_ratio=r)),
+]
+
+
+@pytest.mark.parametrize("name,theirs,ours", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.6])  # 0.6 keeps 81 of 203: more than W = 64
+def test_same_keep_sets_as_kvpress(model, prompt, name, theirs, ours, ratio):
+    cache_a, _ = prefill(model, theirs(ratio), prompt)
+    cache_b, _ = prefill(model, ours(ratio), prompt)
+    full = full_keys(model, prompt)
+    for layer, (a, b) in enumerate(zip(row_sets(cache_a), row_sets(cache_b))):
+        assert a.shape == b.shape, f"layer {layer}: kvpress kept {tuple(a.shape)}, kvevict {tuple(b.shape)}"
+        same = (a == b).all(dim=-1).all(dim=-1)  # [batch, kv_heads]
+        if name == "knorm" and not bool(same.all()):
+            assert knorm_ties_only(full[layer], a, b), f"knorm layer {layer}: keep sets differ beyond exact ties"
+            continue
+        assert bool(same.all()), f"{name} layer {layer}: keep sets differ at (batch, head) {same.logical_not().nonzero().tolist()}"
+
+
+def test_budget_below_window_keeps_the_window(model, prompt):
+    """The one measured convention difference for SnapKV: with fewer tokens to keep than the window
+    (203 tokens, ratio 0.8: 40 < 64), kvpress keeps 40 of the window's 64 tokens (all scored
+    max + 1: torch.topk picks among equals) and kvevict keeps the whole window, its protected tail."""
+    cache_a, _ = prefill(model, kvpress.SnapKVPress(compression_ratio=0.8), prompt)
+    cache_b, _ = prefill(model, KvevictPress("snapkv", compression_ratio=0.8), prompt)
+    full = full_keys(model, prompt)
+    assert cache_a.layers[0].keys.shape[2] == 40
+    for layer, full_k in zip(cache_b.layers, full):
+        assert torch.equal(layer.keys, full_k[:, :, -64:])
+
+
+@pytest.mark.parametrize("name,theirs,ours", CASES, ids=[c[0] for c in CASES])
+def test_same_greedy_generation_as_kvpress(model, prompt, name, theirs, ours):
+    a = greedy(model, theirs(0.5), prompt)
+    b = greedy(model, ours(0.5), prompt)
+    assert torch.equal(a, b), f"{name}: kvpress {a.tolist()} vs kvevict {b.tolist()}"
