@@ -173,3 +173,12 @@ def test_fp8_caches_are_compacted_as_bytes():
     assert lengths.tolist() == [10, 10]
     for h in range(2):
         assert torch.equal(k[h, :10], k0[h, indices[offsets[h]:offsets[h + 1]]])
+
+
+def test_type_stubs_are_installed_with_the_docstrings():
+    import importlib.resources
+
+    stub = importlib.resources.files("kvevict").joinpath("_kvevict.pyi").read_text()
+    assert "class Compressor" in stub and "def run(" in stub and "def observation_scores(" in stub
+    assert importlib.resources.files("kvevict").joinpath("py.typed").is_file()
+    assert "GIL is released" in kvevict.Compressor.run.__doc__

@@ -23,7 +23,7 @@ def model():
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10000.0, attn_implementation="eager",
+        num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10000.0, attn_implementation="sdpa",  # eager hands presses attention weights, which ChunkKVPress refuses
         initializer_range=0.2,  # the default 0.02 gives layer-0 keys of near-equal norms (float32 ties)
     )
     m = LlamaForCausalLM(config).eval()
@@ -100,6 +100,10 @@ CASES = [
      lambda r: KvevictPress("streaming_llm", compression_ratio=r, options={"sinks": 4})),
     ("knorm", lambda r: kvpress.KnormPress(compression_ratio=r),
      lambda r: KvevictPress("knorm", compression_ratio=r)),
+    ("tova", lambda r: kvpress.TOVAPress(compression_ratio=r),
+     lambda r: KvevictPress("tova", compression_ratio=r)),
+    ("keydiff", lambda r: kvpress.KeyDiffPress(compression_ratio=r),
+     lambda r: KvevictPress("keydiff", compression_ratio=r)),
 ]
 
 
@@ -135,3 +139,27 @@ def test_same_greedy_generation_as_kvpress(model, prompt, name, theirs, ours):
     a = greedy(model, theirs(0.5), prompt)
     b = greedy(model, ours(0.5), prompt)
     assert torch.equal(a, b), f"{name}: kvpress {a.tolist()} vs kvevict {b.tolist()}"
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.6])
+def test_chunkkv_budgets_are_exact_in_tokens(model, prompt, ratio):
+    """The measured ChunkKV difference (docs/peer-conventions.md): kvpress keeps
+    max(1, int(chunks * (1 - r))) whole chunks of 20 (the partial last chunk counts as one), so its
+    count is not int(L * (1 - r)); kvevict keeps exactly int(L * (1 - r)) tokens per head, whole
+    chunks in score order and the earliest tokens of the chunk the budget ends in, with the
+    window protected. Both keep the same tokens in every head."""
+    theirs = kvpress.ChunkKVPress(press=kvpress.SnapKVPress(compression_ratio=ratio, window_size=16), chunk_length=20)
+    ours = KvevictPress("snapkv", compression_ratio=ratio, window_size=16, options={"chunk_length": 20})
+    cache_a, _ = prefill(model, theirs, prompt)
+    cache_b, _ = prefill(model, ours, prompt)
+    chunks = -(-PROMPT_TOKENS // 20)
+    kept_chunks = max(1, int(chunks * (1 - ratio)))
+    counts = {kept_chunks * 20, (kept_chunks - 1) * 20 + PROMPT_TOKENS % 20}
+    full = full_keys(model, prompt)
+    for layer_a, layer_b, k in zip(cache_a.layers, cache_b.layers, full):
+        assert layer_a.keys.shape[2] in counts
+        assert layer_b.keys.shape[2] == int(PROMPT_TOKENS * (1 - ratio))
+        assert torch.equal(layer_b.keys[:, :, -16:], k[:, :, -16:])  # the window, kept
+        # every head keeps the same positions: rows of head 0 and head 1 come from one token set
+        rows = [[int(((k[0, h] == r).all(-1)).nonzero()[0]) for r in layer_b.keys[0, h]] for h in range(2)]
+        assert rows[0] == rows[1]
