@@ -38,7 +38,8 @@ class KvevictPress(BasePress):
     compression_ratio: the fraction of each head's tokens removed (kvpress's meaning).
     window_size, kernel_size: SnapKV's observation window and pooling kernel.
     preset: the SnapKV conventions ('kvpress', 'snapkv_paper', 'kvcache_factory', 'adakv').
-    options: further kvevict.Compressor keyword arguments (sinks, protected_tail, chunk_length).
+    options: further kvevict.Compressor keyword arguments (sinks, protected_tail, chunk_length,
+        protect, tokens: a budget in tokens per head instead of compression_ratio).
     """
 
     policy: str = "snapkv"
@@ -67,10 +68,10 @@ class KvevictPress(BasePress):
             kwargs = dict(self.options)
             if self.policy == "snapkv":
                 kwargs.update(window=window, kernel_size=self.kernel_size, preset=self.preset)
-            plan = Compressor(
-                1, heads, kv_heads, head_dim, _TORCH_DTYPES[keys.dtype], self.policy,
-                compression_ratio=self.compression_ratio, max_sequences=batch, max_tokens=tokens, **kwargs,
-            )
+            if "tokens" not in kwargs:
+                kwargs["compression_ratio"] = self.compression_ratio
+            plan = Compressor(1, heads, kv_heads, head_dim, _TORCH_DTYPES[keys.dtype], self.policy,
+                              max_sequences=batch, max_tokens=tokens, **kwargs)
             self._plans[key] = plan
         return plan
 
@@ -82,7 +83,7 @@ class KvevictPress(BasePress):
         return (queries * cos) + (rotate_half(queries) * sin)
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-        if self.compression_ratio == 0:
+        if self.compression_ratio == 0 and "tokens" not in self.options:
             return keys, values
         tokens = keys.shape[2]
         observe = _QUERIES[self.policy]

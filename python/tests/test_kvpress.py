@@ -54,13 +54,15 @@ def row_sets(cache):
 
 
 def greedy(model, press, ids, steps=12):
+    """Greedy tokens after a compressed prefill, each at its true position (the cache is shorter)."""
     cache, out = prefill(model, press, ids)
     tokens = []
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     with torch.inference_mode():
-        for _ in range(steps):
+        for i in range(steps):
             tokens.append(nxt)
-            out = model(nxt, past_key_values=cache)
+            position = torch.full((ids.shape[0], 1), ids.shape[1] + i)
+            out = model(nxt, past_key_values=cache, position_ids=position)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     return torch.cat(tokens, dim=1)
 
@@ -134,7 +136,13 @@ def test_budget_below_window_keeps_the_window(model, prompt):
         assert torch.equal(layer.keys, full_k[:, :, -64:])
 
 
-@pytest.mark.parametrize("name,theirs,ours", CASES, ids=[c[0] for c in CASES])
+# KNorm is left out: its exact ties (a repeated token's key norm at every position) are broken
+# differently (test above), so the two keep the same token at different positions, whose keys
+# differ after RoPE, and the generations part ways; measured on this model, both prompts.
+GENERATION_CASES = [c for c in CASES if c[0] != "knorm"]
+
+
+@pytest.mark.parametrize("name,theirs,ours", GENERATION_CASES, ids=[c[0] for c in GENERATION_CASES])
 def test_same_greedy_generation_as_kvpress(model, prompt, name, theirs, ours):
     a = greedy(model, theirs(0.5), prompt)
     b = greedy(model, ours(0.5), prompt)
