@@ -9,8 +9,10 @@ conventions, so swapping ``SnapKVPress(compression_ratio=r, window_size=w)`` for
 (python/tests/test_kvpress.py checks it on a transformers Llama).
 
 Policies read at the end of prefill: snapkv, streaming_llm, knorm, h2o, tova, keydiff (and
-``chunk_length`` > 0 for ChunkKV over any of them). Heads keep equal counts (uniform budgets),
-as kvpress's ScorerPress does. The kept rows of each head stay in position order (kvpress's
+``chunk_length`` > 0 for ChunkKV over any of them). DeferKV observes the prompt's window at the
+end of prefill and evicts after the ``delay``-th decoded token: keep the press's context open
+while decoding (``with press(model): model(prompt); model(token)...``). Heads keep equal counts
+(uniform budgets), as kvpress's ScorerPress does. The kept rows of each head stay in position order (kvpress's
 ``topk`` gathers them in score order; attention does not depend on the order beyond float
 rounding).
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from kvpress.presses.base_press import BasePress
+from kvpress.presses.base_press import BasePress, is_prefilling
 from kvpress.utils import get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
@@ -27,7 +29,8 @@ from ._kvevict import Compressor
 
 _TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Queries each policy observes at prefill_end: the window, every prompt query, or none.
-_QUERIES = {"snapkv": "window", "h2o": "all", "tova": "last", "streaming_llm": None, "knorm": None, "keydiff": None}
+_QUERIES = {"snapkv": "window", "h2o": "all", "tova": "last", "streaming_llm": None, "knorm": None, "keydiff": None,
+            "deferkv": "window"}
 
 
 @dataclass
@@ -62,15 +65,19 @@ class KvevictPress(BasePress):
         heads = module.config.num_attention_heads
         if keys.dtype not in _TORCH_DTYPES:
             raise ValueError(f"keys: expected float32, float16 or bfloat16, got {keys.dtype}")
-        key = (heads, kv_heads, head_dim, keys.dtype, batch, tokens, window)
+        layers = module.config.num_hidden_layers
+        key = (heads, kv_heads, head_dim, keys.dtype, batch, tokens, window, layers)
         plan = self._plans.get(key)
         if plan is None:
             kwargs = dict(self.options)
             if self.policy == "snapkv":
                 kwargs.update(window=window, kernel_size=self.kernel_size, preset=self.preset)
+            if self.policy == "deferkv":
+                kwargs.update(window=window, kernel_size=self.kernel_size)
+                tokens += kwargs.get("delay", 1)  # the decoded tokens observed before eviction
             if "tokens" not in kwargs:
                 kwargs["compression_ratio"] = self.compression_ratio
-            plan = Compressor(1, heads, kv_heads, head_dim, _TORCH_DTYPES[keys.dtype], self.policy,
+            plan = Compressor(layers, heads, kv_heads, head_dim, _TORCH_DTYPES[keys.dtype], self.policy,
                               max_sequences=batch, max_tokens=tokens, **kwargs)
             self._plans[key] = plan
         return plan
@@ -96,8 +103,55 @@ class KvevictPress(BasePress):
         keys = keys if keys.is_contiguous() else keys.contiguous()
         values = values if values.is_contiguous() else values.contiguous()
         lengths = torch.empty(keys.shape[0], keys.shape[1], dtype=torch.int64)
-        plan.run(0, keys, values, queries, positions, head_lengths=lengths)
+        plan.run(module.layer_idx, keys, values, queries, positions, head_lengths=lengths)
         kept = int(lengths[0, 0])
         if not bool((lengths == kept).all()):
             raise RuntimeError("kvevict kept different counts per head: KvevictPress serves uniform budgets only")
         return keys[:, :, :kept], values[:, :, :kept]
+
+    # ---- DeferKV: an observation at the end of prefill, eviction at a decode step ------------
+
+    def forward_hook(self, module, input, kwargs, output):
+        if self.policy != "deferkv":
+            return super().forward_hook(module, input, kwargs, output)
+        hidden_states = kwargs["hidden_states"]
+        layer = kwargs["past_key_values"].layers[module.layer_idx]
+        steps = hidden_states.shape[1]
+        prefill = is_prefilling(kwargs["cache_position"], steps)
+        if prefill and module.layer_idx == 0:
+            self._deferred = {"prompt": steps, "decoded": {}, "plan": None, "states": None}
+        d = getattr(self, "_deferred", None)
+        if d is None:  # decoding without a prefill under this press: nothing to defer
+            return output
+        keys, values = layer.keys, layer.values
+        if prefill:
+            count = min(self.window_size, steps)
+            queries = self._queries(module, hidden_states, kwargs, count).to(keys.dtype)
+            positions = torch.arange(steps - count, steps, dtype=torch.int64)
+            event = "prefill_end"
+            if d["plan"] is None:
+                d["plan"] = self._compressor(module, keys, self.window_size)
+                d["states"] = torch.zeros(keys.shape[0], d["plan"].state_size, dtype=torch.uint8)
+                for state in d["states"]:
+                    d["plan"].reset_state(state)
+        else:
+            if d.get("evicted", {}).get(module.layer_idx):
+                return output
+            done = d["decoded"].get(module.layer_idx, 0)
+            queries = self._queries(module, hidden_states, kwargs, steps).to(keys.dtype)
+            position = d["prompt"] + done
+            positions = torch.arange(position, position + steps, dtype=torch.int64)
+            d["decoded"][module.layer_idx] = done + steps
+            event = "decode"
+        keys = keys if keys.is_contiguous() else keys.contiguous()
+        values = values if values.is_contiguous() else values.contiguous()
+        lengths = torch.empty(keys.shape[0], keys.shape[1], dtype=torch.int64)
+        reports = d["plan"].run(module.layer_idx, keys, values, queries, positions, event=[event],
+                                states=d["states"], head_lengths=lengths)
+        if reports[0].action == "evicted":
+            kept = int(lengths[0, 0])
+            if not bool((lengths == kept).all()):
+                raise RuntimeError("kvevict kept different counts per head: KvevictPress serves uniform budgets only")
+            layer.keys, layer.values = keys[:, :, :kept], values[:, :, :kept]
+            d.setdefault("evicted", {})[module.layer_idx] = True
+        return output

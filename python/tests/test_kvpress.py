@@ -171,3 +171,20 @@ def test_chunkkv_budgets_are_exact_in_tokens(model, prompt, ratio):
         # every head keeps the same positions: rows of head 0 and head 1 come from one token set
         rows = [[int(((k[0, h] == r).all(-1)).nonzero()[0]) for r in layer_b.keys[0, h]] for h in range(2)]
         assert rows[0] == rows[1]
+
+
+def test_deferkv_through_the_press_evicts_at_the_delayed_decode_step(model, prompt):
+    """kvpress has no DeferKV: KvevictPress observes the window at the end of prefill and evicts
+    after the d-th decoded token, while the press's context stays open (B = 50 candidates, the
+    window of 16 and the decoded tokens on top: DeferKV's default)."""
+    press = KvevictPress("deferkv", window_size=16, options={"tokens": 50, "delay": 2})
+    cache = DynamicCache()
+    lengths = []
+    with torch.inference_mode(), press(model):
+        out = model(prompt, past_key_values=cache)
+        lengths.append(cache.layers[0].keys.shape[2])
+        for i in range(3):
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            out = model(nxt, past_key_values=cache, position_ids=torch.full((2, 1), PROMPT_TOKENS + i))
+            lengths.append([layer.keys.shape[2] for layer in cache.layers])
+    assert lengths == [PROMPT_TOKENS, [PROMPT_TOKENS + 1] * 3, [50 + 16 + 2] * 3, [50 + 16 + 3] * 3]

@@ -7,10 +7,10 @@ mean the C++ engine and bench are sound; --check compares with docs/fidelity/res
 
     python fidelity_hf.py [--per-task N] [--budgets 0.5,0.25] [--policies snapkv,h2o] [--check]
 
-Policies served here (those that act at the end of prefill): full, streaming_llm, knorm, h2o,
-snapkv. Run in a venv with kvevict, kvpress, transformers and torch (scripts/test python's).
+Policies served here: full, streaming_llm, knorm, h2o, snapkv, deferkv_eta<eta>_d<d>. Run in a venv with kvevict, kvpress, transformers and torch (scripts/test python's).
 """
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -41,6 +41,10 @@ def press_for(policy: str, budget: int):
         return KvevictPress("h2o", options={"protected_tail": WINDOW, **inside})
     if policy == "snapkv":  # KVCache-Factory's LongBench preset (W = 8, max pool 7, sum), inside the budget
         return KvevictPress("snapkv", window_size=WINDOW, kernel_size=7, preset="kvcache_factory", options=inside)
+    if policy.startswith("deferkv_eta"):  # deferkv_eta0.9_d1: eta and the delay d
+        eta, delay = policy[len("deferkv_eta"):].split("_d")
+        return KvevictPress("deferkv", window_size=WINDOW, kernel_size=7,
+                            options={"eta": float(eta), "delay": int(delay), **inside})
     raise ValueError(f"policy: {policy} is not served here")
 
 
@@ -59,15 +63,11 @@ def load_prompts(path: Path, per_task: int):
 
 def answer(model, press, ids, n):
     """Prefill with the press, then n - 1 greedy steps at the true positions (after eviction the
-    cache is shorter than the position of the next token)."""
+    cache is shorter than the position of the next token), inside the press's context (DeferKV
+    evicts at a decode step; the other policies act at prefill only)."""
     cache = DynamicCache()
-    x = torch.tensor([ids])
-    with torch.inference_mode():
-        if press is None:
-            out = model(x, past_key_values=cache)
-        else:
-            with press(model):
-                out = model(x, past_key_values=cache)
+    with torch.inference_mode(), (press(model) if press is not None else contextlib.nullcontext()):
+        out = model(torch.tensor([ids]), past_key_values=cache)
         tokens = [int(out.logits[0, -1].argmax())]
         for i in range(n - 1):
             out = model(torch.tensor([[tokens[-1]]]), past_key_values=cache,
