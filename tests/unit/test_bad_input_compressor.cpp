@@ -1032,6 +1032,30 @@ TEST_CASE("bad input: engine contracts (evict_into, shared blocks, scopes, per-h
           rr(
               "a sequence scope, layers out of order", errc::invalid_state, "seqs[0].state", per_sequence,
               [](world&, io_vec&) {}, true, false),
+          // Chunked prefill: a chunk handed twice (or chunks out of order) would observe with the
+          // wrong queries. The first chunk is taken; the same chunk again is refused, and the
+          // sequence's state keeps the first one.
+          {"a prompt chunk handed twice", errc::invalid_argument, "seqs[0].queries.positions[0]",
+           [snap](world& wd) -> call_fn {
+             compressor_options o = world::options(snap);
+             o.chunked_prefill = true;
+             auto cc = std::make_shared<kvevict::compressor>();
+             REQUIRE(kvevict::compressor::plan(o, cc.get()).ok());
+             auto st = std::make_shared<std::vector<std::uint64_t>>(cc->sequence_state_size() / 8 + 1);
+             REQUIRE(cc->reset_sequence(st->data(), st->size() * 8).ok());
+             auto io = std::make_shared<io_vec>(wd.prefill(false));
+             (*io)[0].event = kvevict::sequence_event::prefill_chunk;
+             (*io)[0].state = st->data();
+             auto ws = std::make_shared<std::vector<unsigned char>>(cc->workspace_size());
+             std::vector<kvevict::sequence_report> first(1);
+             REQUIRE(cc->run(0, io->data(), 1, first.data(), {ws->data(), ws->size()}).ok());
+             return [=, &wd] {
+               const std::vector<std::uint64_t> held = *st;
+               const kvevict::status refused = cc->run(0, io->data(), 1, wd.reports.data(), {ws->data(), ws->size()});
+               CHECK(*st == held);  // the sequence's state keeps the first chunk
+               return refused;
+             };
+           }},
       });
 }
 
