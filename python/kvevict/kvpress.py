@@ -27,6 +27,13 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from ._kvevict import Compressor
 
+# Compressor options the press sets itself, or cannot serve (per-head or per-layer lengths,
+# a keep set across layers, a cache left where it is).
+_OWN_OPTIONS = {"window", "kernel_size", "preset", "compression_ratio", "max_tokens", "max_sequences"}
+_UNSERVED_OPTIONS = {"heads", "layers", "scope", "compaction", "chunked_prefill"}
+# Decoded tokens a DeferKV plan has room for beyond the prompt (steps of several tokens:
+# speculative verification); a longer step before eviction is refused by name.
+_DECODE_HEADROOM = 256
 _TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Queries each policy observes at prefill_end: the window, every prompt query, or none.
 _QUERIES = {"snapkv": "window", "h2o": "all", "tova": "last", "streaming_llm": None, "knorm": None, "keydiff": None,
@@ -57,6 +64,12 @@ class KvevictPress(BasePress):
             raise ValueError(f"policy: expected one of {', '.join(_QUERIES)}, got {self.policy!r}")
         if not 0 <= self.compression_ratio < 1:
             raise ValueError(f"compression_ratio: expected a value in [0, 1), got {self.compression_ratio}")
+        for name in self.options:
+            if name in _OWN_OPTIONS:
+                raise ValueError(f"options: {name!r} is the press's own field or set by it; pass it to KvevictPress")
+            if name in _UNSERVED_OPTIONS:
+                raise ValueError(f"options: {name!r} is not served through the press (uniform head budgets, each "
+                                 "layer compacted in place); use kvevict.Compressor")
         self._plans: dict = {}
 
     def _compressor(self, module, keys: torch.Tensor, window: int) -> Compressor:
@@ -65,8 +78,14 @@ class KvevictPress(BasePress):
         heads = module.config.num_attention_heads
         if keys.dtype not in _TORCH_DTYPES:
             raise ValueError(f"keys: expected float32, float16 or bfloat16, got {keys.dtype}")
+        if keys.device.type != "cpu":
+            raise ValueError(f"keys: KvevictPress runs on CPU tensors, got a {keys.device.type} cache")
         layers = module.config.num_hidden_layers
-        key = (heads, kv_heads, head_dim, keys.dtype, batch, tokens, window, layers)
+        # Every field the plan depends on: kvpress's wrappers (PerLayerCompressionPress, ...) set
+        # compression_ratio between layers.
+        config = (self.policy, self.compression_ratio, self.window_size, self.kernel_size, self.preset,
+                  tuple(sorted((k, repr(v)) for k, v in self.options.items())))
+        key = (heads, kv_heads, head_dim, keys.dtype, batch, tokens, window, layers, config)
         plan = self._plans.get(key)
         if plan is None:
             kwargs = dict(self.options)
@@ -74,7 +93,7 @@ class KvevictPress(BasePress):
                 kwargs.update(window=window, kernel_size=self.kernel_size, preset=self.preset)
             if self.policy == "deferkv":
                 kwargs.update(window=window, kernel_size=self.kernel_size)
-                tokens += kwargs.get("delay", 1)  # the decoded tokens observed before eviction
+                tokens += kwargs.get("delay", 1) + _DECODE_HEADROOM  # decoded tokens before eviction
             if "tokens" not in kwargs:
                 kwargs["compression_ratio"] = self.compression_ratio
             plan = Compressor(layers, heads, kv_heads, head_dim, _TORCH_DTYPES[keys.dtype], self.policy,
@@ -103,10 +122,10 @@ class KvevictPress(BasePress):
         keys = keys if keys.is_contiguous() else keys.contiguous()
         values = values if values.is_contiguous() else values.contiguous()
         lengths = torch.empty(keys.shape[0], keys.shape[1], dtype=torch.int64)
-        plan.run(module.layer_idx, keys, values, queries, positions, head_lengths=lengths)
-        kept = int(lengths[0, 0])
-        if not bool((lengths == kept).all()):
-            raise RuntimeError("kvevict kept different counts per head: KvevictPress serves uniform budgets only")
+        reports = plan.run(module.layer_idx, keys, values, queries, positions, head_lengths=lengths)
+        if reports[0].action != "evicted":
+            return keys, values
+        kept = int(lengths[0, 0])  # uniform head budgets (the options that change that are refused)
         return keys[:, :, :kept], values[:, :, :kept]
 
     # ---- DeferKV: an observation at the end of prefill, eviction at a decode step ------------
@@ -150,8 +169,6 @@ class KvevictPress(BasePress):
                                 states=d["states"], head_lengths=lengths)
         if reports[0].action == "evicted":
             kept = int(lengths[0, 0])
-            if not bool((lengths == kept).all()):
-                raise RuntimeError("kvevict kept different counts per head: KvevictPress serves uniform budgets only")
             layer.keys, layer.values = keys[:, :, :kept], values[:, :, :kept]
             d.setdefault("evicted", {})[module.layer_idx] = True
         return output

@@ -25,19 +25,22 @@ using namespace nb::literals;
 namespace {
 
 using i64 = std::int64_t;
-using array = nb::ndarray<nb::device::cpu>;
+using array = nb::ndarray<nb::device::cpu>;             // written (caches, outputs)
+using in_array = nb::ndarray<nb::ro, nb::device::cpu>;  // only read (read-only arrays too)
 
 // ---- errors ---------------------------------------------------------------------------------
 
-/// kvevict's status as a Python exception: ValueError for what the caller passed (the message
-/// names the argument), NotImplementedError for unsupported combinations, RuntimeError else.
+/// kvevict's status as a Python exception: ValueError for what the caller passed or the order
+/// it called in (the message names the argument), NotImplementedError for combinations kvevict
+/// does not implement, RuntimeError for the rest (a workspace the binding sized, a device or
+/// collective failure).
 [[noreturn]] void raise(const kvevict::status& st) {
   using kvevict::errc;
   switch (st.code()) {
     case errc::unsupported:
-      throw nb::builtin_exception(nb::exception_type::runtime_error, st.message());
+      PyErr_SetString(PyExc_NotImplementedError, st.message());
+      throw nb::python_error();
     case errc::workspace_too_small:
-    case errc::invalid_state:
     case errc::device_error:
     case errc::collective_error:
       throw std::runtime_error(st.message());
@@ -105,9 +108,10 @@ kvevict::window_config window_preset(const std::string& name) {
 
 // ---- tensors --------------------------------------------------------------------------------
 
-/// The kvevict dtype of a tensor: its DLPack type, or `storage` for 8-bit floats carried as
-/// uint8 (or torch's float8 types, which DLPack exports as 8-bit floats of code 2).
-kvevict::dtype dtype_of(const array& a, const char* name) {
+/// The kvevict dtype of a tensor: its DLPack type; 8-bit float caches are carried as uint8
+/// (the plan's dtype says which fp8 format).
+template <class A>
+kvevict::dtype dtype_of(const A& a, const char* name) {
   const nb::dlpack::dtype t = a.dtype();
   const auto code = static_cast<nb::dlpack::dtype_code>(t.code);
   if (t.lanes == 1 && code == nb::dlpack::dtype_code::Float && t.bits == 32) return kvevict::dtype::f32;
@@ -118,16 +122,23 @@ kvevict::dtype dtype_of(const array& a, const char* name) {
       std::to_string(t.code) + " bits " + std::to_string(t.bits));
 }
 
-void require_dims(const array& a, std::size_t ndim, const char* name, const char* shape) {
+template <class A>
+void require_dims(const A& a, std::size_t ndim, const char* name, const char* shape) {
   if (a.ndim() != ndim)
     bad(std::string(name) + ": expected " + std::to_string(ndim) + " dimensions " + shape + ", got " +
         std::to_string(a.ndim()));
 }
 
-std::string shape_text(const array& a) {
+template <class A>
+std::string shape_text(const A& a) {
   std::string s = "[";
   for (std::size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
   return s + "]";
+}
+
+/// Element `s` along dimension 0, in bytes from `data` (strides may be negative: numpy views).
+inline std::ptrdiff_t byte_offset(i64 s, i64 stride, std::size_t bytes) {
+  return static_cast<std::ptrdiff_t>(s * stride) * static_cast<std::ptrdiff_t>(bytes);
 }
 
 std::size_t element_bytes(kvevict::dtype t) {
@@ -144,7 +155,7 @@ std::size_t element_bytes(kvevict::dtype t) {
 
 /// Positions as int32 or int64, any stride along the query axis is refused: kvevict reads
 /// them as a dense array.
-kvevict::index_ptr index_of(const array& a, i64 offset, const char* name) {
+kvevict::index_ptr index_of(const in_array& a, i64 offset, const char* name) {
   const nb::dlpack::dtype t = a.dtype();
   const auto code = static_cast<nb::dlpack::dtype_code>(t.code);
   if (a.stride(a.ndim() - 1) != 1 && a.shape(a.ndim() - 1) > 1)
@@ -202,6 +213,9 @@ class compressor {
     o.layers = parse(layers, kLayers, "layers");
     o.scope = parse(scope, kScopes, "scope");
     o.compact = parse(compaction, kCompactions, "compaction");
+    if (o.scope == kvevict::selection_scope::per_sequence && o.compact != kvevict::compaction::keep_list_only)
+      bad("scope: 'per_sequence' compacts every layer at the last layer's call, which needs every layer's cache "
+          "at once: this binding serves it with compaction='keep_list_only'");
     o.sharing = kvevict::block_sharing::none;  // tensors, not paged pools
     o.limits.max_sequences = max_sequences;
     o.limits.max_tokens = max_tokens;
@@ -219,17 +233,25 @@ class compressor {
   i64 observation_window() const { return c_.observation_window(); }
 
   void reset_state(array state) {
-    if (state.nbytes() < c_.sequence_state_size())
-      bad("state: expected at least " + std::to_string(c_.sequence_state_size()) + " bytes, got " +
-          std::to_string(state.nbytes()));
-    check(c_.reset_sequence(state.data(), state.nbytes()));
+    // One dense run of bytes: kvevict writes state_size bytes from data() on.
+    if (state.ndim() != 1 || state.itemsize() != 1 || (state.shape(0) > 1 && state.stride(0) != 1) ||
+        state.shape(0) < c_.sequence_state_size())
+      bad("state: expected contiguous uint8 [>= " + std::to_string(c_.sequence_state_size()) + "], got " +
+          shape_text(state));
+    std::unique_lock<std::mutex> turn(busy_, std::defer_lock);
+    {
+      nb::gil_scoped_release unlocked;
+      turn.lock();
+    }
+    check(c_.reset_sequence(state.data(), state.shape(0)));
   }
 
   /// One layer of a batch [B, Hkv, L, d]: see the docstring in the module definition.
-  std::vector<report> run(i64 layer, array keys, array values, std::optional<array> queries,
-                          std::optional<array> query_positions, const std::vector<std::string>& events,
-                          std::optional<array> states, std::optional<array> seq_lens, std::optional<array> head_lengths,
-                          std::optional<array> kept_positions, float key_scale, float value_scale) {
+  std::vector<report> run(i64 layer, array keys, array values, std::optional<in_array> queries,
+                          std::optional<in_array> query_positions, const std::vector<std::string>& events,
+                          std::optional<array> states, std::optional<in_array> seq_lens,
+                          std::optional<array> head_lengths, std::optional<array> kept_positions, float key_scale,
+                          float value_scale) {
     require_dims(keys, 4, "keys", "[batch, kv_heads, tokens, head_dim]");
     require_dims(values, 4, "values", "[batch, kv_heads, tokens, head_dim]");
     const i64 b = static_cast<i64>(keys.shape(0));
@@ -238,6 +260,9 @@ class compressor {
           std::to_string(b));
     if (static_cast<i64>(values.shape(0)) != b || values.shape(1) != keys.shape(1) || values.shape(2) != keys.shape(2))
       bad("values: expected the keys' [batch, kv_heads, tokens] = " + shape_text(keys) + ", got " + shape_text(values));
+    if (b > 1 && (keys.stride(0) == 0 || values.stride(0) == 0))  // an expanded tensor: one cache for all
+      bad(std::string(keys.stride(0) == 0 ? "keys" : "values") +
+          ": expected one cache per sequence, got a batch stride of 0 (compaction would write them all)");
     const kvevict::dtype storage = options_.model.storage;
     for (const auto* t : {&keys, &values}) {
       const kvevict::dtype got = dtype_of(*t, t == &keys ? "keys" : "values");
@@ -278,8 +303,16 @@ class compressor {
         bad("states: expected uint8 [batch, >= " + std::to_string(state_bytes) + "] with contiguous rows, got " +
             shape_text(*states));
     }
-    if (seq_lens && (seq_lens->ndim() != 1 || static_cast<i64>(seq_lens->shape(0)) != b))
-      bad("seq_lens: expected [" + std::to_string(b) + "], got " + shape_text(*seq_lens));
+    if (seq_lens) {
+      if (seq_lens->ndim() != 1 || static_cast<i64>(seq_lens->shape(0)) != b)
+        bad("seq_lens: expected [" + std::to_string(b) + "], got " + shape_text(*seq_lens));
+      for (i64 s = 0; s < b; ++s) {  // a view has no capacity of its own: the tensor's tokens bound it
+        const i64 len = read_index(*seq_lens, s);
+        if (len < 0 || len > static_cast<i64>(keys.shape(2)))
+          bad("seq_lens: expected lengths in [0, " + std::to_string(keys.shape(2)) + "] (the tensors' tokens), got " +
+              std::to_string(len) + " at " + std::to_string(s));
+      }
+    }
     const i64 hkv = static_cast<i64>(keys.shape(1));
     if (head_lengths && (head_lengths->ndim() != 2 || static_cast<i64>(head_lengths->shape(0)) != b ||
                          static_cast<i64>(head_lengths->shape(1)) != hkv || head_lengths->stride(1) != 1 ||
@@ -312,8 +345,7 @@ class compressor {
       e.values.scale = value_scale;
       if (queries) {
         const std::size_t qb = element_bytes(dtype_of(*queries, "queries"));
-        const auto* base =
-            static_cast<const unsigned char*>(queries->data()) + static_cast<std::size_t>(s * queries->stride(0)) * qb;
+        const auto* base = static_cast<const unsigned char*>(queries->data()) + byte_offset(s, queries->stride(0), qb);
         e.queries.data = reinterpret_cast<const kvevict::any_element*>(base);
         e.queries.num_heads = static_cast<i64>(queries->shape(1));
         e.queries.num_queries = static_cast<i64>(queries->shape(2));
@@ -324,8 +356,7 @@ class compressor {
         e.queries.positions = index_of(
             *query_positions, query_positions->ndim() == 2 ? s * query_positions->stride(0) : 0, "query_positions");
       }
-      if (state_bytes > 0)
-        e.state = static_cast<unsigned char*>(states->data()) + static_cast<std::size_t>(s * states->stride(0));
+      if (state_bytes > 0) e.state = static_cast<unsigned char*>(states->data()) + byte_offset(s, states->stride(0), 1);
       if (head_lengths) e.head_lengths = static_cast<i64*>(head_lengths->data()) + s * head_lengths->stride(0);
       if (kept_positions) e.kept_positions = static_cast<i64*>(kept_positions->data()) + s * kept_positions->stride(0);
     }
@@ -410,7 +441,7 @@ class compressor {
     return static_cast<nb::dlpack::dtype_code>(t.code) == nb::dlpack::dtype_code::Int ? t.bits : 0;
   }
 
-  static i64 read_index(const array& a, i64 i) {
+  static i64 read_index(const in_array& a, i64 i) {
     const nb::dlpack::dtype t = a.dtype();
     if (static_cast<nb::dlpack::dtype_code>(t.code) != nb::dlpack::dtype_code::Int || (t.bits != 32 && t.bits != 64))
       bad("seq_lens: expected int32 or int64 lengths");
@@ -420,7 +451,7 @@ class compressor {
 
   /// Sequence s of a [B, Hkv, L, d] tensor: a strided view with the tensor's own strides.
   static kvevict::any_cache_view view_of(const array& t, i64 s, i64 len, std::size_t bytes) {
-    auto* base = static_cast<unsigned char*>(t.data()) + static_cast<std::size_t>(s * t.stride(0)) * bytes;
+    auto* base = static_cast<unsigned char*>(t.data()) + byte_offset(s, t.stride(0), bytes);
     return kvevict::strided_cache(reinterpret_cast<kvevict::any_element*>(base), static_cast<i64>(t.shape(1)), len,
                                   static_cast<i64>(t.shape(3)), t.stride(1), t.stride(2), t.stride(3));
   }
@@ -461,6 +492,12 @@ kvevict::cache_view<T> head_major_view(const array& t, i64 len) {
                                 static_cast<i64>(t.shape(2)), t.stride(0), t.stride(1), t.stride(2));
 }
 
+template <class T>
+kvevict::cache_view<const T> head_major_view(const in_array& t, i64 len) {
+  return kvevict::strided_cache(static_cast<const T*>(t.data()), static_cast<i64>(t.shape(0)), len,
+                                static_cast<i64>(t.shape(2)), t.stride(0), t.stride(1), t.stride(2));
+}
+
 template <class T, std::size_t N>
 nb::ndarray<nb::numpy, T> owned(const std::size_t (&shape)[N]) {
   std::size_t n = 1;
@@ -477,7 +514,7 @@ kvevict::budget budget_of(std::optional<i64> tokens, std::optional<double> compr
 }
 
 /// Prompt-window observation scores [Hkv, L] (kvevict::observation_scores).
-nb::object observation_scores(array queries, array keys, array query_positions, const std::string& preset,
+nb::object observation_scores(in_array queries, in_array keys, in_array query_positions, const std::string& preset,
                               std::optional<i64> kernel_size, i64 protected_tail, std::optional<array> out) {
   require_dims(queries, 3, "queries", "[heads, window, head_dim]");
   require_dims(keys, 3, "keys", "[kv_heads, tokens, head_dim]");
@@ -518,7 +555,7 @@ nb::object observation_scores(array queries, array keys, array query_positions, 
     q.query_stride = queries.stride(1);
     q.dim_stride = queries.stride(2);
     q.positions = index_of(query_positions, 0, "query_positions");
-    const kvevict::cache_view<T> k = head_major_view<T>(keys, len);
+    const kvevict::cache_view<const T> k = head_major_view<T>(keys, len);
     const kvevict::layer_shape shape{q.num_heads, hkv, q.head_dim, len, q.num_queries};
     kvevict::workspace ws(kvevict::observation_scores_workspace_size(shape, params));
     nb::gil_scoped_release unlocked;
@@ -529,7 +566,7 @@ nb::object observation_scores(array queries, array keys, array query_positions, 
 }
 
 /// Exact top-B per head (kvevict::select): (offsets [Hkv + 1], indices [total]) ascending per head.
-nb::tuple select_tokens(array scores, std::optional<i64> tokens, std::optional<double> compression_ratio,
+nb::tuple select_tokens(in_array scores, std::optional<i64> tokens, std::optional<double> compression_ratio,
                         i64 protected_tail, const std::string& protect) {
   if (scores.ndim() != 2 || scores.dtype() != nb::dtype<float>() || scores.stride(1) != 1)
     bad("scores: expected float32 [kv_heads, tokens] with contiguous rows, got " + shape_text(scores));
@@ -552,11 +589,13 @@ nb::tuple select_tokens(array scores, std::optional<i64> tokens, std::optional<d
 
 /// Compacts keys and values [Hkv, L, d] in place to the keep-list (kvevict::evict); returns
 /// each head's new length.
-nb::object evict_tokens(array keys, array values, array offsets, array indices) {
+nb::object evict_tokens(array keys, array values, in_array offsets, in_array indices) {
   require_dims(keys, 3, "keys", "[kv_heads, tokens, head_dim]");
   require_dims(values, 3, "values", "[kv_heads, tokens, head_dim]");
   const kvevict::dtype kt = dtype_of(keys, "keys"), vt = dtype_of(values, "values");
   if (kt != vt) bad("values: expected the keys' element type");
+  if (values.shape(0) != keys.shape(0) || values.shape(1) != keys.shape(1))
+    bad("values: expected the keys' [kv_heads, tokens] = " + shape_text(keys) + ", got " + shape_text(values));
   const i64 hkv = static_cast<i64>(keys.shape(0)), len = static_cast<i64>(keys.shape(1));
   if (offsets.ndim() != 1 || static_cast<i64>(offsets.shape(0)) != hkv + 1 || offsets.dtype() != nb::dtype<i64>() ||
       offsets.stride(0) != 1)

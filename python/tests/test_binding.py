@@ -182,3 +182,41 @@ def test_type_stubs_are_installed_with_the_docstrings():
     assert "class Compressor" in stub and "def run(" in stub and "def observation_scores(" in stub
     assert importlib.resources.files("kvevict").joinpath("py.typed").is_file()
     assert "GIL is released" in kvevict.Compressor.run.__doc__
+
+
+def test_views_stay_inside_the_tensors():
+    """Arguments that would make kvevict read or write outside a tensor are refused by name:
+    lengths past the tokens axis, values shorter than keys, an expanded (stride 0) batch, a
+    state buffer that is not one dense run of bytes."""
+    k, v, q, pos = batch()
+    c = kvevict.Compressor(1, 8, 2, 32, "float32", "snapkv", compression_ratio=0.5, window=16,
+                           max_sequences=2, max_tokens=200)
+    k0, v0 = k.clone(), v.clone()
+    with pytest.raises(ValueError, match="seq_lens"):
+        c.run(0, k, v, q, pos, seq_lens=torch.tensor([97, 150]))
+    with pytest.raises(ValueError, match="keys"):
+        c.run(0, k[:1].expand(2, -1, -1, -1), v, q, pos)
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    offsets, indices = kvevict.select(torch.randn(2, 97), tokens=10)
+    with pytest.raises(ValueError, match="values"):
+        kvevict.evict(k[0].clone(), v[0, :, :10].clone(), offsets, indices)
+    d = kvevict.Compressor(1, 8, 2, 32, "float32", "deferkv", tokens=24, window=16, max_tokens=98)
+    with pytest.raises(ValueError, match="state"):
+        d.reset_state(torch.zeros(1, dtype=torch.uint8).expand(d.state_size))
+    with pytest.raises(ValueError, match="scope"):
+        kvevict.Compressor(1, 8, 2, 32, "float32", scope="per_sequence", max_tokens=97)
+
+
+def test_read_only_inputs_are_read_where_they_lie():
+    k, v, q, pos = batch()
+    qn = q.numpy().copy()
+    qn.setflags(write=False)
+    positions = np.broadcast_to(pos.numpy(), (16,))  # read-only
+    c = kvevict.Compressor(1, 8, 2, 32, "float32", "snapkv", compression_ratio=0.5, window=16,
+                           max_sequences=2, max_tokens=97)
+    c.run(0, k.numpy(), v.numpy(), qn, positions)
+
+
+def test_unsupported_combinations_raise_not_implemented():
+    with pytest.raises(NotImplementedError):
+        kvevict.Compressor(1, 8, 2, 32, "float32", "snapkv", scope="per_layer", heads="adakv", max_tokens=97)

@@ -188,3 +188,17 @@ def test_deferkv_through_the_press_evicts_at_the_delayed_decode_step(model, prom
             out = model(nxt, past_key_values=cache, position_ids=torch.full((2, 1), PROMPT_TOKENS + i))
             lengths.append([layer.keys.shape[2] for layer in cache.layers])
     assert lengths == [PROMPT_TOKENS, [PROMPT_TOKENS + 1] * 3, [50 + 16 + 2] * 3, [50 + 16 + 3] * 3]
+
+
+def test_press_options_it_cannot_serve_are_refused_and_plans_follow_the_ratio(model, prompt):
+    with pytest.raises(ValueError, match="heads"):
+        KvevictPress("snapkv", compression_ratio=0.5, options={"heads": "adakv"})
+    with pytest.raises(ValueError, match="window"):
+        KvevictPress("snapkv", compression_ratio=0.5, options={"window": 8})
+    press = KvevictPress("knorm", compression_ratio=0.5)
+    kept = []
+    for ratio in (0.5, 0.75):  # kvpress's wrappers change compression_ratio between calls
+        press.compression_ratio = ratio
+        cache, _ = prefill(model, press, prompt)
+        kept.append(cache.layers[0].keys.shape[2])
+    assert kept == [int(PROMPT_TOKENS * 0.5), int(PROMPT_TOKENS * 0.25)]

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -46,7 +47,9 @@ def export(src: str, out_dir: str) -> Path:
     with safe_open(src, framework="pt") as f:
         meta = json.loads(f.metadata()["config"])
         tensors = {hf_name(k): f.get_tensor(k).contiguous() for k in f.keys()}
-    tensors.pop("lm_head.weight")  # tied: the embedding matrix (byte-identical in the file)
+    head = tensors.pop("lm_head.weight")  # tied: the embedding matrix (byte-identical in the file)
+    if not torch.equal(head, tensors["model.embed_tokens.weight"]):
+        raise ValueError(f"{src}: output.weight differs from tok_embeddings.weight; TinyLM ties them")
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

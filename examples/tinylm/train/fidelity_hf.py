@@ -126,6 +126,8 @@ def main():
         bad = 0
         for policy, per_budget in results.items():
             for fraction, counts in zip(budgets, per_budget):
+                if fraction not in ref["budgets"]:
+                    sys.exit(f"--budgets: {fraction} has no committed row (results.json has {ref['budgets']})")
                 want = ref["results"][policy]["accuracy"][ref["budgets"].index(fraction)]
                 for task, c in counts.items():
                     if c != want[task]:
