@@ -48,6 +48,11 @@ class KvevictPress(BasePress):
     compression_ratio: the fraction of each head's tokens removed (kvpress's meaning).
     window_size, kernel_size: SnapKV's observation window and pooling kernel.
     preset: the SnapKV conventions ('kvpress', 'snapkv_paper', 'kvcache_factory', 'adakv').
+    layer_schedule: 'uniform', or 'pyramidkv': kvpress's PyramidKVPress layer budgets (its float
+        schedule with beta, rounded per layer, and its fallback to round(L (1 - r))), computed
+        here, so KvevictPress("snapkv", layer_schedule="pyramidkv") keeps PyramidKVPress's
+        tokens. kvevict's own PyramidKV (integer budgets with the exact mean) is
+        kvevict.Compressor(layers="pyramidkv").
     options: further kvevict.Compressor keyword arguments (sinks, protected_tail, chunk_length,
         protect, tokens: a budget in tokens per head instead of compression_ratio).
     """
@@ -57,6 +62,8 @@ class KvevictPress(BasePress):
     window_size: int = 64
     kernel_size: int = 5
     preset: str = "kvpress"
+    layer_schedule: str = "uniform"
+    beta: float = 20.0
     options: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -70,9 +77,27 @@ class KvevictPress(BasePress):
             if name in _UNSERVED_OPTIONS:
                 raise ValueError(f"options: {name!r} is not served through the press (uniform head budgets, each "
                                  "layer compacted in place); use kvevict.Compressor")
+        if self.layer_schedule not in ("uniform", "pyramidkv"):
+            raise ValueError(f"layer_schedule: expected 'uniform' or 'pyramidkv', got {self.layer_schedule!r}")
+        if self.layer_schedule == "pyramidkv" and "tokens" in self.options:
+            raise ValueError("options: 'tokens' and layer_schedule='pyramidkv' both set the budget")
         self._plans: dict = {}
 
-    def _compressor(self, module, keys: torch.Tensor, window: int) -> Compressor:
+    def _pyramid_tokens(self, module, tokens: int) -> int:
+        """PyramidKVPress.get_layer_budget: the tokens layer `module.layer_idx` keeps, window inside."""
+        w, r, layers = self.window_size, self.compression_ratio, module.config.num_hidden_layers
+        capacity = w + tokens * (1 - r)
+        low = (capacity - w) / self.beta
+        high = (capacity - w) * 2 - low
+        if high >= tokens - w:
+            high = tokens - w
+            low = (capacity - w) * 2 - high
+        if not (tokens >= high >= low >= w):
+            return max(1, round(tokens * (1 - r)))
+        step = (high - low) / (layers - 1) if layers > 1 else 0.0
+        return round(high - module.layer_idx * step)
+
+    def _compressor(self, module, keys: torch.Tensor, window: int, budget: int = None) -> Compressor:
         """One plan per shape, dtype and cache length (planning sizes the workspace once)."""
         batch, kv_heads, tokens, head_dim = keys.shape
         heads = module.config.num_attention_heads
@@ -84,7 +109,7 @@ class KvevictPress(BasePress):
         # Every field the plan depends on: kvpress's wrappers (PerLayerCompressionPress, ...) set
         # compression_ratio between layers.
         config = (self.policy, self.compression_ratio, self.window_size, self.kernel_size, self.preset,
-                  tuple(sorted((k, repr(v)) for k, v in self.options.items())))
+                  tuple(sorted((k, repr(v)) for k, v in self.options.items())), budget)
         key = (heads, kv_heads, head_dim, keys.dtype, batch, tokens, window, layers, config)
         plan = self._plans.get(key)
         if plan is None:
@@ -94,7 +119,9 @@ class KvevictPress(BasePress):
             if self.policy == "deferkv":
                 kwargs.update(window=window, kernel_size=self.kernel_size)
                 tokens += kwargs.get("delay", 1) + _DECODE_HEADROOM  # decoded tokens before eviction
-            if "tokens" not in kwargs:
+            if budget is not None:
+                kwargs["tokens"] = budget
+            elif "tokens" not in kwargs:
                 kwargs["compression_ratio"] = self.compression_ratio
             plan = Compressor(layers, heads, kv_heads, head_dim, _TORCH_DTYPES[keys.dtype], self.policy,
                               max_sequences=batch, max_tokens=tokens, **kwargs)
@@ -114,7 +141,8 @@ class KvevictPress(BasePress):
         tokens = keys.shape[2]
         observe = _QUERIES[self.policy]
         count = {"window": min(self.window_size, tokens), "all": tokens, "last": 1, None: 0}[observe]
-        plan = self._compressor(module, keys, self.window_size)
+        budget = self._pyramid_tokens(module, tokens) if self.layer_schedule == "pyramidkv" else None
+        plan = self._compressor(module, keys, self.window_size, budget)
         queries = positions = None
         if count > 0:
             queries = self._queries(module, hidden_states, kwargs, count).to(keys.dtype)

@@ -106,6 +106,8 @@ CASES = [
      lambda r: KvevictPress("tova", compression_ratio=r)),
     ("keydiff", lambda r: kvpress.KeyDiffPress(compression_ratio=r),
      lambda r: KvevictPress("keydiff", compression_ratio=r)),
+    ("pyramidkv", lambda r: kvpress.PyramidKVPress(compression_ratio=r, window_size=8),
+     lambda r: KvevictPress("snapkv", compression_ratio=r, window_size=8, layer_schedule="pyramidkv")),
 ]
 
 
@@ -202,3 +204,19 @@ def test_press_options_it_cannot_serve_are_refused_and_plans_follow_the_ratio(mo
         cache, _ = prefill(model, press, prompt)
         kept.append(cache.layers[0].keys.shape[2])
     assert kept == [int(PROMPT_TOKENS * 0.5), int(PROMPT_TOKENS * 0.25)]
+
+
+@pytest.mark.parametrize("window", [4, 16])  # W = 4: a pyramid; W = 16: PyramidKVPress's fallback
+@pytest.mark.parametrize("ratio", [0.25, 0.5])
+def test_pyramidkv_schedule_keeps_pyramidkvpress_tokens(model, prompt, window, ratio):
+    """KvevictPress("snapkv", layer_schedule="pyramidkv") against kvpress's PyramidKVPress: the
+    same per-layer counts and the same tokens per layer and head."""
+    cache_a, _ = prefill(model, kvpress.PyramidKVPress(compression_ratio=ratio, window_size=window), prompt)
+    cache_b, _ = prefill(model, KvevictPress("snapkv", compression_ratio=ratio, window_size=window,
+                                             layer_schedule="pyramidkv"), prompt)
+    counts = [layer.keys.shape[2] for layer in cache_a.layers]
+    if window == 4:
+        assert counts[0] > counts[-1]  # a pyramid, not the fallback
+    for layer, (a, b) in enumerate(zip(row_sets(cache_a), row_sets(cache_b))):
+        assert a.shape == b.shape, f"layer {layer}: kvpress kept {tuple(a.shape)}, kvevict {tuple(b.shape)}"
+        assert bool((a == b).all()), f"layer {layer}: keep sets differ"
