@@ -8,7 +8,10 @@ conventions, so swapping ``SnapKVPress(compression_ratio=r, window_size=w)`` for
 ``KvevictPress("snapkv", compression_ratio=r, window_size=w)`` keeps the same tokens
 (python/tests/test_kvpress.py checks it on a transformers Llama).
 
-Policies read at the end of prefill: snapkv, streaming_llm, knorm, h2o, tova, keydiff (and
+Policies read at the end of prefill: snapkv, streaming_llm, knorm, h2o, tova, keydiff, dapq
+(DapQ's re-rotated window: the last N prompt queries rotated N positions on, with the model's
+RoPE; the pseudo-token mode needs a forward pass of the pseudo tokens, which a press cannot
+run: use kvevict.Compressor for it) (and
 ``chunk_length`` > 0 for ChunkKV over any of them). DeferKV observes the prompt's window at the
 end of prefill and evicts after the ``delay``-th decoded token: keep the press's context open
 while decoding (``with press(model): model(prompt); model(token)...``). Heads keep equal counts
@@ -37,14 +40,26 @@ _DECODE_HEADROOM = 256
 _TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Queries each policy observes at prefill_end: the window, every prompt query, or none.
 _QUERIES = {"snapkv": "window", "h2o": "all", "tova": "last", "streaming_llm": None, "knorm": None, "keydiff": None,
-            "deferkv": "window"}
+            "deferkv": "window", "dapq": "pseudo"}
+
+
+def _rope_theta(config) -> float:
+    """The model's RoPE base; DapQ's re-rotation follows plain RoPE only (rope_type 'default')."""
+    params = getattr(config, "rope_parameters", None) or {}
+    kind = params.get("rope_type", "default")
+    if kind != "default":
+        raise ValueError(f"policy: DapQ's re-rotation follows plain RoPE here, got rope_type {kind!r}")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("policy: DapQ needs the model's rope_theta")
+    return float(theta)
 
 
 @dataclass
 class KvevictPress(BasePress):
     """kvevict's compressor as a kvpress press.
 
-    policy: one of snapkv, streaming_llm, knorm, h2o, tova, keydiff.
+    policy: one of snapkv, streaming_llm, knorm, h2o, tova, keydiff, deferkv, dapq.
     compression_ratio: the fraction of each head's tokens removed (kvpress's meaning).
     window_size, kernel_size: SnapKV's observation window and pooling kernel.
     preset: the SnapKV conventions ('kvpress', 'snapkv_paper', 'kvcache_factory', 'adakv').
@@ -119,6 +134,8 @@ class KvevictPress(BasePress):
             if self.policy == "deferkv":
                 kwargs.update(window=window, kernel_size=self.kernel_size)
                 tokens += kwargs.get("delay", 1) + _DECODE_HEADROOM  # decoded tokens before eviction
+            if self.policy == "dapq":  # the re-rotated window: the press does not run pseudo tokens
+                kwargs.update(dapq_source="rerotated_window", rope_theta=_rope_theta(module.config))
             if budget is not None:
                 kwargs["tokens"] = budget
             elif "tokens" not in kwargs:
@@ -140,7 +157,9 @@ class KvevictPress(BasePress):
             return keys, values
         tokens = keys.shape[2]
         observe = _QUERIES[self.policy]
-        count = {"window": min(self.window_size, tokens), "all": tokens, "last": 1, None: 0}[observe]
+        pseudo = self.options.get("pseudo_tokens", 32)
+        count = {"window": min(self.window_size, tokens), "all": tokens, "last": 1, "pseudo": min(pseudo, tokens),
+                 None: 0}[observe]
         budget = self._pyramid_tokens(module, tokens) if self.layer_schedule == "pyramidkv" else None
         plan = self._compressor(module, keys, self.window_size, budget)
         queries = positions = None

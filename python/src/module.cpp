@@ -94,6 +94,10 @@ const named<kvevict::selection_scope> kScopes[] = {{"per_head", kvevict::selecti
                                                    {"per_sequence", kvevict::selection_scope::per_sequence}};
 const named<kvevict::compaction> kCompactions[] = {{"in_place", kvevict::compaction::in_place},
                                                    {"keep_list_only", kvevict::compaction::keep_list_only}};
+const named<kvevict::dapq_source> kDapqSources[] = {{"pseudo_tokens", kvevict::dapq_source::pseudo_tokens},
+                                                    {"rerotated_window", kvevict::dapq_source::rerotated_window}};
+const named<kvevict::rope_pairing> kPairings[] = {{"neox", kvevict::rope_pairing::neox},
+                                                  {"gptj", kvevict::rope_pairing::gptj}};
 const named<kvevict::protected_mode> kProtect[] = {{"inside_budget", kvevict::protected_mode::inside_budget},
                                                    {"on_top_of_budget", kvevict::protected_mode::on_top_of_budget}};
 
@@ -192,7 +196,8 @@ class compressor {
              double eta, i64 pseudo_tokens, i64 protected_tail, i64 chunk_length, const std::string& heads,
              const std::string& layers, const std::string& scope, const std::string& compaction, i64 max_sequences,
              i64 max_tokens, std::optional<std::string> query_dtype, bool chunked_prefill,
-             std::optional<std::string> protect) {
+             std::optional<std::string> protect, const std::string& dapq_source, double rope_theta,
+             const std::string& rope_pairing, i64 rotary_dim) {
     kvevict::compressor_options& o = options_;
     o.model.num_layers = num_layers;
     o.model.num_query_heads = num_heads;
@@ -203,6 +208,11 @@ class compressor {
     if (compression_ratio && tokens) bad("compression_ratio, tokens: expected one of them, got both");
     o.per_head = tokens ? kvevict::budget::tokens(*tokens) : kvevict::budget::ratio(compression_ratio.value_or(0.5));
     o.policy = make_policy(policy, window, kernel_size, preset, sinks, delay, eta, pseudo_tokens, protected_tail);
+    o.policy.dapq.source = parse(dapq_source, kDapqSources, "dapq_source");
+    o.policy.dapq.rope.head_dim = head_dim;  // the re-rotation's RoPE: the model's
+    o.policy.dapq.rope.rotary_dim = rotary_dim;
+    o.policy.dapq.rope.theta = rope_theta;
+    o.policy.dapq.rope.pairing = parse(rope_pairing, kPairings, "rope_pairing");
     if (protect) {  // where the policy's protected tokens count (each policy has its default)
       const kvevict::protected_mode mode = parse(*protect, kProtect, "protect");
       o.policy.snapkv.protect = o.policy.knorm.protect = o.policy.h2o.protect = mode;
@@ -661,18 +671,23 @@ NB_MODULE(_kvevict, m) {
       .def(nb::init<i64, i64, i64, i64, const std::string&, const std::string&, std::optional<double>,
                     std::optional<i64>, std::optional<i64>, std::optional<i64>, const std::string&, i64, i64, double,
                     i64, i64, i64, const std::string&, const std::string&, const std::string&, const std::string&, i64,
-                    i64, std::optional<std::string>, bool, std::optional<std::string>>(),
+                    i64, std::optional<std::string>, bool, std::optional<std::string>, const std::string&, double,
+                    const std::string&, i64>(),
            "num_layers"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "dtype"_a, "policy"_a = "snapkv",
            nb::kw_only(), "compression_ratio"_a = nb::none(), "tokens"_a = nb::none(), "window"_a = nb::none(),
            "kernel_size"_a = nb::none(), "preset"_a = "kvpress", "sinks"_a = 4, "delay"_a = 1, "eta"_a = 0.9,
            "pseudo_tokens"_a = 32, "protected_tail"_a = 0, "chunk_length"_a = 0, "heads"_a = "uniform",
            "layers"_a = "uniform", "scope"_a = "per_head", "compaction"_a = "in_place", "max_sequences"_a = 1,
            "max_tokens"_a, "query_dtype"_a = nb::none(), "chunked_prefill"_a = false, "protect"_a = nb::none(),
+           "dapq_source"_a = "pseudo_tokens", "rope_theta"_a = 10000.0, "rope_pairing"_a = "neox", "rotary_dim"_a = 0,
            "Plan a compressor (kvevict::compressor::plan). dtype: the K/V element type ('float32', "
            "'float16', 'bfloat16', 'float8_e4m3', 'float8_e5m2'). policy: 'snapkv', 'streaming_llm', "
            "'knorm', 'h2o', 'deferkv', 'dapq', 'tova', 'keydiff' (chunk_length > 0: ChunkKV over it). "
            "Budget per KV head: compression_ratio (kvpress's meaning: the fraction removed) or tokens. "
            "protect: 'inside_budget' or 'on_top_of_budget' (the policy's default when absent). "
+           "DapQ: dapq_source 'pseudo_tokens' (the engine prefills N pseudo tokens and hands their queries) or "
+           "'rerotated_window' (the last N prompt queries rotated N positions on, with the model's RoPE: "
+           "rope_theta, rope_pairing 'neox' or 'gptj', rotary_dim, 0 for head_dim). "
            "heads: 'uniform' or 'adakv'; layers: 'uniform' or 'pyramidkv'. The workspace is allocated "
            "here, once.")
       .def_prop_ro("state_size", &compressor::state_size, "Bytes of state each sequence needs (0: none).")

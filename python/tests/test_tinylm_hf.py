@@ -57,10 +57,11 @@ def test_the_fidelity_route_compresses_and_answers(model):
     """Three prompts per task: the full cache answers them (as in the C++ rows) and at a 3%
     budget StreamingLLM loses answers that SnapKV keeps, so the press really evicts."""
     prompts = fidelity_hf.load_prompts(TINYLM / "data" / "eval_prompts.txt", 3)
-    rows = fidelity_hf.rows(model, prompts, ["full", "streaming_llm", "snapkv"], [0.03])
+    rows = fidelity_hf.rows(model, prompts, ["full", "streaming_llm", "snapkv", "dapq_rerotate",
+                                             "deferkv_eta0.9_d3"], [0.03])
     correct = {p: sum(c[0] for c in b[0].values()) for p, b in rows.items()}
     assert correct["full"] == 12
-    assert correct["streaming_llm"] < correct["snapkv"]
+    assert correct["streaming_llm"] < min(correct["snapkv"], correct["dapq_rerotate"], correct["deferkv_eta0.9_d3"])
 
 
 from test_kvpress import CASES, GENERATION_CASES, knorm_ties_only, row_sets  # noqa: E402

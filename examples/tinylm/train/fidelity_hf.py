@@ -7,7 +7,9 @@ mean the C++ engine and bench are sound; --check compares with docs/fidelity/res
 
     python fidelity_hf.py [--per-task N] [--budgets 0.5,0.25] [--policies snapkv,h2o] [--check]
 
-Policies served here: full, streaming_llm, knorm, h2o, snapkv, deferkv_eta<eta>_d<d>. Run in a venv with kvevict, kvpress, transformers and torch (scripts/test python's).
+Policies served here: full, streaming_llm, knorm, h2o, snapkv, deferkv_eta<eta>_d<d>,
+dapq_rerotate (16 of the bench's 26 rows; the allocator combinations, the shared scopes and DapQ's
+pseudo tokens are not served by the press). Run in a venv with kvevict, kvpress, transformers and torch (scripts/test python's).
 """
 import argparse
 import contextlib
@@ -41,6 +43,8 @@ def press_for(policy: str, budget: int):
         return KvevictPress("h2o", options={"protected_tail": WINDOW, **inside})
     if policy == "snapkv":  # KVCache-Factory's LongBench preset (W = 8, max pool 7, sum), inside the budget
         return KvevictPress("snapkv", window_size=WINDOW, kernel_size=7, preset="kvcache_factory", options=inside)
+    if policy == "dapq_rerotate":  # N = 32 re-rotated prompt queries, inside the budget (policies.hpp)
+        return KvevictPress("dapq", options={"pseudo_tokens": 32, **inside})
     if policy.startswith("deferkv_eta"):  # deferkv_eta0.9_d1: eta and the delay d
         eta, delay = policy[len("deferkv_eta"):].split("_d")
         return KvevictPress("deferkv", window_size=WINDOW, kernel_size=7,
