@@ -8,7 +8,7 @@ mean the C++ engine and bench are sound; --check compares with docs/fidelity/res
     python fidelity_hf.py [--per-task N] [--budgets 0.5,0.25] [--policies snapkv,h2o] [--check]
 
 Policies served here: full, streaming_llm, knorm, h2o, snapkv, deferkv_eta<eta>_d<d>,
-dapq_rerotate (16 of the bench's 26 rows; the allocator combinations, the shared scopes and DapQ's
+dapq_rerotate (13 of the bench's 26 rows; the allocator combinations, the shared scopes and DapQ's
 pseudo tokens are not served by the press). Run in a venv with kvevict, kvpress, transformers and torch (scripts/test python's).
 """
 import argparse
