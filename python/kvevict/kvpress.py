@@ -15,7 +15,9 @@ run: use kvevict.Compressor for it) (and
 ``chunk_length`` > 0 for ChunkKV over any of them). DeferKV observes the prompt's window at the
 end of prefill and evicts after the ``delay``-th decoded token: keep the press's context open
 while decoding (``with press(model): model(prompt); model(token)...``). Heads keep equal counts
-(uniform budgets), as kvpress's ScorerPress does. The kept rows of each head stay in position order (kvpress's
+(uniform budgets), as kvpress's ScorerPress does, except with options={"heads": "adakv"}: AdaKV's
+per-head lengths are served as kvpress's AdaKVPress serves them (module.masked_key_indices, the
+cache keeps its rows), with kvevict's AdaKV allocation. The kept rows of each head stay in position order (kvpress's
 ``topk`` gathers them in score order; attention does not depend on the order beyond float
 rounding).
 """
@@ -33,7 +35,7 @@ from ._kvevict import Compressor
 # Compressor options the press sets itself, or cannot serve (per-head or per-layer lengths,
 # a keep set across layers, a cache left where it is).
 _OWN_OPTIONS = {"window", "kernel_size", "preset", "compression_ratio", "max_tokens", "max_sequences"}
-_UNSERVED_OPTIONS = {"heads", "layers", "scope", "compaction", "chunked_prefill"}
+_UNSERVED_OPTIONS = {"layers", "scope", "compaction", "chunked_prefill"}
 # Decoded tokens a DeferKV plan has room for beyond the prompt (steps of several tokens:
 # speculative verification); a longer step before eviction is refused by name.
 _DECODE_HEADROOM = 256
@@ -92,6 +94,10 @@ class KvevictPress(BasePress):
             if name in _UNSERVED_OPTIONS:
                 raise ValueError(f"options: {name!r} is not served through the press (uniform head budgets, each "
                                  "layer compacted in place); use kvevict.Compressor")
+        if self.options.get("heads", "uniform") not in ("uniform", "adakv"):
+            raise ValueError(f"options: heads {self.options['heads']!r}: expected 'uniform' or 'adakv'")
+        if self.options.get("heads") == "adakv" and self.policy == "deferkv":
+            raise ValueError("options: heads 'adakv' through the press is served at the end of prefill, not for deferkv")
         if self.layer_schedule not in ("uniform", "pyramidkv"):
             raise ValueError(f"layer_schedule: expected 'uniform' or 'pyramidkv', got {self.layer_schedule!r}")
         if self.layer_schedule == "pyramidkv" and "tokens" in self.options:
@@ -134,6 +140,8 @@ class KvevictPress(BasePress):
             if self.policy == "deferkv":
                 kwargs.update(window=window, kernel_size=self.kernel_size)
                 tokens += kwargs.get("delay", 1) + _DECODE_HEADROOM  # decoded tokens before eviction
+            if kwargs.get("heads") == "adakv":  # per-head lengths: kvpress's masking, the cache stays
+                kwargs["compaction"] = "keep_list_only"
             if self.policy == "dapq":  # the re-rotated window: the press does not run pseudo tokens
                 kwargs.update(dapq_source="rerotated_window", rope_theta=_rope_theta(module.config))
             if budget is not None:
@@ -169,11 +177,32 @@ class KvevictPress(BasePress):
         keys = keys if keys.is_contiguous() else keys.contiguous()
         values = values if values.is_contiguous() else values.contiguous()
         lengths = torch.empty(keys.shape[0], keys.shape[1], dtype=torch.int64)
+        if self.options.get("heads") == "adakv":
+            return self._mask_adakv(module, plan, keys, values, queries, positions, lengths)
         reports = plan.run(module.layer_idx, keys, values, queries, positions, head_lengths=lengths)
         if reports[0].action != "evicted":
             return keys, values
         kept = int(lengths[0, 0])  # uniform head budgets (the options that change that are refused)
         return keys[:, :, :kept], values[:, :, :kept]
+
+    def _mask_adakv(self, module, plan, keys, values, queries, positions, lengths):
+        """AdaKV's per-head lengths the way kvpress serves them (AdaKVPress): the cache keeps every
+        row and `module.masked_key_indices` lists the evicted (batch, head, token) entries, which
+        kvpress's attention patch hides from every later query."""
+        kept = torch.empty(keys.shape[0], plan.keep_capacity, dtype=torch.int64)
+        reports = plan.run(module.layer_idx, keys, values, queries, positions, head_lengths=lengths,
+                           kept_positions=kept)
+        if reports[0].action != "evicted":
+            return keys, values
+        keep = torch.zeros(keys.shape[0], keys.shape[1], keys.shape[2], dtype=torch.bool)
+        for b in range(keys.shape[0]):
+            start = 0
+            for h in range(keys.shape[1]):
+                n = int(lengths[b, h])
+                keep[b, h, kept[b, start:start + n]] = True
+                start += n
+        module.masked_key_indices = (~keep).nonzero(as_tuple=True)
+        return keys, values
 
     # ---- DeferKV: an observation at the end of prefill, eviction at a decode step ------------
 
