@@ -171,11 +171,7 @@ kvevict::index_ptr index_of(const in_array& a, i64 offset, const char* name) {
 
 // ---- the compressor -------------------------------------------------------------------------
 
-struct report {
-  std::string action;
-  i64 length = 0, next_position = 0, kept = 0, dropped = 0;
-  i64 nonfinite_queries = 0, nonfinite_keys = 0, nonfinite_scores = 0;
-};
+using report = kvevict::sequence_report;  // returned as it is: Python reads its fields
 
 const char* action_name(kvevict::sequence_action a) {
   switch (a) {
@@ -376,20 +372,7 @@ class compressor {
       st = c_.run(layer, io_.data(), b, reports_.data(), ws_);
     }
     check(st);
-    std::vector<report> out(static_cast<std::size_t>(b));
-    for (i64 s = 0; s < b; ++s) {
-      const kvevict::sequence_report& r = reports_[static_cast<std::size_t>(s)];
-      report& p = out[static_cast<std::size_t>(s)];
-      p.action = action_name(r.action);
-      p.length = r.length;
-      p.next_position = r.next_position;
-      p.kept = r.kept;
-      p.dropped = r.dropped;
-      p.nonfinite_queries = r.nonfinite_queries;
-      p.nonfinite_keys = r.nonfinite_keys;
-      p.nonfinite_scores = r.nonfinite_scores;
-    }
-    return out;
+    return std::vector<report>(reports_.begin(), reports_.begin() + b);
   }
 
  private:
@@ -653,7 +636,9 @@ NB_MODULE(_kvevict, m) {
         "nothing moves.");
 
   nb::class_<report>(m, "Report", "What one run() did to one sequence.")
-      .def_ro("action", &report::action, "'none', 'observed' or 'evicted'.")
+      .def_prop_ro(
+          "action", [](const report& r) { return std::string(action_name(r.action)); },
+          "'none', 'observed' or 'evicted'.")
       .def_ro("length", &report::length, "Tokens the cache holds now (the longest head).")
       .def_ro("next_position", &report::next_position, "RoPE position of the next token.")
       .def_ro("kept", &report::kept, "Entries written to kept_positions.")
@@ -662,7 +647,7 @@ NB_MODULE(_kvevict, m) {
       .def_ro("nonfinite_keys", &report::nonfinite_keys)
       .def_ro("nonfinite_scores", &report::nonfinite_scores)
       .def("__repr__", [](const report& r) {
-        return "Report(action='" + r.action + "', length=" + std::to_string(r.length) +
+        return "Report(action='" + std::string(action_name(r.action)) + "', length=" + std::to_string(r.length) +
                ", dropped=" + std::to_string(r.dropped) + ")";
       });
 

@@ -101,16 +101,5 @@ def test_kvpress_and_kvevict_keep_the_same_tokens_on_tinylm(model, name, theirs,
 def test_kvpress_and_kvevict_answer_alike_on_tinylm(model, name, theirs, ours):
     """Greedy answers after compression at ratio 0.75, at the true positions."""
     for ids in tinylm_prompts():
-        outs = []
-        for press in (theirs(0.75), ours(0.75)):
-            cache = DynamicCache()
-            with torch.inference_mode():
-                with press(model):
-                    out = model(torch.tensor([ids]), past_key_values=cache)
-                tokens = [int(out.logits[0, -1].argmax())]
-                for i in range(7):
-                    out = model(torch.tensor([[tokens[-1]]]), past_key_values=cache,
-                                position_ids=torch.tensor([[len(ids) + i]]))
-                    tokens.append(int(out.logits[0, -1].argmax()))
-            outs.append(tokens)
+        outs = [fidelity_hf.answer(model, press, ids, 8) for press in (theirs(0.75), ours(0.75))]
         assert outs[0] == outs[1], f"{name}: kvpress {outs[0]} vs kvevict {outs[1]}"
