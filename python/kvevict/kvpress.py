@@ -57,6 +57,19 @@ def _rope_theta(config) -> float:
     return float(theta)
 
 
+def _refuse_padding(kwargs: dict):
+    """Each batch row must be one whole prompt at positions 0..L-1: a padded row would be scored
+    and compacted with its pad tokens as context. Without padding the last query sees every key."""
+    mask = kwargs.get("attention_mask")
+    if mask is None or not torch.is_tensor(mask) or mask.dim() != 4:
+        return
+    last = mask[..., -1, :]
+    padded = not bool(last.all()) if last.dtype == torch.bool else bool((last < 0).any())
+    if padded:
+        raise ValueError("attention_mask: KvevictPress expects unpadded prompts (each batch row one whole "
+                         "prompt); run padded batches one row at a time")
+
+
 @dataclass
 class KvevictPress(BasePress):
     """kvevict's compressor as a kvpress press.
@@ -163,6 +176,7 @@ class KvevictPress(BasePress):
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         if self.compression_ratio == 0 and "tokens" not in self.options:
             return keys, values
+        _refuse_padding(kwargs)
         tokens = keys.shape[2]
         observe = _QUERIES[self.policy]
         pseudo = self.options.get("pseudo_tokens", 32)
@@ -220,6 +234,7 @@ class KvevictPress(BasePress):
             return output
         keys, values = layer.keys, layer.values
         if prefill:
+            _refuse_padding(kwargs)
             count = min(self.window_size, steps)
             queries = self._queries(module, hidden_states, kwargs, count).to(keys.dtype)
             positions = torch.arange(steps - count, steps, dtype=torch.int64)

@@ -254,3 +254,14 @@ def test_adakv_through_masking_against_adakvpress(model, prompt, ratio):
         assert bool(((kept_a - kept_b).abs() <= 3).all()), f"layer {layer}: {kept_a.tolist()} vs {kept_b.tolist()}"
         assert bool(((kept_a.sum(-1) - kept_b.sum(-1)).abs() <= 2).all())
         assert not bool(b[:, :, -16:].any())  # the window is never masked
+
+
+def test_padded_batches_are_refused(model, prompt):
+    """A left-padded row would be scored with its pad tokens as context: refused, cache untouched."""
+    mask = torch.ones_like(prompt)
+    mask[1, :5] = 0
+    cache = DynamicCache()
+    with pytest.raises(ValueError, match="attention_mask"):
+        with torch.inference_mode(), KvevictPress("snapkv", compression_ratio=0.5, window_size=16)(model):
+            model(prompt, attention_mask=mask, past_key_values=cache)
+    assert cache.layers[0].keys.shape[2] == PROMPT_TOKENS
