@@ -144,7 +144,7 @@ run_result run_mode(const choice& ch, kvevict::compaction mode) {
     std::fprintf(stderr,
                  "mode %d policy %s chunk %lld scope %d combine %d lengths %d heads %d layers %d: %lld layers, "
                  "Hkv %lld x %lld, d %lld, %lld seqs (first %s/%s, L %lld), corrupt %d\n",
-                 static_cast<int>(mode), kvevict::to_string(o.policy.kind),
+                 static_cast<int>(mode), kvevict::to_string(o.policy.kind()),
                  static_cast<long long>(o.policy.chunk_length), static_cast<int>(o.scope), static_cast<int>(o.combine),
                  static_cast<int>(o.lengths), static_cast<int>(o.heads), static_cast<int>(o.layers),
                  static_cast<long long>(ch.layers), static_cast<long long>(ch.hkv), static_cast<long long>(ch.group),
@@ -172,7 +172,7 @@ run_result run_mode(const choice& ch, kvevict::compaction mode) {
       w.dv.push_back(test::make_cache<T>(vl, ch.hkv, cap, ch.d, test::normal(n, seed + 5), ch.block, seed + 6));
       // H2O counts every prompt query; the windowed policies the last W (all of a shorter prompt),
       // handed with up to 2 earlier ones (they use the last W; a chunk's window drops them).
-      const bool every = o.policy.kind == kvevict::policy_kind::h2o;
+      const bool every = o.policy.kind() == kvevict::policy_kind::h2o;
       const i64 last = every ? len : std::max<i64>(1, std::min(window, len));
       const i64 rows = last + (every ? 0 : std::min<i64>(len - last, 2));
       std::vector<i64> qpos;
@@ -524,7 +524,7 @@ void one_type(FuzzedDataProvider& in) {
   if (ch.corrupt != 6) ch.chunk_rows = in.ConsumeIntegralInRange<i64>(0, 3);
   if (ch.decode) {  // a decode step of 1 .. 3 tokens (DeferKV's limits.max_queries covers it)
     ch.decode_tokens = in.ConsumeIntegralInRange<i64>(1, 3);
-    o.limits.max_queries = std::max(o.policy.deferkv.window, ch.decode_tokens);
+    o.limits.max_queries = std::max(o.policy.config<kvevict::deferkv_traits>().window, ch.decode_tokens);
   }
 
   std::vector<run_result> runs;

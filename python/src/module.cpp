@@ -204,16 +204,19 @@ class compressor {
     if (compression_ratio && tokens) bad("compression_ratio, tokens: expected one of them, got both");
     o.per_head = tokens ? kvevict::budget::tokens(*tokens) : kvevict::budget::ratio(compression_ratio.value_or(0.5));
     o.policy = make_policy(policy, window, kernel_size, preset, sinks, delay, eta, pseudo_tokens, protected_tail);
-    o.policy.dapq.source = parse(dapq_source, kDapqSources, "dapq_source");
-    o.policy.dapq.rope.head_dim = head_dim;  // the re-rotation's RoPE: the model's
-    o.policy.dapq.rope.rotary_dim = rotary_dim;
-    o.policy.dapq.rope.theta = rope_theta;
-    o.policy.dapq.rope.pairing = parse(rope_pairing, kPairings, "rope_pairing");
-    if (protect) {  // where the policy's protected tokens count (each policy has its default)
-      const kvevict::protected_mode mode = parse(*protect, kProtect, "protect");
-      o.policy.snapkv.protect = o.policy.knorm.protect = o.policy.h2o.protect = mode;
-      o.policy.deferkv.protect = o.policy.dapq.protect = o.policy.tova.protect = o.policy.keydiff.protect = mode;
+    const kvevict::dapq_source source = parse(dapq_source, kDapqSources, "dapq_source");
+    const kvevict::rope_pairing pairing = parse(rope_pairing, kPairings, "rope_pairing");
+    if (kvevict::dapq_config* d = o.policy.get_if<kvevict::dapq_traits>()) {
+      d->source = source;
+      d->rope.head_dim = head_dim;  // the re-rotation's RoPE: the model's
+      d->rope.rotary_dim = rotary_dim;
+      d->rope.theta = rope_theta;
+      d->rope.pairing = pairing;
     }
+    if (protect)
+      set_protect<kvevict::snapkv_traits, kvevict::knorm_traits, kvevict::h2o_traits, kvevict::deferkv_traits,
+                  kvevict::dapq_traits, kvevict::tova_traits, kvevict::keydiff_traits>(
+          &o.policy, parse(*protect, kProtect, "protect"));
     if (chunk_length > 0) o.policy = o.policy.chunked(chunk_length);
     o.heads = parse(heads, kHeads, "heads");
     o.layers = parse(layers, kLayers, "layers");
@@ -376,6 +379,15 @@ class compressor {
   }
 
  private:
+  // Where the policy's protected tokens count (each policy has its default).
+  template <class... Traits>
+  static void set_protect(kvevict::policy_config* p, kvevict::protected_mode mode) {
+    auto set = [&](auto* c) {
+      if (c != nullptr) c->protect = mode;
+    };
+    (set(p->get_if<Traits>()), ...);
+  }
+
   static kvevict::policy_config make_policy(const std::string& name, std::optional<i64> window,
                                             std::optional<i64> kernel_size, const std::string& preset, i64 sinks,
                                             i64 delay, double eta, i64 pseudo_tokens, i64 protected_tail) {

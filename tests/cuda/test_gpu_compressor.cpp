@@ -108,7 +108,7 @@ struct scenario {
                                                   {prompts[s] + k - 1}));
       }
     }
-    const bool defer = options.policy.kind == kvevict::policy_kind::deferkv;
+    const bool defer = options.policy.kind() == kvevict::policy_kind::deferkv;
     for (std::int64_t step = 0; step <= steps + 1; ++step)
       for (std::int64_t l = 0; l < kLayers; ++l) {
         gpu::compressor_call<T, Q> call;
@@ -347,7 +347,7 @@ TEST_CASE("GPU compressor: DeferKV observes prefill and decode steps, then evict
   }
   SECTION("fp8 keys, no decode feedback: evicted at the end of prefill, one keep set per layer") {
     kvevict::compressor_options o = deferkv_options(dtype::f8_e4m3, dtype::bf16, 1);
-    o.policy.deferkv.decode_feedback = false;
+    o.policy.config<kvevict::deferkv_traits>().decode_feedback = false;
     o.scope = kvevict::selection_scope::per_layer;
     scenario<fp8_e4m3, bf16> sc(o, true, 0, 23);
     check_against_cpu(sc);
@@ -396,7 +396,7 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
     using Tr = decltype(traits);
     if (Tr::on_gpu) return;
     cases.push_back({base, kvevict::errc::unsupported, "policy.kind"});
-    cases.back().o.policy.kind = kvevict::policy_kind_of<Tr>();
+    cases.back().o.policy = kvevict::policy_config::of<Tr>({});
   });
   cases.push_back({base, kvevict::errc::unsupported, "policy.chunk_length"});
   cases.back().o.policy = base.policy.chunked(8);
@@ -427,7 +427,7 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
     REQUIRE(st.code() == c.code);
     REQUIRE(std::string(st.argument()) == c.arg);
     if (c.arg == "policy.kind")
-      REQUIRE(std::string(st.message()).find(kvevict::to_string(c.o.policy.kind)) != std::string::npos);
+      REQUIRE(std::string(st.message()).find(kvevict::to_string(c.o.policy.kind())) != std::string::npos);
   }
   REQUIRE(gpu::compressor_plan(base).ok());
 }

@@ -66,7 +66,7 @@ struct scale_scenario {
   scale_scenario(const kvevict::compressor_options& o, test::layout klay, test::layout vlay, std::int64_t decode_steps,
                  std::uint64_t seed)
       : options(o), steps(decode_steps) {
-    const bool defer = options.policy.kind == kvevict::policy_kind::deferkv;
+    const bool defer = options.policy.kind() == kvevict::policy_kind::deferkv;
     std::vector<std::int64_t> lengths;
     for (std::int64_t p : prompts) lengths.push_back(std::max<std::int64_t>(p + steps, 1));
     for (std::int64_t l = 0; l < kLayers; ++l) {

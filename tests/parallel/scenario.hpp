@@ -247,8 +247,10 @@ outcome run_batch(const scenario& sc, batch<T>& b, const kvevict::collective* gr
                                      kLayers, std::vector<i64>(static_cast<std::size_t>(c.keep_capacity()), -1)));
   o.reports.assign(kSequences, std::vector<kvevict::sequence_report>(kLayers));
   b.layers.assign(kSequences, {});
-  const bool defer = sc.policy.kind == kvevict::policy_kind::deferkv;
-  const i64 steps = defer && sc.policy.deferkv.decode_feedback ? sc.policy.deferkv.delay : 0;
+  const bool defer = sc.policy.kind() == kvevict::policy_kind::deferkv;
+  const i64 steps = defer && sc.policy.config<kvevict::deferkv_traits>().decode_feedback
+                        ? sc.policy.config<kvevict::deferkv_traits>().delay
+                        : 0;
   for (i64 step = 0; step <= steps; ++step) {
     for (int s = 0; s < kSequences; ++s) {
       b.layers[static_cast<std::size_t>(s)].clear();

@@ -23,6 +23,12 @@ namespace {
 
 using kvevict::errc;
 using i64 = std::int64_t;
+
+// A policy kvevict's compressors do not list: its configuration can be built, never planned.
+struct unlisted_traits {
+  static constexpr kvevict::policy_kind kind = static_cast<kvevict::policy_kind>(9);
+  using config_type = kvevict::streaming_llm_config;
+};
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 /// A planned SnapKV and DeferKV compressor over two layers and three sequences (two strided,
@@ -239,8 +245,8 @@ TEST_CASE("bad input: compressor::plan", "[errors]") {
             [](auto& o) { o.limits.max_queries = -1; }),
           r("max_queries below the window", errc::invalid_shape, "limits.max_queries", snap,
             [](auto& o) { o.limits.max_queries = world::w - 1; }),
-          r("unknown policy", errc::invalid_argument, "policy.kind", snap,
-            [](auto& o) { o.policy.kind = static_cast<kvevict::policy_kind>(9); }),
+          r("a policy outside the list", errc::invalid_argument, "policy.kind",
+            kvevict::policy_config::of<unlisted_traits>({}), [](auto&) {}),
           r("negative chunk length", errc::invalid_argument, "policy.chunk_length", snap,
             [](auto& o) { o.policy.chunk_length = -1; }),
           r("chunks on DeferKV", errc::unsupported, "policy.chunk_length", defer,
@@ -264,31 +270,31 @@ TEST_CASE("bad input: compressor::plan", "[errors]") {
           r("H2O: negative window", errc::invalid_argument, "policy.h2o.recent_window", kvevict::policy::h2o({-2}),
             [](auto&) {}),
           r("SnapKV: window 0", errc::invalid_argument, "policy.snapkv.window", snap,
-            [](auto& o) { o.policy.snapkv.window = 0; }),
+            [](kvevict::compressor_options& o) { o.policy.config<kvevict::snapkv_traits>().window = 0; }),
           r("SnapKV: even pooling kernel", errc::invalid_argument, "params.pool.kernel", snap,
-            [](auto& o) { o.policy.snapkv.scoring.pool.kernel = 4; }),
+            [](kvevict::compressor_options& o) { o.policy.config<kvevict::snapkv_traits>().scoring.pool.kernel = 4; }),
           r("SnapKV: weighted window", errc::unsupported, "policy.snapkv.scoring.window", snap,
-            [](auto& o) { o.policy.snapkv.scoring.window = kvevict::window_aggregation::weighted; }),
-          r("DeferKV: eta 0", errc::invalid_argument, "config.eta", defer, [](auto& o) { o.policy.deferkv.eta = 0.0; }),
+            [](kvevict::compressor_options& o) { o.policy.config<kvevict::snapkv_traits>().scoring.window = kvevict::window_aggregation::weighted; }),
+          r("DeferKV: eta 0", errc::invalid_argument, "config.eta", defer, [](kvevict::compressor_options& o) { o.policy.config<kvevict::deferkv_traits>().eta = 0.0; }),
           r("DeferKV: eta NaN", errc::invalid_argument, "config.eta", defer,
-            [](auto& o) { o.policy.deferkv.eta = kNaN; }),
+            [](kvevict::compressor_options& o) { o.policy.config<kvevict::deferkv_traits>().eta = kNaN; }),
           r("DeferKV: max GQA", errc::unsupported, "config.gqa", defer,
-            [](auto& o) { o.policy.deferkv.gqa = kvevict::gqa_reduction::max; }),
+            [](kvevict::compressor_options& o) { o.policy.config<kvevict::deferkv_traits>().gqa = kvevict::gqa_reduction::max; }),
           r("DeferKV: negative delay", errc::invalid_argument, "config.delay", defer,
-            [](auto& o) { o.policy.deferkv.delay = -1; }),
+            [](kvevict::compressor_options& o) { o.policy.config<kvevict::deferkv_traits>().delay = -1; }),
           r("DeferKV: window 0", errc::invalid_argument, "policy.deferkv.window", defer,
-            [](auto& o) { o.policy.deferkv.window = 0; }),
+            [](kvevict::compressor_options& o) { o.policy.config<kvevict::deferkv_traits>().window = 0; }),
           r("DapQ: no pseudo tokens", errc::invalid_argument, "policy.dapq.pseudo_tokens", kvevict::policy::dapq(),
-            [](auto& o) { o.policy.dapq.pseudo_tokens = 0; }),
+            [](kvevict::compressor_options& o) { o.policy.config<kvevict::dapq_traits>().pseudo_tokens = 0; }),
           r("DapQ: unknown source", errc::invalid_argument, "policy.dapq.source", kvevict::policy::dapq(),
-            [](auto& o) { o.policy.dapq.source = static_cast<kvevict::dapq_source>(3); }),
+            [](kvevict::compressor_options& o) { o.policy.config<kvevict::dapq_traits>().source = static_cast<kvevict::dapq_source>(3); }),
           r("DapQ re-rotated: RoPE head_dim differs", errc::invalid_shape, "policy.dapq.rope.head_dim",
             kvevict::policy::dapq(rerotate), [](auto&) {}),
           r("DapQ re-rotated: odd rotary_dim", errc::invalid_argument, "rope.rotary_dim",
             kvevict::policy::dapq(rerotate),
-            [](auto& o) {
-              o.policy.dapq.rope.head_dim = world::d;
-              o.policy.dapq.rope.rotary_dim = 3;
+            [](kvevict::compressor_options& o) {
+              o.policy.config<kvevict::dapq_traits>().rope.head_dim = world::d;
+              o.policy.config<kvevict::dapq_traits>().rope.rotary_dim = 3;
             }),
           r("ratio NaN", errc::invalid_argument, "per_head", snap,
             [](auto& o) { o.per_head = kvevict::budget::ratio(kNaN); }),
@@ -670,7 +676,7 @@ TEST_CASE("bad input: policy evict(), select_layer and deferkv over caller memor
               auto r = result(wd);
               kvevict::layer_observations<float> o;
               o.state = {wd.state0.data() + 8, wd.state0.size() * 8 - 64};  // layer 0's state (empty)
-              return kvevict::deferkv<float>(world::deferkv_policy().deferkv)
+              return kvevict::deferkv<float>(world::deferkv_policy().config<kvevict::deferkv_traits>())
                   .evict(cache(wd), o, budget(kvevict::budget::tokens(8)), r, wd.span());
             }),
           c("deferkv: uninitialised memory", errc::invalid_state, "state",
@@ -692,7 +698,8 @@ TEST_CASE("bad input: policy evict(), select_layer and deferkv over caller memor
               in.queries =
                   kvevict::contiguous_queries<const float>(wd.dq.data(), world::hq, 1, world::d, wd.dqpos.data());
               in.state = {wd.state0.data() + 8, wd.state0.size() * 8 - 64};
-              return kvevict::deferkv<float>(world::deferkv_policy().deferkv).observe_decode(in, wd.span());
+              return kvevict::deferkv<float>(world::deferkv_policy().config<kvevict::deferkv_traits>())
+                  .observe_decode(in, wd.span());
             }),
           c("select_layer: no heads", errc::invalid_shape, "scores.rows",
             [=](world& wd) {
@@ -1068,13 +1075,12 @@ TEST_CASE("regression: policies that read no queries accept null query data thro
   kvevict::detail::for_each_policy(kvevict::default_policies{}, [&](auto traits) {
     using Tr = decltype(traits);
     if (Tr::reads_queries) return;
-    kvevict::policy_config p;  // the policy's default configuration
-    p.kind = kvevict::policy_kind_of<Tr>();
+    const kvevict::policy_config p = kvevict::policy_config::of<Tr>({});  // its default configuration
     query_free.push_back(p);
   });
   REQUIRE(query_free.size() >= 2);
   for (const kvevict::policy_config& p : query_free) {
-    INFO(kvevict::to_string(p.kind));
+    INFO(kvevict::to_string(p.kind()));
     kvevict::compressor_options o;
     o.model = {1, hq, hkv, d, 0, kvevict::dtype::f32};
     o.policy = p;

@@ -15,6 +15,7 @@
 #include "kvevict/kvevict.hpp"
 #include "support/checksum.hpp"
 #include "support/test_cache.hpp"
+#include "unit/compile_once_lists.hpp"
 
 using kvevict::bf16;
 using kvevict::fp16;
@@ -145,7 +146,7 @@ kvevict::status score_by_hand(const kvevict::policy_config& pc, const kvevict::l
     using Tr = decltype(traits);
     if constexpr (!Tr::deferred) {
       using P = typename Tr::template policy<T, kvevict::default_query_type_t<T>>;
-      if (pc.kind == kvevict::policy_kind_of<Tr>()) st = run(P(Tr::config(pc)));
+      if (pc.kind() == kvevict::policy_kind_of<Tr>()) st = run(P(Tr::config(pc)));
     }
   });
   return st;
@@ -158,7 +159,7 @@ kvevict::query_view<const T> observed_queries(const kvevict::policy_config& pc, 
   kvevict::query_view<const T> q;
   kvevict::detail::for_each_policy(kvevict::default_policies{}, [&](auto traits) {
     using Tr = decltype(traits);
-    if (pc.kind != kvevict::policy_kind_of<Tr>() || !Tr::reads_queries) return;
+    if (pc.kind() != kvevict::policy_kind_of<Tr>() || !Tr::reads_queries) return;
     if (Tr::every_prompt_query) {
       q = prompt;
       return;
@@ -198,13 +199,13 @@ outcome by_hand(std::vector<sequence_data<T>>& seqs, const kvevict::policy_confi
       result.positions = positions.data();
       std::vector<unsigned char> ews(1 << 16);
       kvevict::keep_list keep;
-      if (pc.kind == kvevict::policy_kind::deferkv) {
-        kvevict::deferkv_state<T> st(pc.deferkv, l);
+      if (pc.kind() == kvevict::policy_kind::deferkv) {
+        kvevict::deferkv_state<T> st(pc.config<kvevict::deferkv_traits>(), l);
         REQUIRE(st.reserve(kHkv, s.prompt + s.extra).ok());
         std::vector<unsigned char> ws(1 << 22);
         kvevict::layer_inputs<T> in;
         in.keys = d.k.view.first_tokens(s.prompt);
-        in.queries = last<T>(d.prompt_q.view, pc.deferkv.window);
+        in.queries = last<T>(d.prompt_q.view, pc.config<kvevict::deferkv_traits>().window);
         REQUIRE(st.observe_prefill(l, in, {ws.data(), ws.size()}).ok());
         i64 step = 0;
         for (; !st.ready() && step < kSteps; ++step) {
@@ -224,23 +225,24 @@ outcome by_hand(std::vector<sequence_data<T>>& seqs, const kvevict::policy_confi
         o.next_positions.back() = n;
         o.evicted_at.back() = step;
       } else {
-        const bool dapq = pc.kind == kvevict::policy_kind::dapq;
-        const bool pseudo = dapq && pc.dapq.source == kvevict::dapq_source::pseudo_tokens;
+        const bool dapq = pc.kind() == kvevict::policy_kind::dapq;
+        const bool pseudo = dapq && pc.config<kvevict::dapq_traits>().source == kvevict::dapq_source::pseudo_tokens;
         const i64 tokens = pseudo ? s.prompt + s.extra : s.prompt;
         kvevict::layer_inputs<T> in;
         in.keys = d.k.view.first_tokens(tokens);
         i64 scored = tokens;
-        std::vector<T> rotated(static_cast<std::size_t>(kHq * pc.dapq.pseudo_tokens * kDim));
-        std::vector<i64> rotated_pos(static_cast<std::size_t>(pc.dapq.pseudo_tokens));
+        const i64 pseudo_tokens = dapq ? pc.config<kvevict::dapq_traits>().pseudo_tokens : 0;
+        std::vector<T> rotated(static_cast<std::size_t>(kHq * pseudo_tokens * kDim));
+        std::vector<i64> rotated_pos(static_cast<std::size_t>(pseudo_tokens));
         in.queries = observed_queries<T>(pc, d.prompt_q.view);
         if (pseudo) {
           in.queries = d.pseudo_q.view;
           scored = s.prompt;
         } else if (dapq) {
           kvevict::query_view<const T> moved;
-          const auto window = last<T>(d.prompt_q.view, pc.dapq.pseudo_tokens);
-          REQUIRE(kvevict::dapq_rerotate(window, pc.dapq.rope, window.num_queries, rotated.data(), rotated_pos.data(),
-                                         &moved)
+          const auto window = last<T>(d.prompt_q.view, pc.config<kvevict::dapq_traits>().pseudo_tokens);
+          REQUIRE(kvevict::dapq_rerotate(window, pc.config<kvevict::dapq_traits>().rope, window.num_queries,
+                                         rotated.data(), rotated_pos.data(), &moved)
                       .ok());
           in.queries = moved;
         }
@@ -322,7 +324,8 @@ outcome by_compressor(std::vector<sequence_data<T>>& seqs, const kvevict::policy
   o.next_positions.assign(n, -1);
   o.evicted_at.assign(n, -1);
   std::vector<std::vector<kvevict::sequence_report>> evict_reports(n, std::vector<kvevict::sequence_report>(kLayers));
-  const bool pseudo = pc.kind == kvevict::policy_kind::dapq && pc.dapq.source == kvevict::dapq_source::pseudo_tokens;
+  const bool pseudo = pc.kind() == kvevict::policy_kind::dapq &&
+                      pc.config<kvevict::dapq_traits>().source == kvevict::dapq_source::pseudo_tokens;
   // The tokens each sequence's last chunk starts at (0: one chunk, no prefill_chunk).
   std::vector<i64> last_chunk(n, 0);
   if (chunk > 0) {
@@ -436,12 +439,13 @@ std::vector<kvevict::policy_config> all_policies() {
 }
 
 std::string describe(const kvevict::policy_config& pc, alloc a, kvevict::budget b) {
-  std::string s = kvevict::to_string(pc.kind);
+  std::string s = kvevict::to_string(pc.kind());
   if (pc.chunk_length > 0) s += "+chunks";
-  if (pc.kind == kvevict::policy_kind::deferkv)
-    s += " d=" + std::to_string(pc.deferkv.delay) + (pc.deferkv.decode_feedback ? "" : " no-feedback");
-  if (pc.kind == kvevict::policy_kind::dapq)
-    s += pc.dapq.source == kvevict::dapq_source::pseudo_tokens ? " pseudo" : " rerotated";
+  if (pc.kind() == kvevict::policy_kind::deferkv)
+    s += " d=" + std::to_string(pc.config<kvevict::deferkv_traits>().delay) +
+         (pc.config<kvevict::deferkv_traits>().decode_feedback ? "" : " no-feedback");
+  if (pc.kind() == kvevict::policy_kind::dapq)
+    s += pc.config<kvevict::dapq_traits>().source == kvevict::dapq_source::pseudo_tokens ? " pseudo" : " rerotated";
   const char* names[] = {"uniform", "adakv", "pyramid", "pyramid+adakv"};
   s += std::string(" ") + names[static_cast<int>(a)];
   s += b.type == kvevict::budget::kind::tokens ? " tokens" : " ratio";
@@ -454,7 +458,8 @@ void check_all(const layouts& lay, std::uint64_t seed) {
     for (alloc a : kAllocs)
       for (kvevict::budget b : {kvevict::budget::tokens(14), kvevict::budget::ratio(0.6)}) {
         INFO(describe(pc, a, b));
-        const i64 extra = pc.kind == kvevict::policy_kind::dapq ? pc.dapq.pseudo_tokens : kSteps;
+        const i64 extra =
+            pc.kind() == kvevict::policy_kind::dapq ? pc.config<kvevict::dapq_traits>().pseudo_tokens : kSteps;
         const i64 prompts[] = {37, 50, 23};
         std::vector<sequence_data<T>> hand, comp;
         for (int s = 0; s < 3; ++s) {
@@ -494,7 +499,8 @@ TEST_CASE("chunked prefill: every chunking keeps what the unchunked prompt keeps
   for (const auto& pc : all_policies())
     for (alloc a : {alloc::uniform, alloc::pyramid_adakv}) {
       const kvevict::budget b = kvevict::budget::tokens(14);
-      const i64 extra = pc.kind == kvevict::policy_kind::dapq ? pc.dapq.pseudo_tokens : kSteps;
+      const i64 extra =
+          pc.kind() == kvevict::policy_kind::dapq ? pc.config<kvevict::dapq_traits>().pseudo_tokens : kSteps;
       const i64 prompts[] = {37, 50, 23};
       const auto sequences = [&] {
         std::vector<sequence_data<bf16>> seqs;
@@ -614,11 +620,35 @@ TEST_CASE("DeferKV: a decode step of k tokens equals the same tokens in k steps"
     }
 }
 
+/// Compressor C called through its runtime-dtype run() (by_compressor hands it typed views).
+template <class C>
+struct through_any_run : C {
+  static kvevict::status plan(const kvevict::compressor_options& o, through_any_run* c) { return C::plan(o, c); }
+  std::size_t workspace_size() const noexcept { return C::any_workspace_size(); }
+  template <class T, class Q>
+  kvevict::status run(i64 layer, const kvevict::sequence_io<T, Q>* seqs, i64 n, kvevict::sequence_report* reports,
+                      kvevict::workspace_span ws) const {
+    std::vector<kvevict::any_sequence_io> erased(static_cast<std::size_t>(n));
+    for (std::size_t s = 0; s < erased.size(); ++s) {
+      kvevict::any_sequence_io& e = erased[s];
+      e.event = seqs[s].event;
+      e.keys = seqs[s].keys.template with_element<kvevict::any_element>();
+      e.values = seqs[s].values.template with_element<kvevict::any_element>();
+      e.queries = seqs[s].queries.template with_element<const kvevict::any_element>();
+      e.key_positions = seqs[s].key_positions;
+      e.state = seqs[s].state;
+      e.head_lengths = seqs[s].head_lengths;
+      e.kept_positions = seqs[s].kept_positions;
+    }
+    return C::run(layer, erased.data(), n, reports, ws);
+  }
+};
+
+// The lists' run() entries are compiled once, in test_compile_once.cpp (unit/compile_once_lists.hpp).
 TEST_CASE("a compressor over a list of policies serves them as kvevict::compressor does, and refuses others",
           "[compressor]") {
-  using snapkv_only = kvevict::basic_compressor<kvevict::policy_list<kvevict::snapkv_traits>>;
-  // Another order, and the deferred policy: kinds stay default_policies' indices.
-  using deferkv_knorm = kvevict::basic_compressor<kvevict::policy_list<kvevict::deferkv_traits, kvevict::knorm_traits>>;
+  using test::deferkv_knorm;
+  using test::snapkv_only;
   const layouts lay{test::layout::paged_nhd, test::layout::paged_hnd};
   kvevict::window_config press = kvevict::presets::kvpress_snapkv();
   press.window = 8;
@@ -626,7 +656,7 @@ TEST_CASE("a compressor over a list of policies serves them as kvevict::compress
   d.window = 7;
   d.delay = 2;
   const kvevict::policy_config snap = kvevict::policy::snapkv(press).chunked(5), knorm = kvevict::policy::knorm({5}),
-                               defer = kvevict::policy::deferkv(d);
+                               defer = kvevict::policy::deferkv(d), stream = kvevict::policy::streaming_llm({3});
   for (alloc a : kAllocs) {
     const kvevict::budget b = kvevict::budget::tokens(14);
     const auto run = [&](const kvevict::policy_config& pc, auto compressor_tag) {
@@ -640,8 +670,12 @@ TEST_CASE("a compressor over a list of policies serves them as kvevict::compress
     const outcome got_snap = run(snap, kvevict::detail::type_tag<snapkv_only>{});
     REQUIRE(got_snap.positions == want_snap.positions);
     REQUIRE(got_snap.caches == want_snap.caches);
+    const outcome want_stream = run(stream, kvevict::detail::type_tag<kvevict::compressor>{});
+    const outcome got_stream = run(stream, kvevict::detail::type_tag<through_any_run<test::streaming_only>>{});
+    REQUIRE(got_stream.positions == want_stream.positions);
+    REQUIRE(got_stream.caches == want_stream.caches);
     for (const kvevict::policy_config& pc : {knorm, defer}) {
-      INFO(kvevict::to_string(pc.kind));
+      INFO(kvevict::to_string(pc.kind()));
       const outcome want = run(pc, kvevict::detail::type_tag<kvevict::compressor>{});
       const outcome got = run(pc, kvevict::detail::type_tag<deferkv_knorm>{});
       REQUIRE(got.evicted_at == want.evicted_at);

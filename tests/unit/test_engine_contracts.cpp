@@ -1004,7 +1004,7 @@ TEST_CASE("chunked prefill under a keep set shared by every layer equals the unc
   for (const kvevict::policy_config& pc :
        {kvevict::policy::snapkv(w), kvevict::policy::h2o(), kvevict::policy::deferkv(dc)}) {
     for (i64 chunk : {1, 4, 5, 22}) {
-      INFO(kvevict::to_string(pc.kind) << " chunk " << chunk);
+      INFO(kvevict::to_string(pc.kind()) << " chunk " << chunk);
       std::vector<i64> kept[2];
       for (int chunked = 0; chunked < 2; ++chunked) {
         kvevict::compressor_options o;
@@ -1021,7 +1021,7 @@ TEST_CASE("chunked prefill under a keep set shared by every layer equals the unc
         std::vector<std::uint64_t> state(c.sequence_state_size() / 8 + 1);
         REQUIRE(c.reset_sequence(state.data(), c.sequence_state_size()).ok());
         std::vector<i64> positions(static_cast<std::size_t>(c.keep_capacity()), -1);
-        const i64 prompt = pc.kind == kvevict::policy_kind::deferkv ? layer_data[0].tokens - 1 : layer_data[0].tokens;
+        const i64 prompt = pc.kind() == kvevict::policy_kind::deferkv ? layer_data[0].tokens - 1 : layer_data[0].tokens;
         const i64 last = chunked == 1 ? (prompt - 1) / chunk * chunk : 0;
         for (i64 from = 0; from < last; from += chunk)
           for (i64 l = 0; l < 2; ++l) {
@@ -1036,12 +1036,12 @@ TEST_CASE("chunked prefill under a keep set shared by every layer equals the unc
           const kvevict::status st = c.run(l, &io, 1, &r, ws);
           INFO(st.message());
           REQUIRE(st.ok());
-          if (l == 1 && pc.kind != kvevict::policy_kind::deferkv) {
+          if (l == 1 && pc.kind() != kvevict::policy_kind::deferkv) {
             REQUIRE(r.action == kvevict::sequence_action::evicted);
             positions.resize(static_cast<std::size_t>(r.kept));
           }
         }
-        if (pc.kind == kvevict::policy_kind::deferkv)
+        if (pc.kind() == kvevict::policy_kind::deferkv)
           for (i64 l = 0; l < 2; ++l) {  // step d = 1 evicts
             auto io = layer_data[l].chunk(prompt, layer_data[l].tokens, ev::decode, state.data());
             io.kept_positions = positions.data();

@@ -75,10 +75,10 @@ class basic_compressor : private detail::compressor_steps {
     c.options_ = options;
     status st = out == nullptr ? status::error(errc::null_pointer, fn, "out", "expected a compressor to plan")
                                : c.check_options(fn);
-    if (st.ok() && !detail::lists_kind(Policies{}, static_cast<std::size_t>(options.policy.kind)))
+    if (st.ok() && !detail::lists_kind(Policies{}, static_cast<std::size_t>(options.policy.kind())))
       st = status::error(errc::unsupported, fn, "policy.kind",
                          "%s is not in this compressor's policy list (plan a basic_compressor whose list holds it)",
-                         to_string(options.policy.kind));
+                         to_string(options.policy.kind()));
     if (group != nullptr) KVEVICT_RETURN_IF_ERROR(c.learn_heads(st, fn));  // all ranks fail here together
     KVEVICT_RETURN_IF_ERROR(st);
     c.total_heads_ = group != nullptr ? c.total_heads_ : options.model.num_kv_heads;
@@ -182,13 +182,7 @@ class basic_compressor : private detail::compressor_steps {
   /// model.storage and model.query_storage (tags checked at plan time). `ws`: at least
   /// any_workspace_size() bytes. Otherwise run()'s contract exactly (the typed call it makes).
   status run(std::int64_t layer, const any_sequence_io* seqs, std::int64_t num_seqs, sequence_report* reports,
-             workspace_span ws) const {
-    static constexpr const char* fn = "kvevict::compressor::run";
-    KVEVICT_RETURN_IF_ERROR(check_planned(fn));
-    return detail::with_types(options_.model.storage, options_.model.query_storage, [&](auto t, auto q) {
-      return run_typed<typename decltype(t)::type, typename decltype(q)::type>(layer, seqs, num_seqs, reports, ws);
-    });
-  }
+             workspace_span ws) const;
 
   /// One layer's hook for a batch of sequences.
   ///
@@ -207,31 +201,7 @@ class basic_compressor : private detail::compressor_steps {
   /// outputs describe this rank's heads (report.length: its longest head).
   template <class T, class Q = default_query_type_t<T>>
   status run(std::int64_t layer, const sequence_io<T, Q>* seqs, std::int64_t num_seqs, sequence_report* reports,
-             workspace_span ws) const {
-    static constexpr const char* fn = "kvevict::compressor::run";
-    KVEVICT_RETURN_IF_ERROR(check_planned(fn));
-    static_assert(is_storage_type<T>::value && !std::is_const<T>::value,
-                  "run<T, Q>: T is float, fp16, bf16, fp8_e4m3 or fp8_e5m2");
-    static_assert(is_query_type<Q>::value && !std::is_const<Q>::value, "run<T, Q>: Q is float, fp16 or bf16");
-    detail::run_layout lay;
-    const status checked = check_run<Policies>(layer, seqs, num_seqs, reports, ws, &lay);
-    // Tensor parallelism: one agreement round for the batch, failed or not (design.md §15).
-    if (selects_across_ranks()) KVEVICT_RETURN_IF_ERROR(agree_run<Policies>(layer, seqs, num_seqs, checked));
-    KVEVICT_RETURN_IF_ERROR(checked);
-
-    run_trace trace;
-    trace.layer = layer;
-    trace.sequences = num_seqs;
-    for (std::int64_t s = 0; s < num_seqs; ++s) {
-      sequence_report r;
-      KVEVICT_RETURN_IF_ERROR(step<Policies>(layer, seqs[s], lay, &r));
-      trace.observed += r.action == sequence_action::observed ? 1 : 0;
-      trace.evicted += r.action == sequence_action::evicted ? 1 : 0;
-      reports[s] = r;
-    }
-    if (options_.tracer.on_run != nullptr) options_.tracer.on_run(options_.tracer.context, trace);
-    return status();
-  }
+             workspace_span ws) const;
 
  private:
   /// The typed views of a batch of n erased sequences, carved from the front of the workspace
@@ -271,6 +241,47 @@ class basic_compressor : private detail::compressor_steps {
     return run(layer, typed, num_seqs, reports, rest);
   }
 };
+
+// The two run() entries are defined out of the class, so they are not inline: an engine may
+// compile them once per program (compressor/compile_once.hpp) and every other TU skips them.
+template <class Policies>
+status basic_compressor<Policies>::run(std::int64_t layer, const any_sequence_io* seqs, std::int64_t num_seqs,
+                                       sequence_report* reports, workspace_span ws) const {
+  static constexpr const char* fn = "kvevict::compressor::run";
+  KVEVICT_RETURN_IF_ERROR(check_planned(fn));
+  return detail::with_types(options_.model.storage, options_.model.query_storage, [&](auto t, auto q) {
+    return run_typed<typename decltype(t)::type, typename decltype(q)::type>(layer, seqs, num_seqs, reports, ws);
+  });
+}
+
+template <class Policies>
+template <class T, class Q>
+status basic_compressor<Policies>::run(std::int64_t layer, const sequence_io<T, Q>* seqs, std::int64_t num_seqs,
+                                       sequence_report* reports, workspace_span ws) const {
+  static constexpr const char* fn = "kvevict::compressor::run";
+  KVEVICT_RETURN_IF_ERROR(check_planned(fn));
+  static_assert(is_storage_type<T>::value && !std::is_const<T>::value,
+                "run<T, Q>: T is float, fp16, bf16, fp8_e4m3 or fp8_e5m2");
+  static_assert(is_query_type<Q>::value && !std::is_const<Q>::value, "run<T, Q>: Q is float, fp16 or bf16");
+  detail::run_layout lay;
+  const status checked = check_run<Policies>(layer, seqs, num_seqs, reports, ws, &lay);
+  // Tensor parallelism: one agreement round for the batch, failed or not (design.md §15).
+  if (selects_across_ranks()) KVEVICT_RETURN_IF_ERROR(agree_run<Policies>(layer, seqs, num_seqs, checked));
+  KVEVICT_RETURN_IF_ERROR(checked);
+
+  run_trace trace;
+  trace.layer = layer;
+  trace.sequences = num_seqs;
+  for (std::int64_t s = 0; s < num_seqs; ++s) {
+    sequence_report r;
+    KVEVICT_RETURN_IF_ERROR(step<Policies>(layer, seqs[s], lay, &r));
+    trace.observed += r.action == sequence_action::observed ? 1 : 0;
+    trace.evicted += r.action == sequence_action::evicted ? 1 : 0;
+    reports[s] = r;
+  }
+  if (options_.tracer.on_run != nullptr) options_.tracer.on_run(options_.tracer.context, trace);
+  return status();
+}
 
 KVEVICT_NAMESPACE_END
 

@@ -17,6 +17,7 @@
 #include "kvevict/executor.hpp"
 #include "kvevict/parallel/collective.hpp"
 #include "kvevict/policies/configs.hpp"
+#include "kvevict/policies/policy_config.hpp"
 #include "kvevict/policies/policy_list.hpp"
 #include "kvevict/scoring/presets.hpp"
 #include "kvevict/selection/budget.hpp"
@@ -71,104 +72,10 @@ auto with_types(dtype storage, dtype queries, F&& f) -> decltype(f(type_tag<floa
 }
 }  // namespace detail
 
-/// A policy's kind: its index in the compressors' list of policies (default_policies,
-/// policies/policy_list.hpp). The names stay for the API; a policy outside them is
-/// policy_kind_of<its_traits>().
-enum class policy_kind : std::int32_t { streaming_llm, knorm, h2o, snapkv, deferkv, dapq };
-
-template <class Traits, class List = default_policies>
-constexpr policy_kind policy_kind_of() noexcept {
-  static_assert(policy_index_v<Traits, List> < List::size, "the traits are not in the list");
-  return static_cast<policy_kind>(policy_index_v<Traits, List>);
-}
-
-static_assert(policy_kind_of<streaming_llm_traits>() == policy_kind::streaming_llm &&
-                  policy_kind_of<knorm_traits>() == policy_kind::knorm &&
-                  policy_kind_of<h2o_traits>() == policy_kind::h2o &&
-                  policy_kind_of<snapkv_traits>() == policy_kind::snapkv &&
-                  policy_kind_of<deferkv_traits>() == policy_kind::deferkv &&
-                  policy_kind_of<dapq_traits>() == policy_kind::dapq,
-              "policy_kind's values are the indices of default_policies");
-
 inline const char* to_string(policy_kind k) noexcept {
   return detail::visit_policy(default_policies{}, static_cast<std::size_t>(k), "unknown",
                               [](auto traits) { return decltype(traits)::name; });
 }
-
-/// A policy and its configuration: `kind` says which member is used. Build one with the
-/// functions of namespace kvevict::policy (policy::snapkv(presets::kvpress_snapkv()),
-/// policy::deferkv(cfg), ...). chunk_length > 0 applies ChunkKV on top of the scores of a
-/// policy whose traits are chunkable.
-struct policy_config {
-  policy_kind kind = policy_kind_of<snapkv_traits>();
-  streaming_llm_config streaming_llm;
-  knorm_config knorm;
-  h2o_config h2o;
-  window_config snapkv = presets::kvpress_snapkv();
-  deferkv_config deferkv;
-  dapq_config dapq;
-  tova_config tova;
-  keydiff_config keydiff;
-  std::int64_t chunk_length = 0;
-
-  /// This policy's scores averaged per chunk of `length` tokens (ChunkKV).
-  policy_config chunked(std::int64_t length = 20) const noexcept {
-    policy_config p = *this;
-    p.chunk_length = length;
-    return p;
-  }
-};
-
-namespace policy {
-inline policy_config streaming_llm(const streaming_llm_config& c = {}) noexcept {
-  policy_config p;
-  p.kind = policy_kind_of<streaming_llm_traits>();
-  p.streaming_llm = c;
-  return p;
-}
-inline policy_config knorm(const knorm_config& c = {}) noexcept {
-  policy_config p;
-  p.kind = policy_kind_of<knorm_traits>();
-  p.knorm = c;
-  return p;
-}
-inline policy_config h2o(const h2o_config& c = {}) noexcept {
-  policy_config p;
-  p.kind = policy_kind_of<h2o_traits>();
-  p.h2o = c;
-  return p;
-}
-inline policy_config snapkv(const window_config& c = presets::kvpress_snapkv()) noexcept {
-  policy_config p;
-  p.kind = policy_kind_of<snapkv_traits>();
-  p.snapkv = c;
-  return p;
-}
-inline policy_config deferkv(const deferkv_config& c = {}) noexcept {
-  policy_config p;
-  p.kind = policy_kind_of<deferkv_traits>();
-  p.deferkv = c;
-  return p;
-}
-inline policy_config dapq(const dapq_config& c = {}) noexcept {
-  policy_config p;
-  p.kind = policy_kind_of<dapq_traits>();
-  p.dapq = c;
-  return p;
-}
-inline policy_config tova(const tova_config& c = {}) noexcept {
-  policy_config p;
-  p.kind = policy_kind_of<tova_traits>();
-  p.tova = c;
-  return p;
-}
-inline policy_config keydiff(const keydiff_config& c = {}) noexcept {
-  policy_config p;
-  p.kind = policy_kind_of<keydiff_traits>();
-  p.keydiff = c;
-  return p;
-}
-}  // namespace policy
 
 /// How the model's budget spreads over its layers.
 enum class layer_allocation : std::int32_t {

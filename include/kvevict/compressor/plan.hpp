@@ -56,7 +56,7 @@ inline bool every_prompt_query(policy_kind k) noexcept {
 /// Whether prefill_end needs exactly observation_window() queries of its own call (DapQ's
 /// pseudo tokens), however short the prompt.
 inline bool fixed_window(const policy_config& p) noexcept {
-  return with_policy_traits(p.kind, false, [&](auto traits) {
+  return with_policy_traits(p.kind(), false, [&](auto traits) {
     using Tr = decltype(traits);
     return Tr::fixed_window(Tr::config(p));
   });
@@ -99,20 +99,20 @@ inline status check_contracts(const compressor_options& o, const char* fn) noexc
 inline status check_policy(compressor_options* options, std::int64_t* window, const char* fn) noexcept {
   compressor_options& o = *options;
   const policy_config& p = o.policy;
-  if (static_cast<unsigned>(p.kind) >= default_policies::size)
+  if (static_cast<unsigned>(p.kind()) >= default_policies::size)
     return status::error(errc::invalid_argument, fn, "policy.kind", "expected a policy_kind value, got %d",
-                         static_cast<int>(p.kind));
+                         static_cast<int>(p.kind()));
   if (p.chunk_length < 0)
     return status::error(errc::invalid_argument, fn, "policy.chunk_length", "expected >= 0 (0: no chunks), got %lld",
                          static_cast<long long>(p.chunk_length));
-  if (p.chunk_length > 0 && !chunkable(p.kind))
+  if (p.chunk_length > 0 && !chunkable(p.kind()))
     return status::error(errc::unsupported, fn, "policy.chunk_length",
-                         "ChunkKV applies to the scores of a chunkable policy, not to %s", to_string(p.kind));
+                         "ChunkKV applies to the scores of a chunkable policy, not to %s", to_string(p.kind()));
   if (p.chunk_length > 0 && o.tensor_parallel != nullptr)
     return status::error(errc::unsupported, fn, "policy.chunk_length",
                          "ChunkKV sums its scores over every KV head of the layer; with the heads split over ranks "
                          "(tensor_parallel) that sum is not implemented");
-  return with_policy_traits(p.kind, status(),
+  return with_policy_traits(p.kind(), status(),
                             [&](auto traits) { return decltype(traits)::check(options, window, fn); });
 }
 
@@ -199,7 +199,7 @@ inline status check_compressor_options(compressor_options* options, const layer_
 /// delay - 1 before its last step, and a step of up to limits.max_queries tokens).
 inline selection_params largest_selection(const compressor_options& o) noexcept {
   const policy_config& p = o.policy;
-  return with_policy_traits(p.kind, selection_params{}, [&](auto traits) {
+  return with_policy_traits(p.kind(), selection_params{}, [&](auto traits) {
     using Tr = decltype(traits);
     selection_params sel = Tr::largest_selection(Tr::config(p));
     if (Tr::deferred && o.limits.max_queries > 1) sel.protected_tail += o.limits.max_queries - 1;
@@ -268,7 +268,7 @@ status check_sequence_queries(const compressor_options& o, softmax_domain domain
                          "expected the decode step's query (1 per head), got %lld",
                          static_cast<long long>(q.num_queries));
   if (lse == nullptr) return status();
-  if (!accepts_lse(o.policy.kind))
+  if (!accepts_lse(o.policy.kind()))
     return status::error(errc::unsupported, fn, io_name(s, "lse"),
                          "DeferKV normalises its own observations; pass no LSE");
   if (domain != softmax_domain::visible)

@@ -34,6 +34,7 @@
 #include "kvevict/detail/isa/amx.hpp"
 #include "kvevict/detail/isa/avx2.hpp"
 #include "kvevict/detail/isa/avx512.hpp"
+#include "kvevict/detail/isa/avx512_bf16.hpp"
 #include "kvevict/detail/isa/common.hpp"
 #include "kvevict/detail/isa/scalar.hpp"
 #include "kvevict/detail/isa/target.hpp"

@@ -15,6 +15,7 @@
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/policies/configs.hpp"
+#include "kvevict/policies/policy_config.hpp"
 #include "kvevict/policies/policy_traits.hpp"
 #include "kvevict/rope/rope.hpp"
 #include "kvevict/scoring/params.hpp"
@@ -32,10 +33,8 @@ struct dapq_traits : policy_traits_base {
   using policy = dapq<T, Q>;
   static constexpr bool reuses_positions = true;
 
-  template <class C>
-  static const config_type& config(const C& p) noexcept {
-    return p.dapq;
-  }
+  static constexpr policy_kind kind = policy_kind::dapq;  // its index in default_policies
+  static const config_type& config(const policy_config& p) noexcept { return p.config<dapq_traits>(); }
   template <class O>
   static status check(O* o, std::int64_t* window, const char* fn) noexcept {
     const config_type& c = config(o->policy);
@@ -102,6 +101,13 @@ struct dapq_traits : policy_traits_base {
     return status();
   }
 };
+
+namespace policy {
+/// A compressor's policy: dapq configured by `c`.
+inline policy_config dapq(const dapq_config& c = {}) noexcept {
+  return policy_config::of<dapq_traits>(c);
+}
+}  // namespace policy
 
 KVEVICT_NAMESPACE_END
 

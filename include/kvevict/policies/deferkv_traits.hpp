@@ -11,6 +11,7 @@
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/policies/configs.hpp"
+#include "kvevict/policies/policy_config.hpp"
 #include "kvevict/policies/policy_traits.hpp"
 #include "kvevict/scoring/params.hpp"
 #include "kvevict/selection/budget.hpp"
@@ -29,10 +30,8 @@ struct deferkv_traits : policy_traits_base {
   static constexpr bool accepts_lse = false;
   static constexpr bool on_gpu = true;
 
-  template <class C>
-  static const config_type& config(const C& p) noexcept {
-    return p.deferkv;
-  }
+  static constexpr policy_kind kind = policy_kind::deferkv;  // its index in default_policies
+  static const config_type& config(const policy_config& p) noexcept { return p.config<deferkv_traits>(); }
   template <class O>
   static status check(O* o, std::int64_t* window, const char* fn) noexcept {
     const config_type& c = config(o->policy);
@@ -51,6 +50,13 @@ struct deferkv_traits : policy_traits_base {
   static std::int64_t delay(const config_type& c) noexcept { return c.delay; }
   static bool feeds_back(const config_type& c) noexcept { return c.decode_feedback && c.delay > 0; }
 };
+
+namespace policy {
+/// A compressor's policy: deferkv configured by `c`.
+inline policy_config deferkv(const deferkv_config& c = {}) noexcept {
+  return policy_config::of<deferkv_traits>(c);
+}
+}  // namespace policy
 
 KVEVICT_NAMESPACE_END
 

@@ -11,6 +11,7 @@
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/policies/configs.hpp"
+#include "kvevict/policies/policy_config.hpp"
 #include "kvevict/policies/policy_traits.hpp"
 #include "kvevict/scoring/params.hpp"
 #include "kvevict/selection/budget.hpp"
@@ -28,10 +29,8 @@ struct h2o_traits : policy_traits_base {
   static constexpr bool chunkable = true;
   static constexpr bool every_prompt_query = true;  // accumulated attention of the whole prompt
 
-  template <class C>
-  static const config_type& config(const C& p) noexcept {
-    return p.h2o;
-  }
+  static constexpr policy_kind kind = policy_kind::h2o;  // its index in default_policies
+  static const config_type& config(const policy_config& p) noexcept { return p.config<h2o_traits>(); }
   template <class O>
   static status check(O* o, std::int64_t* window, const char* fn) noexcept {
     const config_type& c = config(o->policy);
@@ -47,6 +46,13 @@ struct h2o_traits : policy_traits_base {
   static selection_params largest_selection(const config_type& c) noexcept { return {c.recent_window, c.protect}; }
   static softmax_domain domain(const config_type& c) noexcept { return c.params().domain; }
 };
+
+namespace policy {
+/// A compressor's policy: h2o configured by `c`.
+inline policy_config h2o(const h2o_config& c = {}) noexcept {
+  return policy_config::of<h2o_traits>(c);
+}
+}  // namespace policy
 
 KVEVICT_NAMESPACE_END
 

@@ -9,6 +9,7 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/policies/policy_config.hpp"
 #include "kvevict/policies/policy_traits.hpp"
 #include "kvevict/selection/budget.hpp"
 
@@ -30,10 +31,8 @@ struct keydiff_traits : policy_traits_base {
   static constexpr bool chunkable = true;
   static constexpr bool reads_queries = false;  // scores compare keys with their own mean
 
-  template <class C>
-  static const config_type& config(const C& p) noexcept {
-    return p.keydiff;
-  }
+  static constexpr policy_kind kind = static_cast<policy_kind>(7);  // its index in default_policies
+  static const config_type& config(const policy_config& p) noexcept { return p.config<keydiff_traits>(); }
   template <class O>
   static status check(O* o, std::int64_t* window, const char* fn) noexcept {
     const config_type& c = config(o->policy);
@@ -46,6 +45,13 @@ struct keydiff_traits : policy_traits_base {
   }
   static selection_params largest_selection(const config_type& c) noexcept { return {c.protected_tail, c.protect}; }
 };
+
+namespace policy {
+/// A compressor's policy: keydiff configured by `c`.
+inline policy_config keydiff(const keydiff_config& c = {}) noexcept {
+  return policy_config::of<keydiff_traits>(c);
+}
+}  // namespace policy
 
 KVEVICT_NAMESPACE_END
 

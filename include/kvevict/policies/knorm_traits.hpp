@@ -10,6 +10,7 @@
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/policies/configs.hpp"
+#include "kvevict/policies/policy_config.hpp"
 #include "kvevict/policies/policy_traits.hpp"
 #include "kvevict/selection/budget.hpp"
 
@@ -26,10 +27,8 @@ struct knorm_traits : policy_traits_base {
   static constexpr bool chunkable = true;
   static constexpr bool reads_queries = false;  // scores are key norms
 
-  template <class C>
-  static const config_type& config(const C& p) noexcept {
-    return p.knorm;
-  }
+  static constexpr policy_kind kind = policy_kind::knorm;  // its index in default_policies
+  static const config_type& config(const policy_config& p) noexcept { return p.config<knorm_traits>(); }
   template <class O>
   static status check(O* o, std::int64_t* window, const char* fn) noexcept {
     const config_type& c = config(o->policy);
@@ -42,6 +41,13 @@ struct knorm_traits : policy_traits_base {
   }
   static selection_params largest_selection(const config_type& c) noexcept { return {c.protected_tail, c.protect}; }
 };
+
+namespace policy {
+/// A compressor's policy: knorm configured by `c`.
+inline policy_config knorm(const knorm_config& c = {}) noexcept {
+  return policy_config::of<knorm_traits>(c);
+}
+}  // namespace policy
 
 KVEVICT_NAMESPACE_END
 

@@ -16,6 +16,7 @@
 #include "kvevict/policies/h2o_traits.hpp"
 #include "kvevict/policies/keydiff_traits.hpp"
 #include "kvevict/policies/knorm_traits.hpp"
+#include "kvevict/policies/policy_config.hpp"
 #include "kvevict/policies/policy_traits.hpp"
 #include "kvevict/policies/snapkv_traits.hpp"
 #include "kvevict/policies/streaming_llm_traits.hpp"
@@ -96,9 +97,24 @@ constexpr bool lists_kind(policy_list<Ts...>, std::size_t kind) noexcept {
 }
 }  // namespace detail
 
-/// A policy's kind: its index in the list.
+/// A policy's index in a list.
 template <class Traits, class List = default_policies>
 constexpr std::size_t policy_index_v = detail::index_of<Traits>(List{});
+
+/// A policy's kind (policy_config::kind()): its index in default_policies, which its traits state.
+template <class Traits>
+constexpr policy_kind policy_kind_of() noexcept {
+  return Traits::kind;
+}
+
+namespace detail {
+template <class... Ts>
+constexpr bool kinds_are_indices(policy_list<Ts...> l) noexcept {
+  return (true && ... && (static_cast<std::size_t>(Ts::kind) == index_of<Ts>(l)));
+}
+}  // namespace detail
+static_assert(detail::kinds_are_indices(default_policies{}),
+              "each policy's traits state its index in default_policies as its kind");
 
 KVEVICT_NAMESPACE_END
 

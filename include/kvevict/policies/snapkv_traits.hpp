@@ -10,6 +10,7 @@
 #include "kvevict/config.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/policies/policy_config.hpp"
 #include "kvevict/policies/policy_traits.hpp"
 #include "kvevict/scoring/params.hpp"
 #include "kvevict/scoring/presets.hpp"
@@ -28,10 +29,8 @@ struct snapkv_traits : policy_traits_base {
   static constexpr bool chunkable = true;
   static constexpr bool on_gpu = true;
 
-  template <class C>
-  static const config_type& config(const C& p) noexcept {
-    return p.snapkv;
-  }
+  static constexpr policy_kind kind = policy_kind::snapkv;  // its index in default_policies
+  static const config_type& config(const policy_config& p) noexcept { return p.config<snapkv_traits>(); }
   template <class O>
   static status check(O* o, std::int64_t* window, const char* fn) noexcept {
     const config_type& c = config(o->policy);
@@ -49,6 +48,13 @@ struct snapkv_traits : policy_traits_base {
   static selection_params largest_selection(const config_type& c) noexcept { return c.selection(); }
   static softmax_domain domain(const config_type& c) noexcept { return c.scoring.domain; }
 };
+
+namespace policy {
+/// A compressor's policy: snapkv configured by `c`.
+inline policy_config snapkv(const window_config& c = presets::kvpress_snapkv()) noexcept {
+  return policy_config::of<snapkv_traits>(c);
+}
+}  // namespace policy
 
 KVEVICT_NAMESPACE_END
 

@@ -10,6 +10,7 @@
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/policies/configs.hpp"
+#include "kvevict/policies/policy_config.hpp"
 #include "kvevict/policies/policy_traits.hpp"
 #include "kvevict/selection/budget.hpp"
 
@@ -27,10 +28,8 @@ struct streaming_llm_traits : policy_traits_base {
   static constexpr bool reads_queries = false;
   static constexpr bool reads_keys = false;  // scores are token indices
 
-  template <class C>
-  static const config_type& config(const C& p) noexcept {
-    return p.streaming_llm;
-  }
+  static constexpr policy_kind kind = policy_kind::streaming_llm;  // its index in default_policies
+  static const config_type& config(const policy_config& p) noexcept { return p.config<streaming_llm_traits>(); }
   template <class O>
   static status check(O* o, std::int64_t* window, const char* fn) noexcept {
     const config_type& c = config(o->policy);
@@ -46,6 +45,13 @@ struct streaming_llm_traits : policy_traits_base {
   }
   static selection_params largest_selection(const config_type&) noexcept { return {0, protected_mode::inside_budget}; }
 };
+
+namespace policy {
+/// A compressor's policy: streaming_llm configured by `c`.
+inline policy_config streaming_llm(const streaming_llm_config& c = {}) noexcept {
+  return policy_config::of<streaming_llm_traits>(c);
+}
+}  // namespace policy
 
 KVEVICT_NAMESPACE_END
 

@@ -9,6 +9,7 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/policies/policy_config.hpp"
 #include "kvevict/policies/policy_traits.hpp"
 #include "kvevict/scoring/params.hpp"
 #include "kvevict/selection/budget.hpp"
@@ -32,10 +33,8 @@ struct tova_traits : policy_traits_base {
   using policy = tova<T, Q>;
   static constexpr bool chunkable = true;
 
-  template <class C>
-  static const config_type& config(const C& p) noexcept {
-    return p.tova;
-  }
+  static constexpr policy_kind kind = static_cast<policy_kind>(6);  // its index in default_policies
+  static const config_type& config(const policy_config& p) noexcept { return p.config<tova_traits>(); }
   template <class O>
   static status check(O* o, std::int64_t* window, const char* fn) noexcept {
     const config_type& c = config(o->policy);
@@ -53,6 +52,13 @@ struct tova_traits : policy_traits_base {
   }
   static selection_params largest_selection(const config_type& c) noexcept { return {c.protected_tail, c.protect}; }
 };
+
+namespace policy {
+/// A compressor's policy: tova configured by `c`.
+inline policy_config tova(const tova_config& c = {}) noexcept {
+  return policy_config::of<tova_traits>(c);
+}
+}  // namespace policy
 
 KVEVICT_NAMESPACE_END
 

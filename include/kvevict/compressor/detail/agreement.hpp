@@ -62,8 +62,10 @@ class compressor_agreement : protected compressor_lifecycle {
     policy.add(static_cast<std::uint64_t>(tail.protected_tail));
     policy.add(static_cast<std::uint64_t>(tail.mode));
     if constexpr (has_deferred_v<List>) {
-      policy.add(static_cast<std::uint64_t>(deferred_traits<List>::config(o.policy).delay));
-      policy.add(deferred_traits<List>::config(o.policy).decode_feedback ? 1u : 0u);
+      if (defers<List>()) {
+        policy.add(static_cast<std::uint64_t>(deferred_traits<List>::config(o.policy).delay));
+        policy.add(deferred_traits<List>::config(o.policy).decode_feedback ? 1u : 0u);
+      }
     }
     const agreement_field fields[] = {
         {"model.num_layers", static_cast<std::uint64_t>(m.num_layers)},
@@ -73,7 +75,7 @@ class compressor_agreement : protected compressor_lifecycle {
         {"model.value_head_dim", static_cast<std::uint64_t>(m.value_head_dim)},
         {"model.storage", static_cast<std::uint64_t>(m.storage)},
         {"model.query_storage", static_cast<std::uint64_t>(m.query_storage)},
-        {"policy.kind", static_cast<std::uint64_t>(o.policy.kind)},
+        {"policy.kind", static_cast<std::uint64_t>(o.policy.kind())},
         {"policy", policy.h, true},
         {"per_head", budget.h, true},
         {"heads", static_cast<std::uint64_t>(o.heads)},

@@ -121,7 +121,7 @@ class compressor_core {
   }
   template <class List>
   bool defers() const noexcept {
-    return has_deferred_v<List> && detail::defers(options_.policy.kind);
+    return has_deferred_v<List> && detail::defers(options_.policy.kind());
   }
 
   /// Calls f(traits, policy) with the configured policy's traits and object for storage type T
@@ -130,7 +130,7 @@ class compressor_core {
   template <class List, class T, class Q, class F>
   status with_scoring_policy(F&& f) const {
     const policy_config& p = options_.policy;
-    return visit_listed(List{}, static_cast<std::size_t>(p.kind), status(), [&](auto traits) -> status {
+    return visit_listed(List{}, static_cast<std::size_t>(p.kind()), status(), [&](auto traits) -> status {
       using Tr = decltype(traits);
       if constexpr (Tr::deferred) {
         return status::error(errc::invalid_state, "kvevict::compressor", "policy.kind", "not a scoring policy");
@@ -185,7 +185,7 @@ class compressor_core {
 
   softmax_domain scoring_domain() const noexcept {
     const policy_config& p = options_.policy;
-    return with_policy_traits(p.kind, softmax_domain::visible, [&](auto traits) {
+    return with_policy_traits(p.kind(), softmax_domain::visible, [&](auto traits) {
       using Tr = decltype(traits);
       return Tr::domain(Tr::config(p));
     });
@@ -254,8 +254,8 @@ class compressor_core {
     window_capacity_ = 0;
     window_scratch_bytes_ = 0;
     // (DapQ's pseudo queries come whole with prefill_end: its prompt chunks keep nothing)
-    if (options_.chunked_prefill && reads_queries(options_.policy.kind) && !fixed_window(options_.policy)) {
-      window_capacity_ = every_prompt_query(options_.policy.kind) ? lim.max_queries : window_;
+    if (options_.chunked_prefill && reads_queries(options_.policy.kind()) && !fixed_window(options_.policy)) {
+      window_capacity_ = every_prompt_query(options_.policy.kind()) ? lim.max_queries : window_;
       window_scratch_bytes_ = round_up_64(saturating_mul(
           saturating_mul(static_cast<std::size_t>(m.num_query_heads), static_cast<std::size_t>(window_capacity_)),
           saturating_mul(static_cast<std::size_t>(m.head_dim), sizeof(Q))));

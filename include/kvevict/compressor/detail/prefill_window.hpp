@@ -46,7 +46,7 @@ class compressor_window : protected compressor_core {
   template <class T, class Q>
   std::int64_t prefill_query_count(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
     const std::int64_t n = buffered_rows(io, layer) + io.queries.num_queries;
-    return every_prompt_query(options_.policy.kind) || n < window_ ? n : window_;
+    return every_prompt_query(options_.policy.kind()) || n < window_ ? n : window_;
   }
   /// Whether prefill_end's window takes rows earlier chunks buffered (then it is assembled and
   /// normalised by kvevict), or is the call's own last queries (the engine's LSE applies).
@@ -129,7 +129,7 @@ class compressor_window : protected compressor_core {
   std::int64_t scored_tokens(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
     const std::int64_t tokens = io.keys.num_tokens;
     return visit_listed(
-        List{}, static_cast<std::size_t>(options_.policy.kind), tokens, [&](auto traits) -> std::int64_t {
+        List{}, static_cast<std::size_t>(options_.policy.kind()), tokens, [&](auto traits) -> std::int64_t {
           using Tr = decltype(traits);
           if constexpr (Tr::deferred) {
             return tokens;

@@ -243,7 +243,7 @@ class compressor_checks : protected compressor_agreement {
   status check_queries(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, const plan_step& what,
                        const run_layout& lay) const {
     static constexpr const char* fn = "kvevict::compressor::run";
-    const policy_kind kind = options_.policy.kind;
+    const policy_kind kind = options_.policy.kind();
     if (!reads_queries(kind)) return status();
     const bool defer = defers<List>();
     if (defer && !what.observe) return status();  // scored from the state
@@ -304,7 +304,7 @@ class compressor_checks : protected compressor_agreement {
   status check_window(const sequence_io<T, Q>& io, std::int64_t layer, std::int64_t s) const noexcept {
     static constexpr const char* fn = "kvevict::compressor::run";
     const policy_config& p = options_.policy;
-    const bool h2o = every_prompt_query(p.kind);
+    const bool h2o = every_prompt_query(p.kind());
     const bool pseudo = fixed_window(p);
     const std::int64_t need = h2o ? io.keys.num_tokens : pseudo ? window_ : std::min(window_, io.keys.num_tokens);
     const std::int64_t held = buffered_rows(io, layer);

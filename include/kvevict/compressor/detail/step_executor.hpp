@@ -63,7 +63,7 @@ class compressor_steps : protected compressor_checks {
   template <class T, class Q>
   void count_nonfinite(const sequence_io<T, Q>& io, const query_view<const Q>& q, const plan_step& what,
                        const run_layout& lay, sequence_report* r) const {
-    const policy_kind kind = options_.policy.kind;
+    const policy_kind kind = options_.policy.kind();
     const bool prefill = io.event == sequence_event::prefill_end;
     if (!prefill && !what.observe) return;  // DeferKV evicting from its state: nothing read
     if (reads_queries(kind)) {
@@ -237,7 +237,7 @@ class compressor_steps : protected compressor_checks {
     if (what.action == act::evict) r->nonfinite_scores = result.nonfinite_scores;
     r->kept = 0;
     for (std::int64_t h = 0; h < io.keys.num_heads; ++h) r->kept += result.head_lengths[h];
-    if (reuses_positions(options_.policy.kind)) r->next_position = scored;
+    if (reuses_positions(options_.policy.kind())) r->next_position = scored;
     if (io.padded_indices != nullptr) {
       std::int64_t k = 0;
       for (std::int64_t h = 0; h < io.keys.num_heads; ++h) {

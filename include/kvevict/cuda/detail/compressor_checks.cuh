@@ -1,0 +1,290 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_CUDA_DETAIL_COMPRESSOR_CHECKS_CUH
+#define KVEVICT_CUDA_DETAIL_COMPRESSOR_CHECKS_CUH
+
+// What cuda::compressor::run() checks on the host before anything is enqueued (cuda/compressor.cuh).
+
+#include <cuda_runtime.h>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <type_traits>
+
+#include "kvevict/budgets/layer_budget_params.hpp"
+#include "kvevict/budgets/pyramidkv.hpp"
+#include "kvevict/compressor/options.hpp"
+#include "kvevict/compressor/plan.hpp"
+#include "kvevict/compressor/sequence.hpp"
+#include "kvevict/config.hpp"
+#include "kvevict/cuda/common.cuh"
+#include "kvevict/cuda/compact_batch.cuh"
+#include "kvevict/cuda/decode_observation.cuh"
+#include "kvevict/cuda/detail/compressor_layout.cuh"
+#include "kvevict/cuda/detail/launch.cuh"
+#include "kvevict/cuda/finalize.cuh"
+#include "kvevict/cuda/observation_scores.cuh"
+#include "kvevict/cuda/observation_scores_batch.cuh"
+#include "kvevict/cuda/select_layer.cuh"
+#include "kvevict/cuda/sequence.cuh"
+#include "kvevict/detail/in_sequence.hpp"
+#include "kvevict/detail/memory_ranges.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/eviction/evict.hpp"
+#include "kvevict/selection/budget.hpp"
+#include "kvevict/selection/keep_list.hpp"
+#include "kvevict/shape.hpp"
+#include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/index_ptr.hpp"
+#include "kvevict/views/matrix_view.hpp"
+#include "kvevict/views/query_view.hpp"
+#include "kvevict/workspace.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace cuda {
+
+namespace detail {
+
+/// The host checks of cuda::compressor::run(): each sequence against the plan, what its event
+/// does (DeferKV's lifecycle), and the pools and states the batch shares; nothing enqueued.
+class compressor_checks : protected compressor_layout {
+ protected:
+  /// What the event does, as kvevict::compressor decides it, with every host check of the
+  /// sequence against the plan.
+  template <class T, class Q, class H>
+  status check_sequence(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, const H& host,
+                        const launch_options& opt, detail::sequence_step* out) const {
+    static constexpr const char* fn = "kvevict::cuda::compressor::run";
+    using kvevict::detail::io_name;
+    if (io.event == sequence_event::prefill_chunk)
+      return status::error(errc::unsupported, fn, io_name(s, "event"),
+                           "prefill_chunk is not implemented on the GPU (hand the earlier chunks as idle and the whole "
+                           "window at prefill_end)");
+    if (static_cast<unsigned>(io.event) > 2u)
+      return status::error(errc::invalid_argument, fn, io_name(s, "event"), "expected a sequence_event value, got %d",
+                           static_cast<int>(io.event));
+    if (io.event == sequence_event::idle) return status();
+    const model_shape& m = options_.model;
+    const std::int64_t L = io.keys.num_tokens;
+    detail::sequence_step& p = *out;
+    p.tokens = L;
+    if (defers()) {
+      KVEVICT_RETURN_IF_ERROR(decide_deferkv(layer, io, s, &p));
+    } else {
+      p.evict = io.event == sequence_event::prefill_end;
+      p.sel = options_.policy.config<snapkv_traits>().selection();
+    }
+    if (p.observe == detail::sequence_step::none && !p.evict) return status();
+
+    // Fields the GPU path does not implement.
+    if (io.block_refcounts != nullptr || io.shared_blocks != nullptr)
+      return status::error(errc::unsupported, fn,
+                           io_name(s, io.block_refcounts != nullptr ? "block_refcounts" : "shared_blocks"),
+                           "the GPU compressor does not read block reference counts: compact sequences with "
+                           "prefix-shared blocks out of place (compaction::out_of_place); its batch refuses a "
+                           "destination any source uses");
+    if (io.changed_blocks != nullptr || io.head_freed_blocks != nullptr)
+      return status::error(errc::unsupported, fn,
+                           io_name(s, io.changed_blocks != nullptr ? "changed_blocks" : "head_freed_blocks"),
+                           "not written on the GPU path: pass null");
+    if (io.layers != nullptr)
+      return status::error(errc::unsupported, fn, io_name(s, "layers"),
+                           "only the per-sequence scope reads them, which the GPU compressor does not implement");
+
+    // Both views, whatever the call does with them (as the CPU compressor: a keep-list-only
+    // call still refuses a null or malformed values view).
+    KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(io.keys, opt, fn, io_name(s, "keys")));
+    KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(io.values, opt, fn, io_name(s, "values")));
+    // The views against the plan.
+    if (io.keys.num_heads != m.num_kv_heads || io.keys.head_dim != m.head_dim)
+      return status::error(errc::invalid_shape, fn, io_name(s, "keys"),
+                           "expected the model's [%lld heads, d = %lld], got [%lld, %lld]",
+                           static_cast<long long>(m.num_kv_heads), static_cast<long long>(m.head_dim),
+                           static_cast<long long>(io.keys.num_heads), static_cast<long long>(io.keys.head_dim));
+    if (io.values.num_heads != m.num_kv_heads || io.values.head_dim != m.value_head_dim || io.values.num_tokens != L)
+      return status::error(errc::invalid_shape, fn, io_name(s, "values"),
+                           "expected [%lld heads, %lld tokens, dv = %lld], got [%lld, %lld, %lld]",
+                           static_cast<long long>(m.num_kv_heads), static_cast<long long>(L),
+                           static_cast<long long>(m.value_head_dim), static_cast<long long>(io.values.num_heads),
+                           static_cast<long long>(io.values.num_tokens), static_cast<long long>(io.values.head_dim));
+    if (L < 0 || L > options_.limits.max_tokens)
+      return status::error(errc::invalid_shape, fn, io_name(s, "keys.num_tokens"),
+                           "expected 0 .. limits.max_tokens = %lld, got %lld",
+                           static_cast<long long>(options_.limits.max_tokens), static_cast<long long>(L));
+    if (p.evict && options_.compact == compaction::in_place) {  // the bitmaps' bound
+      KVEVICT_RETURN_IF_ERROR(check_pool(io.keys, s, "keys.num_pool_blocks"));
+      KVEVICT_RETURN_IF_ERROR(check_pool(io.values, s, "values.num_pool_blocks"));
+    }
+    if (p.evict && options_.compact == compaction::out_of_place) {
+      if (io.dst_keys.data == nullptr || io.dst_values.data == nullptr)
+        return status::error(errc::null_pointer, fn,
+                             io_name(s, io.dst_keys.data == nullptr ? "dst_keys" : "dst_values"),
+                             "compaction::out_of_place: expected destination views (fresh blocks)");
+      if (io.dst_keys.num_heads != m.num_kv_heads || io.dst_keys.head_dim != m.head_dim ||
+          io.dst_values.num_heads != m.num_kv_heads || io.dst_values.head_dim != m.value_head_dim)
+        return status::error(errc::invalid_shape, fn, io_name(s, "dst_keys"),
+                             "expected the source's heads and head dims");
+      const std::int64_t most = L < head_capacity_ ? L : head_capacity_;
+      if (io.dst_keys.num_tokens < most || io.dst_values.num_tokens < most)
+        return status::error(
+            errc::invalid_shape, fn, io_name(s, "dst_keys.num_tokens"),
+            "expected room for %lld rows (the most a head may keep), got %lld", static_cast<long long>(most),
+            static_cast<long long>(io.dst_keys.num_tokens < io.dst_values.num_tokens ? io.dst_keys.num_tokens
+                                                                                     : io.dst_values.num_tokens));
+      KVEVICT_RETURN_IF_ERROR(check_pool(io.keys, s, "keys.num_pool_blocks"));  // sources are marked too
+      KVEVICT_RETURN_IF_ERROR(check_pool(io.values, s, "values.num_pool_blocks"));
+      KVEVICT_RETURN_IF_ERROR(check_pool(io.dst_keys, s, "dst_keys.num_pool_blocks"));
+      KVEVICT_RETURN_IF_ERROR(check_pool(io.dst_values, s, "dst_values.num_pool_blocks"));
+    }
+
+    // The queries the call reads.
+    const bool reads_queries = defers() ? p.observe != detail::sequence_step::none : p.evict;
+    if (reads_queries) {
+      const bool decode = io.event == sequence_event::decode;
+      KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_sequence_queries(options_, scoring_params_of().domain, io.queries,
+                                                                      decode, io.lse, io.lse_head_stride, s, fn));
+      // As on the CPU: a prefill chunk holding fewer than the window's queries is refused,
+      // never scored with fewer (chunked prefill: the engine hands the whole window).
+      const std::int64_t need = io.keys.num_tokens < window_ ? io.keys.num_tokens : window_;
+      if (!decode && (io.queries.num_queries < need || io.queries.num_queries < 1))
+        return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
+                             "expected observation_window() = %lld queries at prefill_end (or every prompt query "
+                             "of a shorter prompt), got %lld (chunked prefill: keep the earlier chunks' last "
+                             "queries, hand the whole window)",
+                             static_cast<long long>(window_), static_cast<long long>(io.queries.num_queries));
+    }
+    // Blocks shared with sequences outside the call are invisible to the device, which reads no
+    // block refcounts yet: a paged in-place compaction needs the engine's word that it shares
+    // none (the CPU compressor also accepts block_sharing::marked with refcounts).
+    if (p.evict && options_.compact == compaction::in_place && (io.keys.is_paged() || io.values.is_paged()) &&
+        options_.sharing != block_sharing::none)
+      return status::error(options_.sharing == block_sharing::marked ? errc::unsupported : errc::invalid_argument, fn,
+                           "sharing",
+                           "%s is paged, compacted in place on the device: expected block_sharing::none, got "
+                           "block_sharing::%s",
+                           static_cast<const char*>(io_name(s, "keys")),
+                           options_.sharing == block_sharing::marked ? "marked" : "undeclared");
+    if (p.evict)
+      p.budget = kvevict::detail::layer_budget_for(options_, base_budget(), layer, L, p.sel, host.layer_budgets);
+    return status();
+  }
+
+  /// DeferKV's lifecycle at this layer (kvevict::compressor's decide), from the host state.
+  template <class T, class Q>
+  status decide_deferkv(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s,
+                        detail::sequence_step* p) const {
+    static constexpr const char* fn = "kvevict::cuda::compressor::run";
+    using kvevict::detail::io_name;
+    if (io.host_state == nullptr)
+      return status::error(errc::null_pointer, fn, io_name(s, "host_state"),
+                           "expected host_state_size() = %zu bytes set up by reset_sequence()", host_state_bytes_);
+    if (reinterpret_cast<std::uintptr_t>(io.host_state) % 8 != 0)
+      return status::error(errc::invalid_argument, fn, io_name(s, "host_state"), "expected 8-byte alignment");
+    detail::host_state_header h;
+    std::memcpy(&h, io.host_state, sizeof(h));
+    if (h.magic != detail::host_state_magic || h.layers != options_.model.num_layers)
+      return status::error(errc::invalid_state, fn, io_name(s, "host_state"),
+                           "not a state of this plan: call reset_sequence() when the sequence starts");
+    if (io.state == nullptr)
+      return status::error(errc::null_pointer, fn, io_name(s, "state"),
+                           "expected sequence_state_size() = %zu bytes of device memory", state_bytes_);
+    const deferkv_config& cfg = options_.policy.config<deferkv_traits>();
+    const detail::host_layer_state now = *layer_record(io.host_state, layer);
+    const bool started = now.phase != detail::phase_empty;
+    if (now.phase < detail::phase_empty || now.phase > detail::phase_evicted || now.prompt_tokens < 0 ||
+        now.steps < 0 || now.prompt_tokens + now.steps > options_.limits.max_tokens ||
+        (started && !(now.z > 0.0 && now.z <= std::numeric_limits<double>::max())))
+      return status::error(errc::invalid_state, fn, io_name(s, "host_state"),
+                           "layer %lld's record was overwritten: reset_sequence() when the sequence starts",
+                           static_cast<long long>(layer));
+    const bool fed_back = cfg.decode_feedback && cfg.delay > 0;
+    const std::int64_t L = io.keys.num_tokens;
+    p->after = now;
+    if (io.event == sequence_event::prefill_end) {
+      if (now.phase != detail::phase_empty)
+        return status::error(errc::invalid_state, fn, io_name(s, "host_state"),
+                             "layer %lld already observed this sequence's prefill; reset_sequence() for a new one",
+                             static_cast<long long>(layer));
+      const std::int64_t w = io.queries.num_queries < window_ ? io.queries.num_queries : window_;
+      p->observe = detail::sequence_step::prefill;
+      p->evict = !fed_back;
+      p->after.prompt_tokens = L;
+      p->after.steps = 0;
+      double z = 0.0;
+      for (std::int64_t t = 0; t < w; ++t)
+        z += static_cast<double>(static_cast<float>(std::pow(cfg.effective_eta(), static_cast<double>(w - 1 - t))));
+      p->after.z = z;
+      p->after.phase = fed_back ? detail::phase_prefilled : detail::phase_ready;
+    } else if (now.phase == detail::phase_evicted) {
+      return status();                              // decoding goes on after eviction
+    } else if (now.phase == detail::phase_ready) {  // (run() evicts in the call that makes a layer ready)
+      if (L != now.prompt_tokens + now.steps)
+        return status::error(errc::invalid_shape, fn, io_name(s, "keys.num_tokens"),
+                             "expected prompt + decoded tokens = %lld, got %lld",
+                             static_cast<long long>(now.prompt_tokens + now.steps), static_cast<long long>(L));
+      p->evict = true;
+    } else if (now.phase == detail::phase_empty) {
+      return status::error(errc::invalid_state, fn, io_name(s, "event"),
+                           "a decode step before this sequence's prefill_end at layer %lld",
+                           static_cast<long long>(layer));
+    } else {
+      if (L != now.prompt_tokens + now.steps + 1)
+        return status::error(errc::invalid_shape, fn, io_name(s, "keys.num_tokens"),
+                             "expected prompt + decoded tokens = %lld, got %lld (wrong layer or step?)",
+                             static_cast<long long>(now.prompt_tokens + now.steps + 1), static_cast<long long>(L));
+      p->observe = detail::sequence_step::decode;
+      p->after.z = cfg.effective_eta() * now.z + 1.0;
+      p->after.steps = now.steps + 1;
+      if (p->after.steps >= cfg.delay) p->after.phase = detail::phase_ready;
+      p->evict = p->after.steps >= cfg.delay;
+    }
+    const std::int64_t prompt = p->after.prompt_tokens;
+    const std::int64_t w = cfg.window < prompt ? cfg.window : prompt;
+    p->candidates = prompt - w;
+    p->sel = selection_params{w + p->after.steps, cfg.protect};
+    if (p->evict) p->after.phase = detail::phase_evicted;
+    return status();
+  }
+
+  template <class V>
+  status check_pool(const cache_view<V>& v, std::int64_t s, const char* field) const noexcept {
+    if (v.is_paged() && v.num_pool_blocks > options_.limits.max_pool_blocks)
+      return status::error(errc::invalid_shape, "kvevict::cuda::compressor::run", kvevict::detail::io_name(s, field),
+                           "expected at most limits.max_pool_blocks = %lld (the plan sizes its bitmaps by it), got "
+                           "%lld",
+                           static_cast<long long>(options_.limits.max_pool_blocks),
+                           static_cast<long long>(v.num_pool_blocks));
+    return status();
+  }
+
+  /// One sequence's device state and host state are its own (byte ranges, not only pointers).
+  template <class T, class Q>
+  status check_distinct_states(const sequence_io<T, Q>* seqs, std::int64_t n) const noexcept {
+    if (!defers()) return status();
+    for (std::int64_t s = 1; s < n; ++s)
+      for (std::int64_t t = 0; t < s; ++t) {
+        if (seqs[s].event == sequence_event::idle || seqs[t].event == sequence_event::idle) continue;
+        const auto overlap = [](const void* a, const void* b, std::size_t bytes) {  // null: refused later
+          return a != nullptr && b != nullptr && kvevict::detail::byte_ranges_overlap(a, bytes, b, bytes);
+        };
+        const bool device = overlap(seqs[s].state, seqs[t].state, state_bytes_);
+        if (device || overlap(seqs[s].host_state, seqs[t].host_state, host_state_bytes_))
+          return status::error(errc::invalid_argument, "kvevict::cuda::compressor::run",
+                               kvevict::detail::io_name(s, device ? "state" : "host_state"),
+                               "expected one state per sequence, got memory that overlaps the state of seqs[%lld]",
+                               static_cast<long long>(t));
+      }
+    return status();
+  }
+};
+
+}  // namespace detail
+
+}  // namespace cuda
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_CUDA_DETAIL_COMPRESSOR_CHECKS_CUH

@@ -1,0 +1,395 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_CUDA_DETAIL_COMPRESSOR_LAYOUT_CUH
+#define KVEVICT_CUDA_DETAIL_COMPRESSOR_LAYOUT_CUH
+
+// cuda::compressor's plan data and layouts (cuda/compressor.cuh), with the host bookkeeping of
+// its sequences and the helpers its run() shares with the checks.
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <type_traits>
+
+#include "kvevict/budgets/layer_budget_params.hpp"
+#include "kvevict/budgets/pyramidkv.hpp"
+#include "kvevict/compressor/options.hpp"
+#include "kvevict/compressor/plan.hpp"
+#include "kvevict/compressor/sequence.hpp"
+#include "kvevict/config.hpp"
+#include "kvevict/cuda/common.cuh"
+#include "kvevict/cuda/compact_batch.cuh"
+#include "kvevict/cuda/decode_observation.cuh"
+#include "kvevict/cuda/detail/launch.cuh"
+#include "kvevict/cuda/finalize.cuh"
+#include "kvevict/cuda/observation_scores.cuh"
+#include "kvevict/cuda/observation_scores_batch.cuh"
+#include "kvevict/cuda/select_layer.cuh"
+#include "kvevict/cuda/sequence.cuh"
+#include "kvevict/detail/in_sequence.hpp"
+#include "kvevict/detail/memory_ranges.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/eviction/evict.hpp"
+#include "kvevict/selection/budget.hpp"
+#include "kvevict/selection/keep_list.hpp"
+#include "kvevict/shape.hpp"
+#include "kvevict/views/cache_view.hpp"
+#include "kvevict/views/index_ptr.hpp"
+#include "kvevict/views/matrix_view.hpp"
+#include "kvevict/views/query_view.hpp"
+#include "kvevict/workspace.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace cuda {
+
+namespace detail {
+
+/// Where a layer of a sequence is in DeferKV's lifecycle (as deferkv's phases).
+enum layer_phase : std::int32_t { phase_empty = 0, phase_prefilled = 1, phase_ready = 2, phase_evicted = 3 };
+
+/// One layer's bookkeeping in a sequence's host state (DeferKV's header, host side).
+struct host_layer_state {
+  std::int32_t phase = phase_empty;
+  std::int32_t reserved = 0;
+  std::int64_t prompt_tokens = 0;
+  std::int64_t steps = 0;
+  double z = 0.0;  ///< sum of the observations' weights
+};
+struct host_state_header {
+  std::uint64_t magic = 0;
+  std::int64_t layers = 0;
+};
+constexpr std::uint64_t host_state_magic = 0x6863757376656b76ull;  // "vkevsuch"
+
+/// What one sequence's event does at this layer, decided and checked before anything runs.
+struct sequence_step {
+  enum observe_kind : std::int32_t { none = 0, prefill = 1, decode = 2 };
+  observe_kind observe = none;
+  bool evict = false;
+  std::int64_t tokens = 0;      ///< L
+  std::int64_t candidates = 0;  ///< DeferKV's C (prompt tokens before the window)
+  selection_params sel;
+  layer_budget budget;
+  host_layer_state after;  ///< the layer's bookkeeping once this call succeeded
+};
+
+/// padded_indices [Hkv, cap] (and, when nothing is compacted, head_lengths and positions)
+/// from a CSR keep-list: grid (chunks of the row, Hkv).
+template <int Unused = 0>
+__global__ void keep_outputs_kernel(const std::int64_t* offsets, const std::int64_t* indices, std::int64_t cap,
+                                    std::int64_t tokens, index_ptr key_positions, std::int64_t* padded,
+                                    std::int64_t* head_lengths, std::int64_t* positions) {
+  const std::int64_t h = blockIdx.y;
+  const std::int64_t begin = offsets[h], n = offsets[h + 1] - begin;
+  if (head_lengths != nullptr && blockIdx.x == 0 && threadIdx.x == 0) head_lengths[h] = n;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < cap;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t index = i < n ? indices[begin + i] : -1;
+    if (padded != nullptr) padded[h * cap + i] = index;
+    // (An index outside [0, L) -- a selection flagged and not written -- is not looked up.)
+    if (positions != nullptr && i < n)
+      positions[begin + i] = key_positions != nullptr && index >= 0 && index < tokens ? key_positions[index] : index;
+  }
+}
+
+/// `text` with every "seqs[i]" (i < n, an index into a subset of the run's sequences) written
+/// as "seqs[seq_of[i]]", into out[size].
+inline void renumber_text(const char* text, const std::int64_t* seq_of, std::int64_t n, char* out,
+                          std::size_t size) noexcept {
+  std::size_t o = 0;
+  while (*text != '\0' && o + 1 < size) {
+    char* end = nullptr;
+    const long long i = std::strncmp(text, "seqs[", 5) == 0 ? std::strtoll(text + 5, &end, 10) : -1;
+    if (end != nullptr && end != text + 5 && *end == ']' && i >= 0 && i < n) {
+      const int w = std::snprintf(out + o, size - o, "seqs[%lld]", static_cast<long long>(seq_of[i]));
+      o = w < 0 ? o : (o + static_cast<std::size_t>(w) < size ? o + static_cast<std::size_t>(w) : size - 1);
+      text = end + 1;
+    } else {
+      out[o++] = *text++;
+    }
+  }
+  out[o] = '\0';
+}
+
+/// `st`, from a batched call over a subset of the sequences (its "seqs[i]" the subset's i, in
+/// the argument and in the message), renamed to the run's sequences seq_of[i].
+inline status renumbered(const status& st, const std::int64_t* seq_of, std::int64_t n, const char* fn) noexcept {
+  if (st.ok()) return st;
+  const char* text = std::strstr(st.message(), ": ");
+  text = text != nullptr ? std::strstr(text + 2, ": ") : nullptr;  // past "function: argument: "
+  char arg[2 * status::max_argument], message[512];
+  renumber_text(st.argument(), seq_of, n, arg, sizeof(arg));
+  renumber_text(text != nullptr ? text + 2 : st.message(), seq_of, n, message, sizeof(message));
+  return status::error(st.code(), fn, arg, "%s", message);
+}
+
+}  // namespace detail
+
+namespace detail {
+
+/// The plan of cuda::compressor: what it was planned from, its sizes, and how the device
+/// workspace and the host staging are carved (the same carving sizes them at plan time).
+class compressor_layout {
+ protected:
+  struct device_layout {
+    float* scores = nullptr;  ///< [max_seq][Hkv * max_tokens]
+    /// The selection block, copied from its host mirror in one piece: the row descriptors
+    /// [max_seq * Hkv] of a batched selection, then the keep-lists' offsets [max_seq][Hkv + 1].
+    select_row* rows = nullptr;
+    std::int64_t* offsets = nullptr;
+    std::int64_t* indices = nullptr;  ///< [max_seq][keep capacity]
+    float* weights = nullptr;         ///< [max_seq][window] DeferKV's prefill weights
+    workspace_span scoring;           ///< the scoring batch (SnapKV) or one observation (DeferKV)
+    workspace_span select;            ///< select_layer
+    workspace_span compact;           ///< the compaction batch
+  };
+
+  template <class T, class Q>
+  struct host_layout {
+    select_row* rows = nullptr;              ///< the selection block's host mirror (device_layout::rows)
+    std::int64_t* offsets = nullptr;         ///< its offsets part
+    detail::sequence_step* steps = nullptr;  ///< [max_seq]
+    float* weights = nullptr;                ///< [max_seq][window], copied to device_layout::weights
+    std::size_t weights_bytes = 0;
+    scoring_sequence<Q, T>* scoring = nullptr;
+    std::int64_t* scored_seq = nullptr;  ///< the run's sequence of each scoring entry
+    compaction_sequence<T, T>* in_place = nullptr;
+    compaction_into_sequence<T, T>* into = nullptr;
+    std::int64_t* compacted_seq = nullptr;
+    detail::state_observation<Q, T>* prefill = nullptr;  ///< [max_seq], by sequence
+    detail::decode_launch<Q, T>* decode = nullptr;       ///< [max_seq], by sequence
+    std::int64_t* layer_budgets = nullptr;               ///< [layers] PyramidKV
+    void* scoring_staging = nullptr;
+    std::size_t scoring_staging_bytes = 0;
+    void* compact_staging = nullptr;
+    std::size_t compact_staging_bytes = 0;
+  };
+
+  bool defers() const noexcept { return kvevict::detail::defers(options_.policy.kind()); }
+
+  scoring_params scoring_params_of() const noexcept {
+    return defers() ? options_.policy.config<deferkv_traits>().params()
+                    : options_.policy.config<snapkv_traits>().params();
+  }
+
+  /// The largest layer shape a call may see.
+  layer_shape max_shape() const noexcept {
+    const model_shape& m = options_.model;
+    return {m.num_query_heads, m.num_kv_heads, m.head_dim, options_.limits.max_tokens, options_.limits.max_queries};
+  }
+
+  /// The budget select_layer sees, sized for the largest call (PyramidKV may give a layer any
+  /// share of its candidates).
+  layer_budget base_budget() const noexcept { return kvevict::detail::base_layer_budget(options_); }
+
+  /// Whether every evicting sequence's keep counts are known on the host (uniform heads, one
+  /// keep set per head: B, or PyramidKV's share, plus the tail), so that one launch selects
+  /// all their rows; AdaKV and the per-layer scope select per sequence (select_layer).
+  bool selects_in_one_launch() const noexcept {
+    return options_.heads == head_allocation::uniform && options_.scope == selection_scope::per_head;
+  }
+
+  /// The selection block, the same carving on the device and in the staging buffer.
+  void carve_selection_block(kvevict::detail::arena& a, select_row** rows, std::int64_t** offsets) const noexcept {
+    using kvevict::detail::saturating_mul;
+    const std::int64_t seqs = options_.limits.max_sequences, heads = options_.model.num_kv_heads;
+    unsigned char* block = a.take<unsigned char>(static_cast<std::int64_t>(selection_block_bytes()));
+    *rows = reinterpret_cast<select_row*>(block);
+    *offsets = block == nullptr
+                   ? nullptr
+                   : reinterpret_cast<std::int64_t*>(
+                         block + detail::compact_round_up(saturating_mul(
+                                     static_cast<std::size_t>(saturating_mul(seqs, heads)), sizeof(select_row))));
+  }
+  std::size_t selection_block_bytes() const noexcept {
+    using kvevict::detail::saturating_add;
+    using kvevict::detail::saturating_mul;
+    const auto seqs = static_cast<std::size_t>(options_.limits.max_sequences);
+    const auto heads = static_cast<std::size_t>(options_.model.num_kv_heads);
+    return saturating_add(detail::compact_round_up(saturating_mul(saturating_mul(seqs, heads), sizeof(select_row))),
+                          saturating_mul(saturating_mul(seqs, heads + 1), sizeof(std::int64_t)));
+  }
+
+  /// Sequence s's rows in the batched selection (from `first` on) and its offsets, on the host:
+  /// row h keeps tokens_kept(b, L, sel) tokens at h * that in its keep-list.
+  template <class H>
+  std::int64_t describe_rows(const device_layout& dev, H& host, std::int64_t s, const detail::sequence_step& p,
+                             std::int64_t first) const noexcept {
+    const std::int64_t heads = options_.model.num_kv_heads;
+    const bool allocates = kvevict::detail::allocates(p.budget);
+    const std::int64_t b =
+        allocates ? kvevict::detail::mean_candidates(p.budget, p.tokens, p.sel) : p.budget.per_head.resolve(p.tokens);
+    const selection_params sel{p.sel.protected_tail, allocates ? protected_mode::on_top_of_budget : p.sel.mode};
+    const std::int64_t kept = tokens_kept(b, p.tokens, sel);
+    const score_view scores = scores_of(dev, s, p.tokens);
+    std::int64_t* offsets = host.offsets + s * (heads + 1);
+    for (std::int64_t h = 0; h < heads; ++h) {
+      select_row& r = host.rows[first + h];
+      r = select_row{};
+      r.scores = scores.data + h * scores.row_stride;
+      r.length = p.tokens;
+      r.budget = b;
+      r.protected_tail = sel.protected_tail;
+      r.mode = sel.mode;
+      r.out = dev.indices + s * keep_capacity_ + h * kept;
+      offsets[h] = h * kept;
+    }
+    offsets[heads] = heads * kept;
+    return heads;
+  }
+
+  template <class T, class Q>
+  void carve_device(kvevict::detail::arena& a, device_layout* out) const noexcept {
+    using kvevict::detail::saturating_add;
+    using kvevict::detail::saturating_mul;
+    const model_shape& m = options_.model;
+    const std::int64_t seqs = options_.limits.max_sequences, tokens = options_.limits.max_tokens;
+    out->scores = a.take<float>(saturating_mul(seqs, saturating_mul(m.num_kv_heads, tokens)));
+    carve_selection_block(a, &out->rows, &out->offsets);
+    out->indices = a.take<std::int64_t>(saturating_mul(seqs, keep_capacity_));
+    out->weights = defers() ? a.take<float>(saturating_mul(seqs, window_)) : nullptr;
+    std::size_t scoring = 0;
+    const layer_shape shape = max_shape();
+    if (defers()) {
+      const scoring_params params = scoring_params_of();
+      decode_params dp;
+      dp.domain = params.domain;
+      scoring = cuda::observation_scores_workspace_size(shape, params);
+      const std::size_t step = cuda::decode_observation_workspace_size(shape, dp);
+      scoring = step > scoring ? step : scoring;
+    } else {
+      const std::size_t two =
+          cuda::observation_scores_batch_workspace_size<Q, T>(seqs, shape, scoring_params_of(), false);
+      const std::size_t one =
+          cuda::observation_scores_batch_workspace_size<Q, T>(seqs, shape, scoring_params_of(), true);
+      scoring = two > one ? two : one;
+    }
+    out->scoring = kvevict::detail::take_bytes(a, scoring, true);
+    layer_budget b = base_budget();
+    if (options_.layers == layer_allocation::pyramidkv) b.layer_candidates = tokens;
+    out->select = kvevict::detail::take_bytes(a, cuda::select_layer_workspace_size(m.num_kv_heads, tokens, b), true);
+    out->compact = kvevict::detail::take_bytes(a, compaction_workspace_size<T>(), true);
+  }
+
+  /// The compaction batch's workspace for the limits: every view's pool of at most
+  /// limits.max_pool_blocks blocks (run() refuses larger ones), keep-lists of keep_capacity().
+  template <class T>
+  std::size_t compaction_workspace_size() const noexcept {
+    using kvevict::detail::saturating_add;
+    using kvevict::detail::saturating_mul;
+    const std::int64_t seqs = options_.limits.max_sequences, blocks = options_.limits.max_pool_blocks;
+    const std::size_t bitmaps = 4u * static_cast<std::size_t>(1 + 2 * (blocks > 0 ? detail::bitmap_words(blocks) : 0));
+    if (options_.compact == compaction::keep_list_only) return 0;
+    if (options_.compact == compaction::out_of_place)
+      return saturating_add(
+          detail::compact_batch_align - 1 + detail::compact_round_up(cuda::compact_into_batch_staging_size(seqs)),
+          bitmaps);
+    detail::compact_dims d;
+    d.capacity = keep_capacity_;
+    d.key_row_bytes = saturating_mul(options_.model.head_dim, static_cast<std::int64_t>(sizeof(T)));
+    d.value_row_bytes = saturating_mul(options_.model.value_head_dim, static_cast<std::int64_t>(sizeof(T)));
+    const detail::compact_batch_layout l = detail::compact_batch_plan(seqs, blocks, blocks);
+    return saturating_add(detail::compact_batch_align - 1 + l.rows,
+                          saturating_mul(static_cast<std::size_t>(seqs), detail::staged_bytes(d)));
+  }
+
+  template <class T, class Q>
+  void carve_host(kvevict::detail::arena& a, host_layout<T, Q>* out) const noexcept {
+    using kvevict::detail::saturating_mul;
+    const std::int64_t seqs = options_.limits.max_sequences;
+    carve_selection_block(a, &out->rows, &out->offsets);
+    out->steps = a.take<detail::sequence_step>(seqs);
+    out->weights = defers() ? a.take<float>(saturating_mul(seqs, window_)) : nullptr;
+    out->weights_bytes = defers() ? static_cast<std::size_t>(saturating_mul(seqs, window_)) * sizeof(float) : 0;
+    out->scoring = defers() ? nullptr : a.take<scoring_sequence<Q, T>>(seqs);
+    out->scored_seq = a.take<std::int64_t>(seqs);
+    out->in_place = options_.compact == compaction::in_place ? a.take<compaction_sequence<T, T>>(seqs) : nullptr;
+    out->into = options_.compact == compaction::out_of_place ? a.take<compaction_into_sequence<T, T>>(seqs) : nullptr;
+    out->compacted_seq = a.take<std::int64_t>(seqs);
+    out->prefill = defers() ? a.take<detail::state_observation<Q, T>>(seqs) : nullptr;
+    out->decode = defers() ? a.take<detail::decode_launch<Q, T>>(seqs) : nullptr;
+    out->layer_budgets = a.take<std::int64_t>(options_.model.num_layers);
+    out->scoring_staging_bytes = defers() ? 0 : cuda::observation_scores_batch_staging_size<Q, T>(seqs);
+    out->scoring_staging = a.take<unsigned char>(static_cast<std::int64_t>(out->scoring_staging_bytes));
+    out->compact_staging_bytes = options_.compact == compaction::in_place ? cuda::compact_batch_staging_size(seqs)
+                                 : options_.compact == compaction::out_of_place
+                                     ? cuda::compact_into_batch_staging_size(seqs)
+                                     : 0;
+    out->compact_staging = a.take<unsigned char>(static_cast<std::int64_t>(out->compact_staging_bytes));
+  }
+
+  template <class T, class Q>
+  void size() noexcept {
+    using kvevict::detail::saturating_add;
+    using kvevict::detail::saturating_mul;
+    kvevict::detail::arena d;
+    device_layout dl;
+    carve_device<T, Q>(d, &dl);
+    workspace_bytes_ = d.used();
+    kvevict::detail::arena h;
+    host_layout<T, Q> hl;
+    carve_host<T, Q>(h, &hl);
+    staging_bytes_ = h.used();
+    const model_shape& m = options_.model;
+    state_bytes_ =
+        defers() ? saturating_mul(
+                       saturating_mul(static_cast<std::size_t>(m.num_layers), static_cast<std::size_t>(m.num_kv_heads)),
+                       saturating_mul(static_cast<std::size_t>(options_.limits.max_tokens), sizeof(float)))
+                 : 0;
+    host_state_bytes_ =
+        defers()
+            ? saturating_add(sizeof(detail::host_state_header),
+                             saturating_mul(static_cast<std::size_t>(m.num_layers), sizeof(detail::host_layer_state)))
+            : 0;
+  }
+
+  status check_planned(const char* fn) const noexcept {
+    if (!planned_)
+      return status::error(errc::invalid_state, fn, "compressor", "not planned: call cuda::compressor::plan");
+    return status();
+  }
+
+  static detail::host_layer_state* layer_record(void* host_state, std::int64_t layer) noexcept {
+    return reinterpret_cast<detail::host_layer_state*>(static_cast<unsigned char*>(host_state) +
+                                                       sizeof(detail::host_state_header)) +
+           layer;
+  }
+
+  score_view scores_of(const device_layout& dev, std::int64_t s, std::int64_t tokens) const noexcept {
+    const std::int64_t heads = options_.model.num_kv_heads;
+    return score_view{dev.scores + s * heads * options_.limits.max_tokens, heads, tokens, tokens};
+  }
+  keep_list_view keep_of(const device_layout& dev, std::int64_t s) const noexcept {
+    const std::int64_t heads = options_.model.num_kv_heads;
+    return keep_list_view{heads, dev.offsets + s * (heads + 1), dev.indices + s * keep_capacity_, keep_capacity_};
+  }
+  /// Layer `layer`'s running sums in a sequence's device state: [Hkv, C], rows max_tokens apart.
+  template <class T, class Q>
+  score_view state_of(const sequence_io<T, Q>& io, std::int64_t layer, std::int64_t candidates) const noexcept {
+    const std::int64_t heads = options_.model.num_kv_heads, tokens = options_.limits.max_tokens;
+    return score_view{static_cast<float*>(io.state) + layer * heads * tokens, heads, candidates, tokens};
+  }
+
+  compressor_options options_;
+  bool planned_ = false;
+  std::int64_t window_ = 0;
+  std::int64_t keep_capacity_ = 0;
+  std::int64_t head_capacity_ = 0;
+  std::size_t workspace_bytes_ = 0;
+  std::size_t staging_bytes_ = 0;
+  std::size_t state_bytes_ = 0;
+  std::size_t host_state_bytes_ = 0;
+};
+
+}  // namespace detail
+
+}  // namespace cuda
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_CUDA_DETAIL_COMPRESSOR_LAYOUT_CUH
