@@ -31,8 +31,8 @@
 
 #include "kvevict/config.hpp"
 #include "kvevict/cuda/common.cuh"
-#include "kvevict/cuda/detail/observation_kernels.cuh"
 #include "kvevict/cuda/detail/mma.cuh"
+#include "kvevict/cuda/detail/observation_kernels.cuh"
 #include "kvevict/cuda/detail/row_lse.cuh"
 #include "kvevict/cuda/detail/score_logic.hpp"
 #include "kvevict/cuda/detail/tiling.hpp"

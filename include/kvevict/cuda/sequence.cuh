@@ -12,7 +12,6 @@
 KVEVICT_NAMESPACE_BEGIN
 namespace cuda {
 
-
 /// One sequence at one layer, on the device: kvevict::sequence_io's fields, with every
 /// pointer in device memory (views, their block tables and positions, key_positions, lse,
 /// the outputs head_lengths [Hkv], kept_positions [keep_capacity()] and padded_indices

@@ -32,7 +32,6 @@ KVEVICT_NAMESPACE_BEGIN
 namespace cuda {
 namespace detail {
 
-
 constexpr int decode_threads = 256;
 /// Head-dimension channels per panel: 16 lanes (half a warp, one key) x 8 channels each.
 constexpr int decode_panel = 128;

@@ -33,7 +33,6 @@ KVEVICT_NAMESPACE_BEGIN
 namespace cuda {
 namespace detail {
 
-
 constexpr int obs_threads = 256;
 
 template <class QT, class KT>
@@ -458,7 +457,6 @@ __global__ void __launch_bounds__(256)
     *s = decayed(*s, eta, v);
   }
 }
-
 
 }  // namespace detail
 }  // namespace cuda
