@@ -321,6 +321,17 @@ def finalize(s: Shape, g: Gpu, rows_per_head):
                   l2_bytes=acc + out, chain_cycles=g.l2_latency_cycles * (2 + rows_per_head))
 
 
+def key_norm(s: Shape, g: Gpu):
+    """KNorm's scores: one thread per (head, token) row, the squares summed in double. A warp's
+    32 rows are 32 cache lines per channel step, reused from L1 over the row, so K is read
+    from HBM about once; the double adds are a short chain per row (d dependent DADDs)."""
+    k_bytes = s.hkv * s.tokens * s.d * s.elem
+    out = s.hkv * s.tokens * 4
+    return Kernel("key_norm_kernel", "key norms (KNorm), one thread per row", ceil_div(s.tokens, 256) * s.hkv, 256,
+                  hbm_bytes=k_bytes + out, l2_bytes=k_bytes + out,
+                  chain_cycles=g.hbm_latency_cycles + s.d * 8)
+
+
 def obs_state(s: Shape, g: Gpu):
     n = s.hkv * s.cand
     acc = s.hq * s.cand * 4
@@ -563,6 +574,7 @@ def calls(s: Shape, g: Gpu):
                          [decode_logits(s, g, False), row_lse(s, g, s.hq, dec_tiles), decode_update(s, g)]),
         "decode_1pass": ("decode_observation, engine LSE", [decode_logits(s, g, True)]),
         "finalize_state": ("finalize_state_scores", [finalize(s, g, 1)]),
+        "key_norm": ("key_norm_scores (KNorm)", [key_norm(s, g)]),
         "select_layer": (f"select, one layer ({s.hkv} rows)", select_kernels(s, g, s.hkv)),
         "select_model": (f"select, {s.layers} layers x {s.hkv} rows, one launch",
                          select_kernels(s, g, s.layers * s.hkv)),

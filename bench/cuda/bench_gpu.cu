@@ -386,6 +386,16 @@ int main(int argc, char** argv) {
         "finalize_state", capture_stream, [&] { run_fin(capture_opt); }, reps);
     std::printf("| finalize_state_scores | %.1f | | |\n", us_fin);
     result("finalize_state_us", us_fin);
+    // KNorm's scores: the keys read once, one thread per row (cuda/key_scores.cuh).
+    const auto run_norm = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::key_norm_scores(kview, W, sview, o));
+    };
+    const double us_norm = median_us([&] { run_norm(opt); }, reps);
+    time_each_kernel(
+        "key_norm", capture_stream, [&] { run_norm(capture_opt); }, reps);
+    std::printf("| key_norm_scores (KNorm) | %.1f | %.0f GB/s of K | K-read bound %.1f us (x%.1f) |\n", us_norm,
+                k_bytes / (us_norm * 1e-6) / 1e9, k_bound_us, us_norm / k_bound_us);
+    result("key_norm_us", us_norm);
     BENCH_CHECK(cudaFree(state));
     BENCH_CHECK(cudaFree(lse));
     BENCH_CHECK(cudaFree(ws));

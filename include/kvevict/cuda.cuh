@@ -19,6 +19,7 @@
 // allocates and never synchronises. See docs/cuda.md.
 
 #include "kvevict/cuda/adakv.cuh"
+#include "kvevict/cuda/chunk_scores.cuh"
 #include "kvevict/cuda/common.cuh"
 #include "kvevict/cuda/compact.cuh"
 #include "kvevict/cuda/compact_batch.cuh"
@@ -27,6 +28,7 @@
 #include "kvevict/cuda/decode_observation.cuh"
 #include "kvevict/cuda/device_flags.hpp"
 #include "kvevict/cuda/finalize.cuh"
+#include "kvevict/cuda/key_scores.cuh"
 #include "kvevict/cuda/observation_scores.cuh"
 #include "kvevict/cuda/observation_scores_batch.cuh"
 #include "kvevict/cuda/scope.cuh"

@@ -59,6 +59,35 @@ scores_result observation_scores(const kvevict::query_view<const QT>& q, host_bu
   return r;
 }
 
+template <class KT>
+scores_result key_scores(const kvevict::cache_view<const KT>& k, host_buffer kbuf,
+                         const std::vector<std::int32_t>& table, std::int64_t protected_tail, std::int64_t sinks) {
+  scores_result r;
+  mirror m;
+  const auto dk = device_view(m, k, kbuf, table);
+  const std::size_t n = static_cast<std::size_t>(std::max<std::int64_t>(k.num_heads * k.num_tokens, 1));
+  float* scores = m.alloc<float>(n);
+  m.fill(scores, n, 12345.0f);  // unwritten entries show up
+  const kvevict::score_view out{scores, k.num_heads, k.num_tokens, k.num_tokens};
+  r.st = m.finish(sinks < 0 ? kvevict::cuda::key_norm_scores(dk, protected_tail, out, m.options())
+                            : kvevict::cuda::streaming_scores(sinks, out, m.options()));
+  r.scores = m.get(scores, static_cast<std::size_t>(k.num_heads * k.num_tokens));
+  r.flags = m.read_flags();
+  return r;
+}
+
+scores_result chunk_scores(const std::vector<float>& scores, std::int64_t rows, std::int64_t cols,
+                           std::int64_t protected_tail, std::int64_t chunk_length) {
+  scores_result r;
+  mirror m;
+  float* d = m.put_vector(scores);
+  if (d == nullptr) d = m.alloc<float>(1);
+  r.st = m.finish(kvevict::cuda::chunk_scores({d, rows, cols, cols}, protected_tail, chunk_length, m.options()));
+  r.scores = m.get(d, scores.size());
+  r.flags = m.read_flags();
+  return r;
+}
+
 template <class QT, class KT>
 batch_result observation_scores_batch(const std::vector<batch_sequence<QT, KT>>& seqs,
                                       const kvevict::scoring_params& params) {
@@ -681,6 +710,15 @@ KVEVICT_GPU_OBS(float, kvevict::bf16)
 KVEVICT_GPU_OBS(kvevict::bf16, kvevict::fp8_e4m3)
 KVEVICT_GPU_OBS(kvevict::fp16, kvevict::fp8_e5m2)
 #undef KVEVICT_GPU_OBS
+
+template scores_result key_scores<float>(const kvevict::cache_view<const float>&, host_buffer,
+                                         const std::vector<std::int32_t>&, std::int64_t, std::int64_t);
+template scores_result key_scores<kvevict::fp16>(const kvevict::cache_view<const kvevict::fp16>&, host_buffer,
+                                                 const std::vector<std::int32_t>&, std::int64_t, std::int64_t);
+template scores_result key_scores<kvevict::bf16>(const kvevict::cache_view<const kvevict::bf16>&, host_buffer,
+                                                 const std::vector<std::int32_t>&, std::int64_t, std::int64_t);
+template scores_result key_scores<kvevict::fp8_e5m2>(const kvevict::cache_view<const kvevict::fp8_e5m2>&, host_buffer,
+                                                     const std::vector<std::int32_t>&, std::int64_t, std::int64_t);
 
 #define KVEVICT_GPU_COMPACT(KT, VT)                                                                                  \
   template compact_into_result compact_into<KT, VT>(                                                                 \

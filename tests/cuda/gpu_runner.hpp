@@ -59,6 +59,16 @@ scores_result observation_scores(const kvevict::query_view<const QT>& q, host_bu
                                  const std::vector<std::int32_t>& table, const kvevict::scoring_params& params,
                                  const obs_inputs& in = {});
 
+/// kvevict::cuda::key_norm_scores (KNorm; sinks < 0) or streaming_scores (sinks >= 0) on a
+/// device copy of the key view.
+template <class KT>
+scores_result key_scores(const kvevict::cache_view<const KT>& k, host_buffer kbuf,
+                         const std::vector<std::int32_t>& table, std::int64_t protected_tail, std::int64_t sinks = -1);
+
+/// kvevict::cuda::chunk_scores on a device copy of `scores` [rows * cols] (in place).
+scores_result chunk_scores(const std::vector<float>& scores, std::int64_t rows, std::int64_t cols,
+                           std::int64_t protected_tail, std::int64_t chunk_length);
+
 /// One sequence of a batched scoring call, as host buffers.
 template <class QT, class KT>
 struct batch_sequence {

@@ -31,6 +31,8 @@
 #include "kvevict/budgets/layer_budget.hpp"
 #include "kvevict/detail/finalize.hpp"
 #include "kvevict/detail/validate.hpp"
+#include "kvevict/policies/knorm.hpp"
+#include "kvevict/policies/streaming_llm.hpp"
 #include "kvevict/scoring/observation_scores.hpp"
 #include "kvevict/selection/scope.hpp"
 #include "kvevict/selection/select.hpp"
@@ -928,6 +930,110 @@ TEST_CASE("GPU scoring of fp8 caches with a dequantisation scale", "[gpu][gpu_sc
   }
   check_fp8<bf16, fp8_e4m3>(test::layout::contiguous, 2, 2, 128, 700, 16, 3.5f, kKvpress,
                             seed++);  // d = 128, 11 key tiles
+}
+
+namespace {
+/// cuda::key_norm_scores (sinks < 0) or streaming_scores against kvevict::knorm /
+/// streaming_llm::score on the same keys: the same bits, NaN where the CPU has NaN.
+template <class T>
+void check_key_scores(test::layout lay, std::int64_t heads, std::int64_t tokens, std::int64_t dim,
+                      std::int64_t protected_tail, std::int64_t sinks, float scale, std::uint64_t seed) {
+  std::vector<double> kd = test::rounded<T>(test::normal(static_cast<std::size_t>(heads * tokens * dim), seed, 3.0));
+  if (kd.size() > 8) kd[kd.size() / 3] = std::numeric_limits<double>::quiet_NaN();  // one NaN key
+  auto keys = test::make_cache<T>(lay, heads, tokens, dim, kd);
+  keys.view.scale = scale;
+  const kvevict::cache_view<const T> kv = keys.view;
+  std::vector<float> cpu(static_cast<std::size_t>(heads * tokens), 0.0f);
+  using Q = kvevict::default_query_type_t<T>;
+  kvevict::layer_inputs<T, Q> in;
+  in.keys = kv;
+  const kvevict::score_view out{cpu.data(), heads, tokens, tokens};
+  if (sinks < 0) {
+    kvevict::knorm_config c;
+    c.protected_tail = protected_tail;
+    const kvevict::knorm<T, Q> policy(c);
+    kvevict::workspace ws(policy.workspace_size({heads, heads, dim, tokens, 1}));
+    REQUIRE(policy.score(in, out, ws).ok());
+  } else {
+    kvevict::streaming_llm_config c;
+    c.sinks = sinks;
+    REQUIRE(kvevict::streaming_llm<T, Q>(c).score(in, out).ok());
+  }
+  const gpu::scores_result g = gpu::key_scores(kv, gpu::buffer_of(keys.buffer), keys.table, protected_tail, sinks);
+  INFO(test::name(lay) << " L " << tokens << " d " << dim << " status " << g.st.message());
+  REQUIRE(g.st.ok());
+  REQUIRE(g.flags == 0);
+  REQUIRE(g.scores.size() == cpu.size());
+  for (std::size_t i = 0; i < cpu.size(); ++i) {
+    INFO("entry " << i);
+    if (std::isnan(cpu[i])) {
+      REQUIRE(std::isnan(g.scores[i]));
+    } else {
+      REQUIRE(std::memcmp(&g.scores[i], &cpu[i], sizeof(float)) == 0);
+    }
+  }
+}
+}  // namespace
+
+TEST_CASE("GPU KNorm and StreamingLLM scores equal the CPU policies' bit for bit", "[gpu][gpu_scoring]") {
+  std::uint64_t seed = 2300;
+  for (test::layout lay : test::kAllLayouts) {
+    check_key_scores<float>(lay, 2, 300, 64, 5, -1, 1.0f, seed++);
+    check_key_scores<bf16>(lay, 3, 257, 40, 0, -1, 1.0f, seed++);
+    check_key_scores<fp16>(lay, 1, 70, 128, 70, -1, 1.0f, seed++);  // all protected
+    check_key_scores<fp8_e5m2>(lay, 2, 129, 24, 3, -1, 0.0371f, seed++);
+    check_key_scores<bf16>(lay, 2, 300, 16, 0, 4, 1.0f, seed++);
+    check_key_scores<float>(lay, 1, 9, 8, 0, 20, 1.0f, seed++);  // every token a sink
+  }
+  check_key_scores<bf16>(test::layout::contiguous, 2, 0, 16, 0, -1, 1.0f, seed++);  // empty
+  check_key_scores<bf16>(test::layout::contiguous, 2, 0, 16, 0, 4, 1.0f, seed++);
+}
+
+TEST_CASE("GPU ChunkKV chunk scores follow kvevict::chunkkv's operations bit for bit", "[gpu][gpu_scoring]") {
+  // kvevict::chunkkv::score after its base, in float, in its order: heads ascending, then the
+  // chunk's tokens; one division; the tail untouched. (The compressor suite compares the real
+  // CPU class through whole calls.)
+  std::uint64_t seed = 2400;
+  struct chunk_case {
+    std::int64_t rows, cols, tail, chunk;
+  };
+  for (const chunk_case& c :
+       {chunk_case{2, 61, 6, 5}, chunk_case{1, 20, 0, 20}, chunk_case{4, 300, 32, 7}, chunk_case{3, 9, 9, 4},
+        chunk_case{2, 17, 3, 100}, chunk_case{8, 4100, 8, 20}, chunk_case{1, 0, 0, 3}}) {
+    std::vector<double> d = test::normal(static_cast<std::size_t>(c.rows * c.cols), seed++, 2.0);
+    std::vector<float> scores(d.begin(), d.end());
+    for (std::int64_t h = 0; h < c.rows; ++h)
+      for (std::int64_t j = c.cols - std::min(c.tail, c.cols); j < c.cols; ++j)
+        scores[static_cast<std::size_t>(h * c.cols + j)] = kInf;
+    if (c.cols > 10) scores[5] = std::numeric_limits<float>::quiet_NaN();  // its chunk becomes NaN
+    std::vector<float> want = scores;
+    const std::int64_t cand = std::max<std::int64_t>(0, c.cols - c.tail);
+    for (std::int64_t c0 = 0; c0 < cand; c0 += c.chunk) {
+      const std::int64_t c1 = std::min(c0 + c.chunk, cand);
+      float sum = 0.0f;
+      for (std::int64_t h = 0; h < c.rows; ++h)
+        for (std::int64_t j = c0; j < c1; ++j) sum += scores[static_cast<std::size_t>(h * c.cols + j)];
+      const float mean = sum / static_cast<float>(c1 - c0);
+      for (std::int64_t h = 0; h < c.rows; ++h)
+        for (std::int64_t j = c0; j < c1; ++j) want[static_cast<std::size_t>(h * c.cols + j)] = mean;
+    }
+    const gpu::scores_result g = gpu::chunk_scores(scores, c.rows, c.cols, c.tail, c.chunk);
+    INFO("rows " << c.rows << " cols " << c.cols << " tail " << c.tail << " chunk " << c.chunk << ": "
+                 << g.st.message());
+    REQUIRE(g.st.ok());
+    REQUIRE(g.scores.size() == want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      INFO("entry " << i);
+      if (std::isnan(want[i])) {
+        REQUIRE(std::isnan(g.scores[i]));
+      } else {
+        REQUIRE(std::memcmp(&g.scores[i], &want[i], sizeof(float)) == 0);
+      }
+    }
+  }
+  REQUIRE(gpu::chunk_scores({1.0f}, 1, 1, 0, 0).st.code() == kvevict::errc::invalid_argument);
+  REQUIRE(std::string(gpu::chunk_scores({1.0f}, 1, 1, 0, 0).st.argument()) == "chunk_length");
+  REQUIRE(std::string(gpu::chunk_scores({1.0f}, 1, 1, -1, 2).st.argument()) == "protected_tail");
 }
 
 namespace {

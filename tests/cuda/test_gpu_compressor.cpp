@@ -68,7 +68,7 @@ struct scenario {
 
   scenario(const kvevict::compressor_options& o, bool paged_caches, std::int64_t decode_steps, std::uint64_t seed,
            bool engine_lse = false, std::vector<std::int64_t> prompt_lengths = {61, 0, 37, 16},
-           std::vector<std::int64_t> start_offsets = {0, 0, 0, 1})
+           std::vector<std::int64_t> start_offsets = {0, 0, 0, 1}, std::int64_t window_rows = 9)
       : options(o),
         paged(paged_caches),
         prompts(std::move(prompt_lengths)),
@@ -96,12 +96,14 @@ struct scenario {
         own_v.push_back(test::make_cache<T>(test::layout::transposed, kHkv, n, kValueDim, dense(kValueDim, ss + 1)));
         own_dk.push_back(test::make_cache<T>(test::layout::contiguous, kHkv, n, kDim, dense(kDim, ss + 2)));
         own_dv.push_back(test::make_cache<T>(test::layout::transposed, kHkv, n, kValueDim, dense(kValueDim, ss + 3)));
-        const std::int64_t w = std::min<std::int64_t>(prompts[s], 9);  // more rows than the window: the last are used
+        // More rows than the window (the last are used); H2O's scenarios hand every prompt query.
+        const std::int64_t w = std::min<std::int64_t>(prompts[s], window_rows);
         std::vector<std::int64_t> pos;
         for (std::int64_t t = 0; t < w; ++t) pos.push_back(prompts[s] - w + t);
-        queries.push_back(test::make_queries<Q>(kHq, std::max<std::int64_t>(w, 1), kDim,
-                                                test::normal(static_cast<std::size_t>(kHq * 9 * kDim), ss + 4, 2.0),
-                                                pos.empty() ? std::vector<std::int64_t>{0} : pos));
+        queries.push_back(
+            test::make_queries<Q>(kHq, std::max<std::int64_t>(w, 1), kDim,
+                                  test::normal(static_cast<std::size_t>(kHq * window_rows * kDim), ss + 4, 2.0),
+                                  pos.empty() ? std::vector<std::int64_t>{0} : pos));
         for (std::int64_t k = 1; k <= steps; ++k)
           queries.push_back(test::make_queries<Q>(kHq, 1, kDim,
                                                   test::normal(static_cast<std::size_t>(kHq * kDim), ss + 10 + k, 2.0),
@@ -230,7 +232,10 @@ void check_against_cpu(scenario<T, Q>& sc) {
       INFO("seqs[" << s << "]");
       const kvevict::sequence_report &c = reports[s], &r = gc.reports[s];
       REQUIRE(r.action == c.action);
-      REQUIRE(r.next_position == -1);
+      // The positions are device data, but DapQ's resumption point (the prompt's length) is the host's.
+      const bool resumes =
+          sc.options.policy.kind() == kvevict::policy_kind::dapq && c.action == kvevict::sequence_action::evicted;
+      REQUIRE(r.next_position == (resumes ? c.next_position : -1));
       const gpu::compressor_sequence_result& out = gc.seqs[s];
       if (c.action != kvevict::sequence_action::evicted) {
         REQUIRE(r.length == c.length);
@@ -322,6 +327,129 @@ TEST_CASE("GPU compressor: SnapKV equals kvevict::compressor, call for call", "[
   }
 }
 
+TEST_CASE("GPU compressor: H2O, DapQ, KNorm, StreamingLLM and ChunkKV equal kvevict::compressor, call for call",
+          "[gpu][gpu_compressor]") {
+  using kvevict::dtype;
+  // H2O observes every prompt query (the scenarios hand them all); KNorm and StreamingLLM read
+  // none (the queries are handed as an engine would).
+  SECTION("H2O, bf16, shared paged pools, a recent window of 4, in place") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    kvevict::h2o_config h;
+    h.recent_window = 4;
+    o.policy = kvevict::policy::h2o(h);
+    scenario<bf16, bf16> sc(o, true, 0, 26, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+    check_against_cpu(sc);
+  }
+  SECTION("H2O, float, own strided caches, the engine's log-sum-exp, AdaKV, ratio budget, into fresh memory") {
+    kvevict::compressor_options o = base_options(dtype::f32, dtype::f32);
+    o.policy = kvevict::policy::h2o();
+    o.per_head = kvevict::budget::ratio(0.35);
+    o.heads = kvevict::head_allocation::adakv;
+    o.compact = kvevict::compaction::out_of_place;
+    scenario<float, float> sc(o, false, 0, 27, true, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+    check_against_cpu(sc);
+  }
+  SECTION("KNorm, bf16, shared paged pools, a protected tail inside the budget, in place") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    kvevict::knorm_config k;
+    k.protected_tail = 3;
+    o.policy = kvevict::policy::knorm(k);
+    scenario<bf16, bf16> sc(o, true, 0, 21);
+    check_against_cpu(sc);
+  }
+  SECTION("KNorm, fp8 e4m3 (scaled), bf16 queries, PyramidKV and AdaKV, tail on top, into fresh paged blocks") {
+    kvevict::compressor_options o = base_options(dtype::f8_e4m3, dtype::bf16);
+    kvevict::knorm_config k;
+    k.protected_tail = 2;
+    k.protect = kvevict::protected_mode::on_top_of_budget;
+    o.policy = kvevict::policy::knorm(k);
+    o.per_head = kvevict::budget::ratio(0.4);
+    o.heads = kvevict::head_allocation::adakv;
+    o.layers = kvevict::layer_allocation::pyramidkv;
+    o.compact = kvevict::compaction::out_of_place;
+    scenario<fp8_e4m3, bf16> sc(o, true, 0, 22);
+    for (auto& c : sc.calls)
+      for (auto& q : c.seqs) q.k.view.scale = 0.75f;  // the norms are of scale * k
+    check_against_cpu(sc);
+  }
+  SECTION("KNorm, float, own strided caches, one keep set per layer, keep-list only") {
+    kvevict::compressor_options o = base_options(dtype::f32, dtype::f32);
+    o.policy = kvevict::policy::knorm();
+    o.scope = kvevict::selection_scope::per_layer;
+    o.combine = kvevict::scope_combine::normalized_mean;
+    o.compact = kvevict::compaction::keep_list_only;
+    o.lengths = kvevict::length_mode::uniform;
+    scenario<float, float> sc(o, false, 0, 23);
+    check_against_cpu(sc);
+  }
+  // DapQ: each prompt is the prompt and its N = 6 pseudo tokens; the last 6 of the 9 query rows
+  // are the pseudo tokens' (positions past the prompt). They are scored over the prompt before
+  // them, and every pseudo row is dropped.
+  SECTION("DapQ pseudo tokens, bf16, shared paged pools, N 6, uniform budget, in place") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    kvevict::dapq_config d;
+    d.pseudo_tokens = 6;
+    o.policy = kvevict::policy::dapq(d);
+    scenario<bf16, bf16> sc(o, true, 0, 31);
+    check_against_cpu(sc);
+  }
+  SECTION("DapQ pseudo tokens, float, own strided caches, N 6, a protected tail, AdaKV, into fresh memory") {
+    kvevict::compressor_options o = base_options(dtype::f32, dtype::f32);
+    kvevict::dapq_config d;
+    d.pseudo_tokens = 6;
+    d.scoring.protected_tail = 2;
+    o.policy = kvevict::policy::dapq(d);
+    o.per_head = kvevict::budget::ratio(0.4);
+    o.heads = kvevict::head_allocation::adakv;
+    o.compact = kvevict::compaction::out_of_place;
+    scenario<float, float> sc(o, false, 0, 32);
+    check_against_cpu(sc);
+  }
+  SECTION("ChunkKV on SnapKV, bf16, shared paged pools, chunks of 5, uniform budget, in place") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    o.policy = o.policy.chunked(5);
+    scenario<bf16, bf16> sc(o, true, 0, 28);
+    check_against_cpu(sc);
+  }
+  SECTION("ChunkKV on KNorm, float, own strided caches, chunks of 7, one keep set per layer, keep-list only") {
+    kvevict::compressor_options o = base_options(dtype::f32, dtype::f32);
+    kvevict::knorm_config k;
+    k.protected_tail = 2;
+    o.policy = kvevict::policy::knorm(k).chunked(7);
+    o.scope = kvevict::selection_scope::per_layer;
+    o.compact = kvevict::compaction::keep_list_only;
+    scenario<float, float> sc(o, false, 0, 29);
+    check_against_cpu(sc);
+  }
+  SECTION("ChunkKV on H2O, bf16, shared paged pools, chunks of 4, PyramidKV and AdaKV, ratio budget") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    kvevict::h2o_config h;
+    h.recent_window = 3;
+    o.policy = kvevict::policy::h2o(h).chunked(4);
+    o.per_head = kvevict::budget::ratio(0.45);
+    o.heads = kvevict::head_allocation::adakv;
+    o.layers = kvevict::layer_allocation::pyramidkv;
+    scenario<bf16, bf16> sc(o, true, 0, 30, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+    check_against_cpu(sc);
+  }
+  SECTION("StreamingLLM, bf16, shared paged pools, 4 sinks, uniform budget, in place") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    o.policy = kvevict::policy::streaming_llm();
+    scenario<bf16, bf16> sc(o, true, 0, 24);
+    check_against_cpu(sc);
+  }
+  SECTION("StreamingLLM, fp16, own strided caches, more sinks than a short prompt, ratio budget, PyramidKV") {
+    kvevict::compressor_options o = base_options(dtype::f16, dtype::f16);
+    kvevict::streaming_llm_config c;
+    c.sinks = 20;  // sequence 3's prompt of 16 is all sinks
+    o.policy = kvevict::policy::streaming_llm(c);
+    o.per_head = kvevict::budget::ratio(0.5);
+    o.layers = kvevict::layer_allocation::pyramidkv;
+    scenario<kvevict::fp16, kvevict::fp16> sc(o, false, 0, 25);
+    check_against_cpu(sc);
+  }
+}
+
 TEST_CASE("GPU compressor: DeferKV observes prefill and decode steps, then evicts as the CPU does",
           "[gpu][gpu_compressor]") {
   using kvevict::dtype;
@@ -398,8 +526,20 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
     cases.push_back({base, kvevict::errc::unsupported, "policy.kind"});
     cases.back().o.policy = kvevict::policy_config::of<Tr>({});
   });
-  cases.push_back({base, kvevict::errc::unsupported, "policy.chunk_length"});
-  cases.back().o.policy = base.policy.chunked(8);
+  cases.push_back({base, kvevict::errc::unsupported, "policy.dapq.source"});
+  {
+    kvevict::dapq_config d;
+    d.source = kvevict::dapq_source::rerotated_window;
+    d.rope.head_dim = kDim;
+    cases.back().o.policy = kvevict::policy::dapq(d);
+  }
+  cases.push_back({base, kvevict::errc::invalid_argument, "policy.deferkv.window"});  // the CPU's limit too
+  {
+    kvevict::deferkv_config d;
+    d.window = 4097;
+    cases.back().o.policy = kvevict::policy::deferkv(d);
+    cases.back().o.limits.max_queries = 4097;
+  }
   cases.push_back({base, kvevict::errc::unsupported, "chunked_prefill"});
   cases.back().o.chunked_prefill = true;
   cases.push_back({base, kvevict::errc::unsupported, "scope"});
@@ -570,6 +710,22 @@ TEST_CASE("GPU compressor: refuses a paged in-place run without block_sharing::n
   INFO(g.calls[0].st.message());
   REQUIRE(g.calls[0].st.code() == kvevict::errc::invalid_shape);
   REQUIRE(std::string(g.calls[0].st.argument()) == "seqs[0].queries.num_queries");
+  // H2O observes every query of the call: more than limits.max_queries is refused by name (the
+  // CPU compressor's error, run_checks.hpp) and the call changes nothing.
+  kvevict::compressor_options h = base_options(dtype::bf16, dtype::bf16);
+  h.policy = kvevict::policy::h2o();
+  h.limits.max_queries = 40;  // sequence 0 hands its 61 prompt queries at prefill_end
+  scenario<bf16, bf16> hs(h, true, 0, 44, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+  const gpu::compressor_session_result hg = gpu::compressor_session<bf16, bf16>(h, {hs.calls[0]}, 4);
+  REQUIRE(hg.plan.ok());
+  INFO(hg.calls[0].st.message());
+  REQUIRE(hg.calls[0].st.code() == kvevict::errc::invalid_shape);
+  REQUIRE(std::string(hg.calls[0].st.argument()) == "seqs[0].queries.num_queries");
+  for (std::size_t s = 0; s < hs.calls[0].seqs.size(); ++s) {
+    REQUIRE(hg.calls[0].reports[s].length == -9);
+    if (hs.calls[0].seqs[s].k.buf.data != nullptr)
+      require_bytes<bf16>(hg.calls[0].seqs[s].keys, hs.calls[0].seqs[s].k.buf);
+  }
 }
 
 TEST_CASE("GPU compressor: a keep-list-only call checks the values view, as the CPU's does",

@@ -14,9 +14,13 @@
 //   per step, per layer:  st = c.run(layer, seqs, n, reports, ws, staging, bytes, launch);
 //
 // A run() enqueues, for the sequences whose event needs it, in stream order:
-//   SnapKV:  one batched scoring of every sequence (observation_scores_batch)
+//   SnapKV, H2O, DapQ: one batched scoring of every sequence (observation_scores_batch; H2O's
+//            window is every prompt query, DapQ's its N pseudo tokens over the prompt before them)
 //   DeferKV: its observation (observation_state at prefill_end, the decode step's
 //            decode_observation after it) and, at the eviction step, finalize_state_scores
+//   KNorm, StreamingLLM: their scores from the keys or positions, one launch per sequence
+//            (cuda/key_scores.cuh, hooked up by cuda/detail/key_scorers.cuh)
+//   ChunkKV on top (policy.chunk_length): chunk_scores per sequence
 //   then the selection -- every evicting sequence's rows in one select_rows launch when the
 //   host knows their counts (uniform heads, per-head sets: B or PyramidKV's share), else one
 //   select_layer per sequence (AdaKV, per-layer sets) -- and the padded keep-list output, then
@@ -33,8 +37,8 @@
 // or report. On the device, the compactions are all or nothing per layer (a bad block id or
 // a block reached twice moves nothing and raises its flag in launch_options::device_flags).
 //
-// Not on the GPU yet (refused by plan() or run(), by name): the StreamingLLM, KNorm, H2O and
-// DapQ policies, ChunkKV, the per-sequence scope, AdaKV's normalize, tensor parallelism,
+// Not on the GPU yet (refused by plan() or run(), by name): DapQ's re-rotated window, the TOVA
+// and KeyDiff policies, the per-sequence scope, AdaKV's normalize, tensor parallelism,
 // block reference counts (in-place compaction of prefix-shared blocks: use out_of_place),
 // and the changed_blocks / head_freed_blocks outputs.
 
@@ -56,10 +60,12 @@
 #include "kvevict/compressor/plan.hpp"
 #include "kvevict/compressor/sequence.hpp"
 #include "kvevict/config.hpp"
+#include "kvevict/cuda/chunk_scores.cuh"
 #include "kvevict/cuda/common.cuh"
 #include "kvevict/cuda/compact_batch.cuh"
 #include "kvevict/cuda/decode_observation.cuh"
 #include "kvevict/cuda/detail/compressor_checks.cuh"
+#include "kvevict/cuda/detail/key_scorers.cuh"
 #include "kvevict/cuda/detail/launch.cuh"
 #include "kvevict/cuda/finalize.cuh"
 #include "kvevict/cuda/observation_scores.cuh"
@@ -69,7 +75,6 @@
 #include "kvevict/detail/in_sequence.hpp"
 #include "kvevict/detail/memory_ranges.hpp"
 #include "kvevict/error.hpp"
-#include "kvevict/eviction/evict.hpp"
 #include "kvevict/selection/budget.hpp"
 #include "kvevict/selection/keep_list.hpp"
 #include "kvevict/shape.hpp"
@@ -107,10 +112,13 @@ class compressor : private detail::compressor_checks {
     if (!kvevict::detail::with_policy_traits(o.policy.kind(), false,
                                              [](auto traits) { return decltype(traits)::on_gpu; }))
       return status::error(errc::unsupported, fn, "policy.kind",
-                           "%s is not implemented on the GPU compressor (snapkv and deferkv are)",
+                           "%s is not implemented on the GPU compressor (snapkv, deferkv, h2o, dapq, knorm "
+                           "and streaming_llm are)",
                            to_string(o.policy.kind()));
-    if (o.policy.chunk_length > 0)
-      return status::error(errc::unsupported, fn, "policy.chunk_length", "ChunkKV is not implemented on the GPU");
+    if (const dapq_config* d = o.policy.get_if<dapq_traits>())
+      if (d->source == dapq_source::rerotated_window)
+        return status::error(errc::unsupported, fn, "policy.dapq.source",
+                             "DapQ's re-rotated window is not implemented on the GPU (its pseudo tokens are)");
     if (options.chunked_prefill)
       return status::error(errc::unsupported, fn, "chunked_prefill",
                            "prefill_chunk is not implemented on the GPU (hand the earlier chunks as idle and the whole "
@@ -250,11 +258,11 @@ class compressor : private detail::compressor_checks {
         KVEVICT_RETURN_IF_ERROR(prepare_decode(io, p, s, layer, dev, host, opt, fn));
       }
       if (!p.evict) continue;
-      if (!defer) {
+      if (scores_in_batch()) {
         scoring_sequence<Q, T>& q = host.scoring[scored];
         q = scoring_sequence<Q, T>{};
-        q.queries = kvevict::detail::last_queries(io.queries, window_);
-        q.keys = io.keys;
+        q.queries = kvevict::detail::last_queries(io.queries, observed_queries(io.queries.num_queries));
+        q.keys = io.keys.first_tokens(p.tokens);  // DapQ: the prompt before its pseudo tokens
         q.scores = scores_of(dev, s, p.tokens);
         q.inputs.key_positions = io.key_positions;
         if (io.lse != nullptr) {
@@ -300,6 +308,10 @@ class compressor : private detail::compressor_checks {
           detail::renumbered(cuda::observation_scores_batch(host.scoring, scored, scoring_params_of(), dev.scoring,
                                                             host.scoring_staging, host.scoring_staging_bytes, opt),
                              host.scored_seq, scored, fn));
+    if (!defer && !scores_in_batch())  // the policies that read no queries: a launch per sequence
+      for (std::int64_t s = 0; s < n; ++s)
+        if (host.steps[s].evict)
+          KVEVICT_RETURN_IF_ERROR(enqueue_key_scores(seqs[s].keys, scores_of(dev, s, host.steps[s].tokens), opt, fn));
     if (weights_used)
       KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
           cudaMemcpyAsync(dev.weights, host.weights, host.weights_bytes, cudaMemcpyHostToDevice, opt.stream), fn,
@@ -320,6 +332,9 @@ class compressor : private detail::compressor_checks {
             state_of(seqs[s], layer, p.candidates), options_.model.num_query_heads / options_.model.num_kv_heads,
             static_cast<float>(1.0 / p.after.z), params, scores_of(dev, s, p.tokens), opt));
       }
+      if (options_.policy.chunk_length > 0)  // ChunkKV on top of the policy's scores
+        KVEVICT_RETURN_IF_ERROR(
+            cuda::chunk_scores(scores_of(dev, s, p.tokens), p.sel.protected_tail, options_.policy.chunk_length, opt));
       if (batched) {
         rows += describe_rows(dev, host, s, p, rows);
         continue;
@@ -359,6 +374,21 @@ class compressor : private detail::compressor_checks {
   }
 
  private:
+  /// The scores of a policy that reads no queries, by its key_scorer (validated arguments).
+  template <class T>
+  status enqueue_key_scores(const cache_view<T>& keys, score_view scores, const launch_options& opt,
+                            const char* fn) const {
+    const policy_config& p = options_.policy;
+    return kvevict::detail::with_policy_traits(p.kind(), status(), [&](auto traits) -> status {
+      using Tr = decltype(traits);
+      if constexpr (detail::key_scorer<Tr>::exists) {
+        return detail::key_scorer<Tr>::enqueue(Tr::config(p), cache_view<const T>(keys), scores, opt);
+      } else {
+        return status::error(errc::invalid_state, fn, "policy.kind", "%s has no GPU scorer", Tr::name);
+      }
+    });
+  }
+
   template <class T, class Q, class H>
   status prepare_prefill(const sequence_io<T, Q>& io, const detail::sequence_step& p, std::int64_t s,
                          std::int64_t layer, const device_layout& dev, H& host, const launch_options& opt,
@@ -421,7 +451,7 @@ class compressor : private detail::compressor_checks {
     sequence_report r;
     r.length = io.keys.num_tokens;
     r.next_slot = io.keys.num_tokens;
-    r.next_position = -1;
+    r.next_position = -1;  // the positions are device data; the engine's own counter applies
     if (p.observe != detail::sequence_step::none) r.action = sequence_action::observed;
     if (!p.evict) return r;
     r.action = sequence_action::evicted;
@@ -437,13 +467,14 @@ class compressor : private detail::compressor_checks {
     r.kept = per_head >= 0 ? heads * per_head : -1;
     r.length = per_head;
     r.next_slot = per_head;
-    r.dropped = per_head >= 0 ? L - per_head : -1;
+    r.dropped = per_head >= 0 ? io.keys.num_tokens - per_head : -1;                      // DapQ's pseudo rows too
+    if (kvevict::detail::reuses_positions(options_.policy.kind())) r.next_position = L;  // DapQ: Lp, known here
     if (options_.compact == compaction::out_of_place) {
       r.freed_blocks = io.keys.is_paged() ? io.keys.num_used_blocks() : io.values.num_used_blocks();
     } else {
-      r.freed_blocks = per_head < 0 ? -1
-                                    : (io.keys.is_paged() ? kvevict::detail::freed_blocks_of(io.keys, per_head)
-                                                          : kvevict::detail::freed_blocks_of(io.values, per_head));
+      r.freed_blocks = per_head < 0
+                           ? -1
+                           : (io.keys.is_paged() ? io.keys.blocks_beyond(per_head) : io.values.blocks_beyond(per_head));
     }
     return r;
   }

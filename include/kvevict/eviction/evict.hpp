@@ -259,12 +259,6 @@ inline void carve_evict_layout(arena& a, std::int64_t scratch_ids, std::int32_t*
   *ids = scratch_ids > 0 ? a.take<std::int32_t>(scratch_ids) : nullptr;
 }
 
-/// Blocks of a paged view's table beyond what `new_length` tokens need.
-template <class T>
-std::int64_t freed_blocks_of(const cache_view<T>& v, std::int64_t new_length) noexcept {
-  return v.num_used_blocks() - v.first_tokens(new_length).num_used_blocks();  // 0 when strided
-}
-
 /// Fills `result` for a validated keep-list.
 template <class KT, class VT>
 void report_eviction(const cache_view<KT>& keys, const cache_view<VT>& values, const const_keep_list_view& keep,
@@ -280,12 +274,12 @@ void report_eviction(const cache_view<KT>& keys, const cache_view<VT>& values, c
     for (std::int64_t k = 0; k < keep.total(); ++k) result.indices[k] = keep.indices[k];
   result.max_length = longest;
   // K's table is the one an engine reclaims from; V is consulted only when K is strided.
-  result.freed_blocks = keys.is_paged() ? freed_blocks_of(keys, longest) : freed_blocks_of(values, longest);
+  result.freed_blocks = keys.is_paged() ? keys.blocks_beyond(longest) : values.blocks_beyond(longest);
   if (result.head_freed_blocks != nullptr)
     for (std::int64_t h = 0; h < keep.num_heads; ++h)
       result.head_freed_blocks[h] = keys.is_paged()
-                                        ? freed_blocks_of(keys, keys.has_head_tables() ? keep.size(h) : longest)
-                                        : freed_blocks_of(values, values.has_head_tables() ? keep.size(h) : longest);
+                                        ? keys.blocks_beyond(keys.has_head_tables() ? keep.size(h) : longest)
+                                        : values.blocks_beyond(values.has_head_tables() ? keep.size(h) : longest);
 }
 
 /// Validation shared by `evict` and `evict_batch` for one sequence (names like "keys" or

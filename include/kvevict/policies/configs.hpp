@@ -43,6 +43,9 @@ struct h2o_config {
   }
 };
 
+/// The largest DeferKV window (its prefill weights live on the stack); plan refuses more.
+constexpr std::int64_t deferkv_max_window = 4096;
+
 struct deferkv_config {
   std::int64_t window = 32;        ///< W prompt queries observed at the end of prefill (protected)
   std::int64_t delay = 1;          ///< d decode steps observed before eviction (the paper's 1..4)

@@ -32,6 +32,7 @@ struct dapq_traits : policy_traits_base {
   template <class T, class Q>
   using policy = dapq<T, Q>;
   static constexpr bool reuses_positions = true;
+  static constexpr bool on_gpu = true;  // pseudo tokens; the GPU plan refuses the re-rotated window
 
   static constexpr policy_kind kind = policy_kind::dapq;  // its index in default_policies
   static const config_type& config(const policy_config& p) noexcept { return p.config<dapq_traits>(); }

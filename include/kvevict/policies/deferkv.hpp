@@ -331,7 +331,7 @@ class deferkv {
   }
 
  private:
-  static constexpr std::int64_t max_window_weights = 4096;
+  static constexpr std::int64_t max_window_weights = deferkv_max_window;
 
   static status check_memory(policy_state state, std::size_t need, const char* fn) noexcept {
     if (state.data == nullptr) return status::error(errc::null_pointer, fn, "state.data", "expected non-null");

@@ -37,9 +37,9 @@ struct deferkv_traits : policy_traits_base {
     const config_type& c = config(o->policy);
     KVEVICT_RETURN_IF_ERROR(detail::check_deferkv_config(c, fn));
     KVEVICT_RETURN_IF_ERROR(detail::check_protected_mode(c.protect, fn, "policy.deferkv.protect"));
-    if (c.window < 1)
-      return status::error(errc::invalid_argument, fn, "policy.deferkv.window", "expected >= 1, got %lld",
-                           static_cast<long long>(c.window));
+    if (c.window < 1 || c.window > deferkv_max_window)
+      return status::error(errc::invalid_argument, fn, "policy.deferkv.window", "expected 1 .. %lld, got %lld",
+                           static_cast<long long>(deferkv_max_window), static_cast<long long>(c.window));
     *window = c.window;
     return status();
   }

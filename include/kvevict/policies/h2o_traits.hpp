@@ -28,6 +28,7 @@ struct h2o_traits : policy_traits_base {
   using policy = h2o<T, Q>;
   static constexpr bool chunkable = true;
   static constexpr bool every_prompt_query = true;  // accumulated attention of the whole prompt
+  static constexpr bool on_gpu = true;              // the GPU compressor's batched observation scoring
 
   static constexpr policy_kind kind = policy_kind::h2o;  // its index in default_policies
   static const config_type& config(const policy_config& p) noexcept { return p.config<h2o_traits>(); }

@@ -2,8 +2,9 @@
 #ifndef KVEVICT_POLICIES_KNORM_HPP
 #define KVEVICT_POLICIES_KNORM_HPP
 
-// KNorm: score = -||k||_2 per KV head and token (low-norm keys tend to draw attention; a
-// cheap query-free baseline, as kvpress's KnormPress). NaN keys score NaN and rank last.
+// KNorm: score = -||k||_2 per KV head and token, summed in double (low-norm keys tend to draw
+// attention; a cheap query-free baseline, as kvpress's KnormPress). NaN keys score NaN and rank
+// last.
 
 #include <cmath>
 #include <cstddef>
@@ -62,9 +63,7 @@ class knorm : public scoring_policy<knorm<T, Q>, T, Q> {
       float* out = scores.row(h);
       for (std::int64_t j = 0; j < candidates; ++j) {
         detail::widen_row(in.keys.row(h, j), in.keys.dim_stride, row_buf, in.keys.head_dim);
-        float sum = 0.0f;
-        for (std::int64_t c = 0; c < in.keys.head_dim; ++c) sum += row_buf[c] * row_buf[c];
-        out[j] = -(std::sqrt(sum) * in.keys.scale);  // ||scale * k|| (exactly ||k|| unscaled)
+        out[j] = -key_norm(row_buf, in.keys.head_dim, in.keys.scale);
       }
       for (std::int64_t j = candidates; j < tokens; ++j) out[j] = std::numeric_limits<float>::infinity();
     }
@@ -72,6 +71,15 @@ class knorm : public scoring_policy<knorm<T, Q>, T, Q> {
   }
 
  private:
+  /// ||scale * k||, the same bits on every build and on the GPU (cuda::key_norm_scores): the
+  /// squares of floats are exact in double, so whether a compiler fuses the multiply-add
+  /// cannot change the sum, which runs in ascending c; sqrt and the scaling round once each.
+  static float key_norm(const float* k, std::int64_t d, float scale) noexcept {
+    double sum = 0.0;
+    for (std::int64_t c = 0; c < d; ++c) sum += static_cast<double>(k[c]) * static_cast<double>(k[c]);
+    return static_cast<float>(std::sqrt(sum) * static_cast<double>(scale));
+  }
+
   knorm_config config_;
 };
 

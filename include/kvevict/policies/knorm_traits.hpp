@@ -26,6 +26,7 @@ struct knorm_traits : policy_traits_base {
   using policy = knorm<T, Q>;
   static constexpr bool chunkable = true;
   static constexpr bool reads_queries = false;  // scores are key norms
+  static constexpr bool on_gpu = true;          // cuda/detail/key_scorers.cuh
 
   static constexpr policy_kind kind = policy_kind::knorm;  // its index in default_policies
   static const config_type& config(const policy_config& p) noexcept { return p.config<knorm_traits>(); }

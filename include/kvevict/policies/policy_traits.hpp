@@ -51,7 +51,8 @@ struct policy_traits_base {
   /// After eviction the next position is the scored length, not past the cache's last token
   /// (DapQ's pseudo tokens are dropped, so their positions are used again).
   static constexpr bool reuses_positions = false;
-  /// The CUDA compressor implements it.
+  /// The CUDA compressor implements it (a policy that reads no queries through its
+  /// cuda::detail::key_scorer, cuda/detail/key_scorers.cuh).
   static constexpr bool on_gpu = false;
 
   /// The softmax domain its scores normalise over (an engine LSE covers `visible`).

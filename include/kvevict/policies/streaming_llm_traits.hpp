@@ -27,6 +27,7 @@ struct streaming_llm_traits : policy_traits_base {
   static constexpr bool chunkable = true;
   static constexpr bool reads_queries = false;
   static constexpr bool reads_keys = false;  // scores are token indices
+  static constexpr bool on_gpu = true;       // cuda/detail/key_scorers.cuh
 
   static constexpr policy_kind kind = policy_kind::streaming_llm;  // its index in default_policies
   static const config_type& config(const policy_config& p) noexcept { return p.config<streaming_llm_traits>(); }

@@ -66,6 +66,14 @@ struct cache_view {
     return num_tokens / block_size + (num_tokens % block_size != 0 ? 1 : 0);
   }
 
+  /// Blocks of the table beyond what the first `n` tokens need: what a sequence cut to `n`
+  /// tokens hands back to the engine's allocator (0 when strided).
+  KVEVICT_HOST_DEVICE std::int64_t blocks_beyond(std::int64_t n) const noexcept {
+    cache_view v = *this;
+    v.num_tokens = n;
+    return num_used_blocks() - v.num_used_blocks();
+  }
+
   /// Offset in elements of (h, j, c) from `data`.
   KVEVICT_HOST_DEVICE std::int64_t offset(std::int64_t h, std::int64_t j, std::int64_t c) const noexcept {
     if (block_table != nullptr) {

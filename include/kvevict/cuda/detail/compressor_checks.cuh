@@ -34,7 +34,6 @@
 #include "kvevict/detail/in_sequence.hpp"
 #include "kvevict/detail/memory_ranges.hpp"
 #include "kvevict/error.hpp"
-#include "kvevict/eviction/evict.hpp"
 #include "kvevict/selection/budget.hpp"
 #include "kvevict/selection/keep_list.hpp"
 #include "kvevict/shape.hpp"
@@ -76,7 +75,7 @@ class compressor_checks : protected compressor_layout {
       KVEVICT_RETURN_IF_ERROR(decide_deferkv(layer, io, s, &p));
     } else {
       p.evict = io.event == sequence_event::prefill_end;
-      p.sel = options_.policy.config<snapkv_traits>().selection();
+      p.sel = kvevict::detail::largest_selection(options_);  // a policy without state: its own
     }
     if (p.observe == detail::sequence_step::none && !p.evict) return status();
 
@@ -141,21 +140,41 @@ class compressor_checks : protected compressor_layout {
       KVEVICT_RETURN_IF_ERROR(check_pool(io.dst_values, s, "dst_values.num_pool_blocks"));
     }
 
-    // The queries the call reads.
-    const bool reads_queries = defers() ? p.observe != detail::sequence_step::none : p.evict;
+    // The queries the call reads (none for KNorm and StreamingLLM).
+    const bool reads_queries = defers() ? p.observe != detail::sequence_step::none : p.evict && scores_in_batch();
     if (reads_queries) {
       const bool decode = io.event == sequence_event::decode;
       KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_sequence_queries(options_, scoring_params_of().domain, io.queries,
                                                                       decode, io.lse, io.lse_head_stride, s, fn));
       // As on the CPU: a prefill chunk holding fewer than the window's queries is refused,
       // never scored with fewer (chunked prefill: the engine hands the whole window).
-      const std::int64_t need = io.keys.num_tokens < window_ ? io.keys.num_tokens : window_;
+      if (!decode && observed_queries(io.queries.num_queries) > options_.limits.max_queries)
+        return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
+                             "expected at most limits.max_queries = %lld, got %lld",
+                             static_cast<long long>(options_.limits.max_queries),
+                             static_cast<long long>(io.queries.num_queries));
+      // SnapKV: the window (or every query of a shorter prompt); DapQ: exactly its N pseudo
+      // tokens; H2O: every prompt query.
+      const policy_kind kind = options_.policy.kind();
+      const bool every = kvevict::detail::every_prompt_query(kind);
+      const bool pseudo = kvevict::detail::fixed_window(options_.policy);
+      const std::int64_t need = every ? L : pseudo ? window_ : (L < window_ ? L : window_);
       if (!decode && (io.queries.num_queries < need || io.queries.num_queries < 1))
         return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
-                             "expected observation_window() = %lld queries at prefill_end (or every prompt query "
-                             "of a shorter prompt), got %lld (chunked prefill: keep the earlier chunks' last "
-                             "queries, hand the whole window)",
-                             static_cast<long long>(window_), static_cast<long long>(io.queries.num_queries));
+                             every ? "expected every prompt query at prefill_end (H2O: keys.num_tokens = %lld), got "
+                                     "%lld"
+                                   : "expected observation_window() = %lld queries at prefill_end (or every prompt "
+                                     "query of a shorter prompt), got %lld (chunked prefill: keep the earlier chunks' "
+                                     "last queries, hand the whole window)",
+                             static_cast<long long>(need), static_cast<long long>(io.queries.num_queries));
+      // DapQ's pseudo tokens are the cache's last N rows: the prompt before them is scored.
+      if (!decode && pseudo) {
+        p.tokens = L - window_;
+        if (p.tokens < 0)
+          return status::error(errc::invalid_shape, fn, io_name(s, "keys.num_tokens"),
+                               "expected the prompt and its %lld pseudo tokens, got %lld",
+                               static_cast<long long>(window_), static_cast<long long>(L));
+      }
     }
     // Blocks shared with sequences outside the call are invisible to the device, which reads no
     // block refcounts yet: a paged in-place compaction needs the engine's word that it shares
@@ -169,7 +188,7 @@ class compressor_checks : protected compressor_layout {
                            static_cast<const char*>(io_name(s, "keys")),
                            options_.sharing == block_sharing::marked ? "marked" : "undeclared");
     if (p.evict)
-      p.budget = kvevict::detail::layer_budget_for(options_, base_budget(), layer, L, p.sel, host.layer_budgets);
+      p.budget = kvevict::detail::layer_budget_for(options_, base_budget(), layer, p.tokens, p.sel, host.layer_budgets);
     return status();
   }
 

@@ -35,7 +35,6 @@
 #include "kvevict/detail/in_sequence.hpp"
 #include "kvevict/detail/memory_ranges.hpp"
 #include "kvevict/error.hpp"
-#include "kvevict/eviction/evict.hpp"
 #include "kvevict/selection/budget.hpp"
 #include "kvevict/selection/keep_list.hpp"
 #include "kvevict/shape.hpp"
@@ -172,10 +171,23 @@ class compressor_layout {
   };
 
   bool defers() const noexcept { return kvevict::detail::defers(options_.policy.kind()); }
+  /// Whether evicting sequences are scored from their queries in one batch (SnapKV); the
+  /// policies that read no queries are scored by their key_scorer, one launch per sequence.
+  bool scores_in_batch() const noexcept { return !defers() && kvevict::detail::reads_queries(options_.policy.kind()); }
 
+  /// The observation scoring's parameters (DeferKV's, SnapKV's, H2O's or DapQ's; unused by
+  /// the others).
   scoring_params scoring_params_of() const noexcept {
-    return defers() ? options_.policy.config<deferkv_traits>().params()
-                    : options_.policy.config<snapkv_traits>().params();
+    if (const deferkv_config* d = options_.policy.get_if<deferkv_traits>()) return d->params();
+    if (const window_config* w = options_.policy.get_if<snapkv_traits>()) return w->params();
+    if (const h2o_config* h = options_.policy.get_if<h2o_traits>()) return h->params();
+    if (const dapq_config* d = options_.policy.get_if<dapq_traits>()) return d->scoring;
+    return scoring_params{};
+  }
+  /// How many of a call's last `queries` observe at prefill_end: the window, or every one for a
+  /// policy whose every prompt query observes (H2O; at most limits.max_queries, checked).
+  std::int64_t observed_queries(std::int64_t queries) const noexcept {
+    return kvevict::detail::every_prompt_query(options_.policy.kind()) || queries < window_ ? queries : window_;
   }
 
   /// The largest layer shape a call may see.
@@ -263,7 +275,7 @@ class compressor_layout {
       scoring = cuda::observation_scores_workspace_size(shape, params);
       const std::size_t step = cuda::decode_observation_workspace_size(shape, dp);
       scoring = step > scoring ? step : scoring;
-    } else {
+    } else if (scores_in_batch()) {
       const std::size_t two =
           cuda::observation_scores_batch_workspace_size<Q, T>(seqs, shape, scoring_params_of(), false);
       const std::size_t one =
@@ -307,7 +319,7 @@ class compressor_layout {
     out->steps = a.take<detail::sequence_step>(seqs);
     out->weights = defers() ? a.take<float>(saturating_mul(seqs, window_)) : nullptr;
     out->weights_bytes = defers() ? static_cast<std::size_t>(saturating_mul(seqs, window_)) * sizeof(float) : 0;
-    out->scoring = defers() ? nullptr : a.take<scoring_sequence<Q, T>>(seqs);
+    out->scoring = scores_in_batch() ? a.take<scoring_sequence<Q, T>>(seqs) : nullptr;
     out->scored_seq = a.take<std::int64_t>(seqs);
     out->in_place = options_.compact == compaction::in_place ? a.take<compaction_sequence<T, T>>(seqs) : nullptr;
     out->into = options_.compact == compaction::out_of_place ? a.take<compaction_into_sequence<T, T>>(seqs) : nullptr;
@@ -315,7 +327,7 @@ class compressor_layout {
     out->prefill = defers() ? a.take<detail::state_observation<Q, T>>(seqs) : nullptr;
     out->decode = defers() ? a.take<detail::decode_launch<Q, T>>(seqs) : nullptr;
     out->layer_budgets = a.take<std::int64_t>(options_.model.num_layers);
-    out->scoring_staging_bytes = defers() ? 0 : cuda::observation_scores_batch_staging_size<Q, T>(seqs);
+    out->scoring_staging_bytes = scores_in_batch() ? cuda::observation_scores_batch_staging_size<Q, T>(seqs) : 0;
     out->scoring_staging = a.take<unsigned char>(static_cast<std::int64_t>(out->scoring_staging_bytes));
     out->compact_staging_bytes = options_.compact == compaction::in_place ? cuda::compact_batch_staging_size(seqs)
                                  : options_.compact == compaction::out_of_place
