@@ -115,10 +115,14 @@ class compressor : private detail::compressor_checks {
                            "%s is not implemented on the GPU compressor (snapkv, deferkv, h2o, dapq, knorm "
                            "and streaming_llm are)",
                            to_string(o.policy.kind()));
-    if (const dapq_config* d = o.policy.get_if<dapq_traits>())
-      if (d->source == dapq_source::rerotated_window)
-        return status::error(errc::unsupported, fn, "policy.dapq.source",
-                             "DapQ's re-rotated window is not implemented on the GPU (its pseudo tokens are)");
+    KVEVICT_RETURN_IF_ERROR(kvevict::detail::with_policy_traits(o.policy.kind(), status(), [&](auto traits) {
+      using Tr = decltype(traits);
+      if constexpr (detail::observation_scorer<Tr>::exists) {
+        return detail::observation_scorer<Tr>::plan_check(Tr::config(o.policy), fn);
+      } else {
+        return status();
+      }
+    }));
     if (options.chunked_prefill)
       return status::error(errc::unsupported, fn, "chunked_prefill",
                            "prefill_chunk is not implemented on the GPU (hand the earlier chunks as idle and the whole "

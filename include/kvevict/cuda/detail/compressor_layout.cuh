@@ -27,6 +27,7 @@
 #include "kvevict/cuda/compact_batch.cuh"
 #include "kvevict/cuda/decode_observation.cuh"
 #include "kvevict/cuda/detail/launch.cuh"
+#include "kvevict/cuda/detail/observation_scorers.cuh"
 #include "kvevict/cuda/finalize.cuh"
 #include "kvevict/cuda/observation_scores.cuh"
 #include "kvevict/cuda/observation_scores_batch.cuh"
@@ -175,14 +176,18 @@ class compressor_layout {
   /// policies that read no queries are scored by their key_scorer, one launch per sequence.
   bool scores_in_batch() const noexcept { return !defers() && kvevict::detail::reads_queries(options_.policy.kind()); }
 
-  /// The observation scoring's parameters (DeferKV's, SnapKV's, H2O's or DapQ's; unused by
-  /// the others).
+  /// The observation scoring's parameters: the policy's observation_scorer (unused by the
+  /// policies that read no queries).
   scoring_params scoring_params_of() const noexcept {
-    if (const deferkv_config* d = options_.policy.get_if<deferkv_traits>()) return d->params();
-    if (const window_config* w = options_.policy.get_if<snapkv_traits>()) return w->params();
-    if (const h2o_config* h = options_.policy.get_if<h2o_traits>()) return h->params();
-    if (const dapq_config* d = options_.policy.get_if<dapq_traits>()) return d->scoring;
-    return scoring_params{};
+    const policy_config& p = options_.policy;
+    return kvevict::detail::with_policy_traits(p.kind(), scoring_params{}, [&](auto traits) {
+      using Tr = decltype(traits);
+      if constexpr (detail::observation_scorer<Tr>::exists) {
+        return detail::observation_scorer<Tr>::params(Tr::config(p));
+      } else {
+        return scoring_params{};
+      }
+    });
   }
   /// How many of a call's last `queries` observe at prefill_end: the window, or every one for a
   /// policy whose every prompt query observes (H2O; at most limits.max_queries, checked).

@@ -1,0 +1,77 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_CUDA_DETAIL_OBSERVATION_SCORERS_CUH
+#define KVEVICT_CUDA_DETAIL_OBSERVATION_SCORERS_CUH
+
+// The GPU compressor's hookup of the policies that score from queries: one specialisation per
+// policy's traits, naming the observation parameters its kernels run with (the batched scoring
+// for SnapKV, H2O and DapQ; DeferKV's observation and finalisation) and refusing, at plan, a
+// configuration the GPU does not implement. A policy that reads
+// queries and states on_gpu in its traits needs one (asserted below); the compressor visits
+// its list, with no switch over kinds. Policies that read no queries: key_scorers.cuh.
+
+#include "kvevict/config.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/policies/configs.hpp"
+#include "kvevict/policies/dapq_traits.hpp"
+#include "kvevict/policies/deferkv_traits.hpp"
+#include "kvevict/policies/h2o_traits.hpp"
+#include "kvevict/policies/policy_list.hpp"
+#include "kvevict/policies/snapkv_traits.hpp"
+#include "kvevict/scoring/params.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace cuda {
+namespace detail {
+
+/// Traits without a GPU observation scoring of their own.
+template <class Traits>
+struct observation_scorer {
+  static constexpr bool exists = false;
+};
+
+template <>
+struct observation_scorer<snapkv_traits> {
+  static constexpr bool exists = true;
+  static scoring_params params(const window_config& c) noexcept { return c.params(); }
+  static status plan_check(const window_config&, const char*) noexcept { return status(); }
+};
+
+template <>
+struct observation_scorer<h2o_traits> {  // every prompt query, visible_mean, the recent tokens protected
+  static constexpr bool exists = true;
+  static scoring_params params(const h2o_config& c) noexcept { return c.params(); }
+  static status plan_check(const h2o_config&, const char*) noexcept { return status(); }
+};
+
+template <>
+struct observation_scorer<dapq_traits> {  // the pseudo tokens' queries over the prompt before them
+  static constexpr bool exists = true;
+  static scoring_params params(const dapq_config& c) noexcept { return c.scoring; }
+  static status plan_check(const dapq_config& c, const char* fn) noexcept {
+    if (c.source == dapq_source::rerotated_window)
+      return status::error(errc::unsupported, fn, "policy.dapq.source",
+                           "DapQ's re-rotated window is not implemented on the GPU (its pseudo tokens are)");
+    return status();
+  }
+};
+
+template <>
+struct observation_scorer<deferkv_traits> {  // observation_state, decode_observation, finalize_state_scores
+  static constexpr bool exists = true;
+  static scoring_params params(const deferkv_config& c) noexcept { return c.params(); }
+  static status plan_check(const deferkv_config&, const char*) noexcept { return status(); }
+};
+
+/// Whether every policy of the list that the GPU serves from queries has its parameters here.
+template <class... Ts>
+constexpr bool observation_scorers_complete(policy_list<Ts...>) noexcept {
+  return (true && ... && (!Ts::on_gpu || !Ts::reads_queries || observation_scorer<Ts>::exists));
+}
+static_assert(observation_scorers_complete(default_policies{}),
+              "a policy that states on_gpu and reads queries needs a cuda::detail::observation_scorer");
+
+}  // namespace detail
+}  // namespace cuda
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_CUDA_DETAIL_OBSERVATION_SCORERS_CUH
