@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -69,9 +70,16 @@ class mirror {
   T* put_vector(const std::vector<T>& v) {
     return v.empty() ? nullptr : static_cast<T*>(put(buffer_of(v)));
   }
-  /// `host_ptr`, pointing into host buffer b, as a pointer into b's device copy.
+  /// `host_ptr`, pointing into host buffer b, as a pointer into b's device copy. A pointer
+  /// outside b (null, or host memory a test hands on purpose) is passed through unchanged:
+  /// offsetting the copy by its distance to b would be undefined.
   template <class T>
   T* rebase(const T* host_ptr, host_buffer b) {
+    const auto* p = reinterpret_cast<const unsigned char*>(host_ptr);
+    const auto* first = static_cast<const unsigned char*>(b.data);
+    if (host_ptr == nullptr || first == nullptr || std::less<const unsigned char*>()(p, first) ||
+        std::less<const unsigned char*>()(first + b.bytes, p))
+      return const_cast<T*>(host_ptr);
     auto* base = static_cast<unsigned char*>(put(b));
     const std::ptrdiff_t off =
         reinterpret_cast<const unsigned char*>(host_ptr) - static_cast<const unsigned char*>(b.data);

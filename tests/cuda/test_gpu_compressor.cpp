@@ -604,8 +604,11 @@ TEST_CASE("GPU compressor: a refused call changes nothing, and the next call goe
       {"two sequences on one state", [](gpu::compressor_call<bf16, bf16>* c) { c->seqs[2].state = 0; },
        kvevict::errc::invalid_argument, "seqs[2].state"},
       {"K outside device memory (found when sequence 2's step is prepared, after sequence 0's)",
-       [](gpu::compressor_call<bf16, bf16>* c) { c->seqs[2].k.view.data = nullptr; }, kvevict::errc::invalid_argument,
-       "seqs[2].keys.data"},
+       [](gpu::compressor_call<bf16, bf16>* c) {
+         static bf16 host_keys[1];  // pageable host memory: passed through to the device call as is
+         c->seqs[2].k.view.data = host_keys;
+       },
+       kvevict::errc::invalid_argument, "seqs[2].keys.data"},
   };
   const gpu::compressor_session_result ref = gpu::compressor_session<bf16, bf16>(o, sc.calls, 4);
   REQUIRE(ref.plan.ok());
