@@ -55,6 +55,20 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+/// GPU against CPU where the kernel repeats the CPU's operations: the same bits, NaN where the
+/// CPU has NaN (any NaN: the payload is not part of the contract).
+void require_same_bits(const std::vector<float>& got, const std::vector<float>& want) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    INFO("entry " << i << " gpu " << got[i] << " cpu " << want[i]);
+    if (std::isnan(want[i])) {
+      REQUIRE(std::isnan(got[i]));
+    } else {
+      REQUIRE(std::memcmp(&got[i], &want[i], sizeof(float)) == 0);
+    }
+  }
+}
+
 /// GPU against CPU: both float32, different summation orders and exp implementations.
 void require_close(const std::vector<float>& got, const std::vector<float>& want, std::int64_t rows,
                    std::int64_t cols) {
@@ -963,15 +977,7 @@ void check_key_scores(test::layout lay, std::int64_t heads, std::int64_t tokens,
   INFO(test::name(lay) << " L " << tokens << " d " << dim << " status " << g.st.message());
   REQUIRE(g.st.ok());
   REQUIRE(g.flags == 0);
-  REQUIRE(g.scores.size() == cpu.size());
-  for (std::size_t i = 0; i < cpu.size(); ++i) {
-    INFO("entry " << i);
-    if (std::isnan(cpu[i])) {
-      REQUIRE(std::isnan(g.scores[i]));
-    } else {
-      REQUIRE(std::memcmp(&g.scores[i], &cpu[i], sizeof(float)) == 0);
-    }
-  }
+  require_same_bits(g.scores, cpu);
 }
 }  // namespace
 
@@ -1021,15 +1027,7 @@ TEST_CASE("GPU ChunkKV chunk scores follow kvevict::chunkkv's operations bit for
     INFO("rows " << c.rows << " cols " << c.cols << " tail " << c.tail << " chunk " << c.chunk << ": "
                  << g.st.message());
     REQUIRE(g.st.ok());
-    REQUIRE(g.scores.size() == want.size());
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      INFO("entry " << i);
-      if (std::isnan(want[i])) {
-        REQUIRE(std::isnan(g.scores[i]));
-      } else {
-        REQUIRE(std::memcmp(&g.scores[i], &want[i], sizeof(float)) == 0);
-      }
-    }
+    require_same_bits(g.scores, want);
   }
   REQUIRE(gpu::chunk_scores({1.0f}, 1, 1, 0, 0).st.code() == kvevict::errc::invalid_argument);
   REQUIRE(std::string(gpu::chunk_scores({1.0f}, 1, 1, 0, 0).st.argument()) == "chunk_length");
