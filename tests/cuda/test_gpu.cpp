@@ -650,17 +650,17 @@ std::vector<float> cpu_decode_rows(const kvevict::query_view<const QT>& q, const
 
 /// Two decode steps (eta 0 on a NaN state, then eta 0.5) against the CPU, the engine-LSE
 /// single pass against the two passes, and the state's finalisation against the CPU's.
-/// `kscale` is the keys' dequantisation scale; `nan_keys` puts NaN elements in two keys (their
-/// logits are NaN: they get no attention).
+/// `kscale` is the keys' dequantisation scale; `special_keys` (NaN or an infinity), when not
+/// zero, is written into two key elements.
 template <class Q, class K = Q>
 void check_decode(test::layout lay, std::int64_t hkv, std::int64_t group, std::int64_t d, std::int64_t l,
                   gqa_reduction red, softmax_domain dom, std::int64_t tail, bool unsorted_kpos, std::uint64_t seed,
-                  float kscale = 1.0f, bool nan_keys = false) {
+                  float kscale = 1.0f, double special_keys = 0.0) {
   const std::int64_t hq = hkv * group, c = std::max<std::int64_t>(0, l - tail);
   std::vector<double> kd = test::normal(static_cast<std::size_t>(hkv * l * d), seed, kscale == 1.0f ? 1.0 : 4.0);
-  if (nan_keys) {
-    kd[kd.size() / 3] = std::numeric_limits<double>::quiet_NaN();
-    kd[kd.size() / 2 + 1] = std::numeric_limits<double>::quiet_NaN();
+  if (special_keys != 0.0) {
+    kd[kd.size() / 3] = special_keys;
+    kd[kd.size() / 2 + 1] = special_keys;
   }
   auto keys = test::make_cache<K>(lay, hkv, l, d, kd);
   keys.view.scale = kscale;
@@ -856,11 +856,20 @@ TEST_CASE("GPU decode observation: every group bucket, key load and layout", "[g
     check_decode<fp16, fp8_e5m2>(layout::paged_hnd, 2, 3, 45, 270, mean, vis, 0, false, seed++, 0.25f);
     check_decode<bf16, fp8_e4m3>(layout::transposed, 1, 8, 64, 260, sum, vis, 0, false, seed++, 1.0f);
   }
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
   SECTION("NaN key elements behave as on the CPU") {
-    check_decode<bf16>(layout::contiguous, 2, 4, 128, 300, mean, vis, 0, false, seed++, 1.0f, true);
-    check_decode<fp16>(layout::paged_nhd, 2, 2, 64, 280, max, cand, 4, false, seed++, 1.0f, true);
-    check_decode<float>(layout::transposed, 1, 8, 32, 270, sum, vis, 0, false, seed++, 1.0f, true);
-    check_decode<float>(layout::contiguous, 1, 1, 128, 260, mean, vis, 0, false, seed++, 1.0f, true);
+    check_decode<bf16>(layout::contiguous, 2, 4, 128, 300, mean, vis, 0, false, seed++, 1.0f, nan);
+    check_decode<fp16>(layout::paged_nhd, 2, 2, 64, 280, max, cand, 4, false, seed++, 1.0f, nan);
+    check_decode<float>(layout::transposed, 1, 8, 32, 270, sum, vis, 0, false, seed++, 1.0f, nan);
+    check_decode<float>(layout::contiguous, 1, 1, 128, 260, mean, vis, 0, false, seed++, 1.0f, nan);
+  }
+  // An infinite logit makes its head's softmax NaN (inf - inf) in the CPU library's scores, and
+  // so on the GPU: the rows of that KV head are NaN, the other heads' finite.
+  SECTION("+inf and -inf key elements behave as on the CPU") {
+    check_decode<bf16>(layout::contiguous, 2, 4, 128, 300, mean, vis, 0, false, seed++, 1.0f, inf);
+    check_decode<fp16>(layout::paged_nhd, 2, 2, 64, 280, max, cand, 4, false, seed++, 1.0f, inf);
+    check_decode<float>(layout::transposed, 1, 8, 32, 270, sum, vis, 0, false, seed++, 1.0f, -inf);
+    check_decode<fp16, fp8_e5m2>(layout::paged_hnd, 2, 2, 64, 270, mean, vis, 0, false, seed++, 2.0f, inf);
   }
 }
 

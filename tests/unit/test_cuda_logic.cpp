@@ -550,7 +550,11 @@ TEST_CASE("softmax special cases follow the CPU", "[cuda_logic]") {
   REQUIRE(cd::masked_logit(1.0f, false) == -kInf);
   REQUIRE(cd::attention_prob(1.0f, -kInf) == 0.0f);
   REQUIRE(cd::attention_prob(-kInf, 0.0f) == 0.0f);
-  REQUIRE(std::isnan(cd::attention_prob(-kInf, kNaN)));
+  // A NaN lse (a +inf logit in the row): the visible keys' probabilities are NaN and a masked
+  // key's is exactly 0, as the CPU's accumulate_row gives them.
+  REQUIRE(std::isnan(cd::attention_prob(1.0f, kNaN)));
+  REQUIRE(std::isnan(cd::attention_prob(kInf, kNaN)));
+  REQUIRE(cd::attention_prob(-kInf, kNaN) == 0.0f);
   REQUIRE(cd::window_step(0.0f, 0.25f, 1.0f, false) == 0.25f);
   REQUIRE(cd::window_step(1.0f, 0.25f, 2.0f, false) == 1.5f);
   REQUIRE(std::isnan(cd::window_step(0.5f, kNaN, 1.0f, true)));

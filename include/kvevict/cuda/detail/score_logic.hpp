@@ -84,11 +84,12 @@ KVEVICT_HOST_DEVICE inline float partial_lse(softmax_partial p) noexcept {
   return p.sum > 0.0f ? p.max + KVEVICT_CUDA_LOG(p.sum) : (p.sum == 0.0f ? neg_infinity() : p.sum);
 }
 
-/// Attention probability of a visible key's masked logit given its row's log-sum-exp. A row
-/// whose lse is -inf sees no key of its domain and contributes nothing; a NaN lse makes every
-/// visible key's probability NaN (exp(-inf - NaN) included), as on the CPU.
+/// Attention probability of a masked logit given its row's log-sum-exp, with the CPU's rule
+/// (accumulate_row): a masked key (not visible, or a NaN logit) gets exactly 0 whatever the
+/// lse, so a NaN lse (a +inf logit in the row) makes the visible keys' probabilities NaN and
+/// leaves the masked ones at 0. A row whose lse is -inf sees no key of its domain.
 KVEVICT_HOST_DEVICE inline float attention_prob(float masked, float lse) noexcept {
-  if (lse == neg_infinity()) return 0.0f;
+  if (masked == neg_infinity() || lse == neg_infinity()) return 0.0f;
   return KVEVICT_CUDA_EXP(masked - lse);
 }
 
