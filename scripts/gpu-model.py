@@ -332,6 +332,15 @@ def key_norm(s: Shape, g: Gpu):
                   chain_cycles=g.hbm_latency_cycles + s.d * 8)
 
 
+def rerotate(s: Shape, g: Gpu):
+    """DapQ's re-rotated window: a block per query row, a thread per rotated pair; the queries
+    read and written once, the table from L2; a few dependent double operations per pair."""
+    q_bytes = s.hq * s.window * s.d * s.elem
+    return Kernel("rerotate_kernel", "window queries moved W positions on", s.hq * s.window, 128,
+                  hbm_bytes=2 * q_bytes, l2_bytes=2 * q_bytes + s.hq * s.window * s.d * 8,
+                  chain_cycles=g.hbm_latency_cycles + g.l2_latency_cycles + 4 * 8)
+
+
 def obs_state(s: Shape, g: Gpu):
     n = s.hkv * s.cand
     acc = s.hq * s.cand * 4
@@ -486,6 +495,21 @@ def adakv_kernels(s: Shape, g: Gpu):
     return [flatten, select, count]
 
 
+def adakv_kvpress_kernels(s: Shape, g: Gpu):
+    """AdaKVPress's rule (adakv_rule::kvpress_safeguard): one block writes the Hkv per-head rows,
+    the batched per-head select of each head's top f (f = int(0.2 (B + W)) - W, B the
+    candidates per head as bench_gpu.cu passes it), then the paper rule's three kernels over the packed [Hkv (C - f)] row,
+    the flatten one binary search of the f picks per element longer."""
+    f = max(0, int(0.2 * (s.budget + s.window)) - s.window)
+    rows = Kernel("adakv_safeguard_rows_kernel", "per-head row descriptors", 1, 256, chain_cycles=g.hbm_latency_cycles)
+    per_head = [k for k in select_kernels(replace(s, budget=f + s.window), g, s.hkv)
+                if k.name == "select_rows_kernel"]  # its own descriptors: no prepare kernel
+    flatten, select, count = adakv_kernels(replace(s, budget=s.budget - f), g)
+    flatten = replace(flatten, chain_cycles=flatten.chain_cycles + math.ceil(math.log2(f + 1)) * g.l2_latency_cycles,
+                      times={})
+    return [rows] + per_head + [flatten, select, count]
+
+
 def compact_batch_kernels(s: Shape, g: Gpu, n):
     """compact_batch: n sequences of L/n tokens keeping B/n per head; compact's kernels with
     the sequence as blockIdx.y (each block's work that of one sequence's call), after one
@@ -575,6 +599,7 @@ def calls(s: Shape, g: Gpu):
         "decode_1pass": ("decode_observation, engine LSE", [decode_logits(s, g, True)]),
         "finalize_state": ("finalize_state_scores", [finalize(s, g, 1)]),
         "key_norm": ("key_norm_scores (KNorm)", [key_norm(s, g)]),
+        "rerotate": ("dapq_rerotate (DapQ's re-rotated window)", [rerotate(s, g)]),
         "select_layer": (f"select, one layer ({s.hkv} rows)", select_kernels(s, g, s.hkv)),
         "select_model": (f"select, {s.layers} layers x {s.hkv} rows, one launch",
                          select_kernels(s, g, s.layers * s.hkv)),
@@ -588,6 +613,7 @@ def calls(s: Shape, g: Gpu):
         "decode_plan": ("decode_plan step (graph replay), two passes",
                         [decode_logits(s, g, False), row_lse(s, g, s.hq, dec_tiles), decode_update(s, g)]),
         "adakv": ("adakv_head_budgets (device)", adakv_kernels(s, g)),
+        "adakv_kvpress": ("adakv_head_budgets (device), AdaKVPress's rule", adakv_kvpress_kernels(s, g)),
         "compact_batch": (f"compact_batch, {BATCH} sequences x {s.tokens // BATCH} tokens, one call",
                           compact_batch_kernels(s, g, BATCH)),
         "compact_into_batch": (f"compact_into_batch, {BATCH} sequences x {s.tokens // BATCH} tokens, one call",

@@ -396,6 +396,28 @@ int main(int argc, char** argv) {
     std::printf("| key_norm_scores (KNorm) | %.1f | %.0f GB/s of K | K-read bound %.1f us (x%.1f) |\n", us_norm,
                 k_bytes / (us_norm * 1e-6) / 1e9, k_bound_us, us_norm / k_bound_us);
     result("key_norm_us", us_norm);
+    // DapQ's re-rotated window: the W window queries moved W positions on (cuda/rerotate.cuh).
+    kvevict::rope_config rope;
+    rope.head_dim = d;
+    rope.theta = 500000.0;
+    std::vector<double> table_h(static_cast<std::size_t>(kvevict::cuda::rotation_table_size(rope)));
+    kvevict::cuda::rotation_table(rope, W, table_h.data());
+    double* table = device_copy(table_h);
+    bf16* rotated = device_random<bf16>(hq * W * d, 11);
+    std::int64_t* rotated_pos = nullptr;
+    BENCH_CHECK(cudaMalloc(&rotated_pos, static_cast<std::size_t>(W) * sizeof(std::int64_t)));
+    const auto run_rot = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::dapq_rerotate(qview, rope, table, W, rotated, rotated_pos, o));
+    };
+    const double us_rot = median_us([&] { run_rot(opt); }, reps);
+    time_each_kernel(
+        "rerotate", capture_stream, [&] { run_rot(capture_opt); }, reps);
+    std::printf("| dapq_rerotate (DapQ's re-rotated window, %lld x %lld queries) | %.1f | | |\n",
+                static_cast<long long>(hq), static_cast<long long>(W), us_rot);
+    result("rerotate_us", us_rot);
+    BENCH_CHECK(cudaFree(rotated_pos));
+    BENCH_CHECK(cudaFree(rotated));
+    BENCH_CHECK(cudaFree(table));
     BENCH_CHECK(cudaFree(state));
     BENCH_CHECK(cudaFree(lse));
     BENCH_CHECK(cudaFree(ws));
@@ -569,23 +591,26 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaFree(s));
   }
 
-  // AdaKV: the layer's head budgets on the device, then the per-head selection they feed.
-  {
+  // AdaKV: the layer's head budgets on the device (the paper's rule, then AdaKVPress's).
+  for (const kvevict::adakv_rule rule : {kvevict::adakv_rule::paper, kvevict::adakv_rule::kvpress_safeguard}) {
+    const bool paper = rule == kvevict::adakv_rule::paper;
     float* s = device_random<float>(hkv * L, 9);
     std::int64_t* budgets = nullptr;
     BENCH_CHECK(cudaMalloc(&budgets, static_cast<std::size_t>(hkv) * sizeof(std::int64_t)));
     const std::size_t wsb = kvevict::cuda::adakv_workspace_size(hkv, L);
     void* ws = device_bytes(wsb);
+    kvevict::adakv_params params;
+    params.rule = rule;
     const auto run = [&](const kvevict::cuda::launch_options& o) {
-      require_ok(
-          kvevict::cuda::adakv_head_budgets({s, hkv, L, L}, W, B, kvevict::adakv_params{}, budgets, {ws, wsb}, o));
+      require_ok(kvevict::cuda::adakv_head_budgets({s, hkv, L, L}, W, B, params, budgets, {ws, wsb}, o));
     };
     const double us = median_us([&] { run(opt); }, reps);
     time_each_kernel(
-        "adakv", capture_stream, [&] { run(capture_opt); }, reps);
-    std::printf("| adakv_head_budgets, %lld heads x %lld (global top-%lld on the device) | %.1f | | |\n",
-                static_cast<long long>(hkv), static_cast<long long>(L), static_cast<long long>(hkv * B), us);
-    result("adakv_us", us);
+        paper ? "adakv" : "adakv_kvpress", capture_stream, [&] { run(capture_opt); }, reps);
+    std::printf("| adakv_head_budgets%s, %lld heads x %lld (global top-%lld on the device) | %.1f | | |\n",
+                paper ? "" : " (AdaKVPress's rule)", static_cast<long long>(hkv), static_cast<long long>(L),
+                static_cast<long long>(hkv * B), us);
+    result(paper ? "adakv_us" : "adakv_kvpress_us", us);
     BENCH_CHECK(cudaFree(ws));
     BENCH_CHECK(cudaFree(budgets));
     BENCH_CHECK(cudaFree(s));

@@ -31,6 +31,7 @@
 #include "kvevict/cuda/key_scores.cuh"
 #include "kvevict/cuda/observation_scores.cuh"
 #include "kvevict/cuda/observation_scores_batch.cuh"
+#include "kvevict/cuda/rerotate.cuh"
 #include "kvevict/cuda/scope.cuh"
 #include "kvevict/cuda/select.cuh"
 #include "kvevict/cuda/select_layer.cuh"

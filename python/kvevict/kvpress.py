@@ -9,20 +9,26 @@ conventions, so swapping ``SnapKVPress(compression_ratio=r, window_size=w)`` for
 (python/tests/test_kvpress.py checks it on a transformers Llama).
 
 Policies read at the end of prefill: snapkv, streaming_llm, knorm, h2o, tova, keydiff, dapq
-(DapQ's re-rotated window: the last N prompt queries rotated N positions on, with the model's
-RoPE; the pseudo-token mode needs a forward pass of the pseudo tokens, which a press cannot
-run: use kvevict.Compressor for it) (and
+(DapQ's re-rotated window by default: the last N prompt queries rotated N positions on, with the
+model's RoPE; with options={"dapq_source": "pseudo_tokens"} the paper's pseudo tokens: the
+press appends N pseudo tokens, the first ``pseudo_first`` (8) and last N - 8 prompt tokens, to
+the prefill's input at positions Lp .. Lp+N-1, scores the prompt with their queries in each
+layer, drops their rows, and cuts their positions off the output, so the logits are the
+prompt's; decoding goes on at position Lp) (and
 ``chunk_length`` > 0 for ChunkKV over any of them). DeferKV observes the prompt's window at the
 end of prefill and evicts after the ``delay``-th decoded token: keep the press's context open
 while decoding (``with press(model): model(prompt); model(token)...``). Heads keep equal counts
 (uniform budgets), as kvpress's ScorerPress does, except with options={"heads": "adakv"}: AdaKV's
 per-head lengths are served as kvpress's AdaKVPress serves them (module.masked_key_indices, the
-cache keeps its rows), with kvevict's AdaKV allocation. The kept rows of each head stay in position order (kvpress's
+cache keeps its rows), with AdaKVPress's allocation under ``preset="kvpress"`` (each head's top
+int(0.2 n_kept) first, then the layer's global top: ``adakv_rule="kvpress"``) and the AdaKV
+paper's otherwise (or with options={"adakv_rule": "paper"}). The kept rows of each head stay in position order (kvpress's
 ``topk`` gathers them in score order; attention does not depend on the order beyond float
 rounding).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +42,8 @@ from ._kvevict import Compressor
 # a keep set across layers, a cache left where it is).
 _OWN_OPTIONS = {"window", "kernel_size", "preset", "compression_ratio", "max_tokens", "max_sequences"}
 _UNSERVED_OPTIONS = {"layers", "scope", "compaction", "chunked_prefill"}
+# Options of the press itself, not of the compressor.
+_PRESS_OPTIONS = {"pseudo_first"}
 # Decoded tokens a DeferKV plan has room for beyond the prompt (steps of several tokens:
 # speculative verification); a longer step before eviction is refused by name.
 _DECODE_HEADROOM = 256
@@ -117,6 +125,78 @@ class KvevictPress(BasePress):
             raise ValueError("options: 'tokens' and layer_schedule='pyramidkv' both set the budget")
         self._plans: dict = {}
 
+    def _dapq_source(self) -> str:
+        return self.options.get("dapq_source", "rerotated_window")
+
+    def _pseudo(self) -> bool:
+        return self.policy == "dapq" and self._dapq_source() == "pseudo_tokens"
+
+    # ---- DapQ's pseudo tokens: appended to the prefill's input, cut from its output ---------
+
+    @contextmanager
+    def __call__(self, model):
+        if not self._pseudo():
+            with super().__call__(model):
+                yield
+            return
+        hooks = [model.register_forward_pre_hook(self._append_pseudo_tokens, with_kwargs=True),
+                 model.register_forward_hook(self._drop_pseudo_outputs, with_kwargs=True)]
+        try:
+            with super().__call__(model):
+                yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _append_pseudo_tokens(self, model, args, kwargs):
+        """A prefill (an empty cache) gets N pseudo tokens after its prompt: DapQ's first m + last
+        N - m prompt tokens (kvevict::dapq_pseudo_tokens_first_last; short prompts repeat their
+        ends), at the positions after the prompt's."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = kwargs.get("past_key_values")
+        self._appended = 0
+        if ids is None:
+            raise ValueError("input_ids: DapQ's pseudo tokens are token ids; inputs_embeds is not served")
+        if cache is None or cache.get_seq_length() > 0:
+            return None  # decoding, or no cache to compress
+        n = self.options.get("pseudo_tokens", 32)
+        first = self.options.get("pseudo_first", 8)
+        if not 0 <= first <= n:
+            raise ValueError(f"options: pseudo_first {first}: expected 0 <= pseudo_first <= pseudo_tokens ({n})")
+        prompt = ids.shape[1]
+        head = torch.arange(first).clamp(max=prompt - 1)
+        tail = (torch.arange(n - first) + prompt - (n - first)).clamp(min=0)
+        pseudo = ids[:, torch.cat([head, tail])]
+        kwargs = dict(kwargs)
+        args = tuple(args[1:]) if args and "input_ids" not in kwargs else tuple(args)
+        kwargs["input_ids"] = torch.cat([ids, pseudo], dim=1)
+        step = torch.arange(1, n + 1)
+        if kwargs.get("position_ids") is not None:
+            p = kwargs["position_ids"]
+            kwargs["position_ids"] = torch.cat([p, p[:, -1:] + step], dim=1)
+        if kwargs.get("cache_position") is not None:
+            c = kwargs["cache_position"]
+            kwargs["cache_position"] = torch.cat([c, c[-1:] + step])
+        if kwargs.get("attention_mask") is not None:
+            m = kwargs["attention_mask"]
+            kwargs["attention_mask"] = torch.cat([m, m.new_ones(m.shape[0], n)], dim=1)
+        self._appended = n
+        return args, kwargs
+
+    def _drop_pseudo_outputs(self, model, args, kwargs, output):
+        """The caller sees the prompt's outputs: the pseudo tokens' positions are cut off."""
+        n = getattr(self, "_appended", 0)
+        if n == 0:
+            return output
+        self._appended = 0
+        for name in ("logits", "last_hidden_state"):
+            value = getattr(output, name, None)
+            if value is not None:
+                setattr(output, name, value[:, :-n])
+        if getattr(output, "hidden_states", None) is not None:
+            output.hidden_states = tuple(h[:, :-n] for h in output.hidden_states)
+        return output
+
     def _pyramid_tokens(self, module, tokens: int) -> int:
         """PyramidKVPress.get_layer_budget: the tokens layer `module.layer_idx` keeps, window inside."""
         w, r, layers = self.window_size, self.compression_ratio, module.config.num_hidden_layers
@@ -155,8 +235,11 @@ class KvevictPress(BasePress):
                 tokens += kwargs.get("delay", 1) + _DECODE_HEADROOM  # decoded tokens before eviction
             if kwargs.get("heads") == "adakv":  # per-head lengths: kvpress's masking, the cache stays
                 kwargs["compaction"] = "keep_list_only"
-            if self.policy == "dapq":  # the re-rotated window: the press does not run pseudo tokens
-                kwargs.update(dapq_source="rerotated_window", rope_theta=_rope_theta(module.config))
+                kwargs.setdefault("adakv_rule", "kvpress" if self.preset == "kvpress" else "paper")
+            for name in _PRESS_OPTIONS:
+                kwargs.pop(name, None)
+            if self.policy == "dapq":
+                kwargs.update(dapq_source=self._dapq_source(), rope_theta=_rope_theta(module.config))
             if budget is not None:
                 kwargs["tokens"] = budget
             elif "tokens" not in kwargs:

@@ -87,6 +87,8 @@ const named<kvevict::sequence_event> kEvents[] = {{"idle", kvevict::sequence_eve
                                                   {"prefill_chunk", kvevict::sequence_event::prefill_chunk}};
 const named<kvevict::head_allocation> kHeads[] = {{"uniform", kvevict::head_allocation::uniform},
                                                   {"adakv", kvevict::head_allocation::adakv}};
+const named<kvevict::adakv_rule> kAdakvRules[] = {{"paper", kvevict::adakv_rule::paper},
+                                                  {"kvpress", kvevict::adakv_rule::kvpress_safeguard}};
 const named<kvevict::layer_allocation> kLayers[] = {{"uniform", kvevict::layer_allocation::uniform},
                                                     {"pyramidkv", kvevict::layer_allocation::pyramidkv}};
 const named<kvevict::selection_scope> kScopes[] = {{"per_head", kvevict::selection_scope::per_head},
@@ -193,7 +195,7 @@ class compressor {
              const std::string& layers, const std::string& scope, const std::string& compaction, i64 max_sequences,
              i64 max_tokens, std::optional<std::string> query_dtype, bool chunked_prefill,
              std::optional<std::string> protect, const std::string& dapq_source, double rope_theta,
-             const std::string& rope_pairing, i64 rotary_dim) {
+             const std::string& rope_pairing, i64 rotary_dim, double adakv_alpha, const std::string& adakv_rule) {
     kvevict::compressor_options& o = options_;
     o.model.num_layers = num_layers;
     o.model.num_query_heads = num_heads;
@@ -219,6 +221,8 @@ class compressor {
           &o.policy, parse(*protect, kProtect, "protect"));
     if (chunk_length > 0) o.policy = o.policy.chunked(chunk_length);
     o.heads = parse(heads, kHeads, "heads");
+    o.adakv.alpha = adakv_alpha;
+    o.adakv.rule = parse(adakv_rule, kAdakvRules, "adakv_rule");
     o.layers = parse(layers, kLayers, "layers");
     o.scope = parse(scope, kScopes, "scope");
     o.compact = parse(compaction, kCompactions, "compaction");
@@ -669,7 +673,7 @@ NB_MODULE(_kvevict, m) {
                     std::optional<i64>, std::optional<i64>, std::optional<i64>, const std::string&, i64, i64, double,
                     i64, i64, i64, const std::string&, const std::string&, const std::string&, const std::string&, i64,
                     i64, std::optional<std::string>, bool, std::optional<std::string>, const std::string&, double,
-                    const std::string&, i64>(),
+                    const std::string&, i64, double, const std::string&>(),
            "num_layers"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "dtype"_a, "policy"_a = "snapkv",
            nb::kw_only(), "compression_ratio"_a = nb::none(), "tokens"_a = nb::none(), "window"_a = nb::none(),
            "kernel_size"_a = nb::none(), "preset"_a = "kvpress", "sinks"_a = 4, "delay"_a = 1, "eta"_a = 0.9,
@@ -677,6 +681,7 @@ NB_MODULE(_kvevict, m) {
            "layers"_a = "uniform", "scope"_a = "per_head", "compaction"_a = "in_place", "max_sequences"_a = 1,
            "max_tokens"_a, "query_dtype"_a = nb::none(), "chunked_prefill"_a = false, "protect"_a = nb::none(),
            "dapq_source"_a = "pseudo_tokens", "rope_theta"_a = 10000.0, "rope_pairing"_a = "neox", "rotary_dim"_a = 0,
+           "adakv_alpha"_a = 0.2, "adakv_rule"_a = "paper",
            "Plan a compressor (kvevict::compressor::plan). dtype: the K/V element type ('float32', "
            "'float16', 'bfloat16', 'float8_e4m3', 'float8_e5m2'). policy: 'snapkv', 'streaming_llm', "
            "'knorm', 'h2o', 'deferkv', 'dapq', 'tova', 'keydiff' (chunk_length > 0: ChunkKV over it). "
@@ -685,7 +690,9 @@ NB_MODULE(_kvevict, m) {
            "DapQ: dapq_source 'pseudo_tokens' (the engine prefills N pseudo tokens and hands their queries) or "
            "'rerotated_window' (the last N prompt queries rotated N positions on, with the model's RoPE: "
            "rope_theta, rope_pairing 'neox' or 'gptj', rotary_dim, 0 for head_dim). "
-           "heads: 'uniform' or 'adakv'; layers: 'uniform' or 'pyramidkv'. The workspace is allocated "
+           "heads: 'uniform' or 'adakv' (adakv_alpha, the floor fraction; adakv_rule 'paper', the AdaKV "
+           "paper's allocation, or 'kvpress', AdaKVPress's: each head's top int(alpha (B + T)) first, then the "
+           "layer's global top); layers: 'uniform' or 'pyramidkv'. The workspace is allocated "
            "here, once.")
       .def_prop_ro("state_size", &compressor::state_size, "Bytes of state each sequence needs (0: none).")
       .def_prop_ro("keep_capacity", &compressor::keep_capacity, "Entries kept_positions needs per sequence.")

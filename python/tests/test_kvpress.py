@@ -13,6 +13,7 @@ kvpress = pytest.importorskip("kvpress")
 
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from kvevict import Compressor  # noqa: E402
 from kvevict.kvpress import KvevictPress  # noqa: E402
 
 PROMPT_TOKENS = 203  # odd, not a multiple of the window
@@ -238,16 +239,33 @@ def masked_sets(model, press, ids):
 
 
 @pytest.mark.parametrize("ratio", [0.25, 0.5, 0.75])
-def test_adakv_through_masking_against_adakvpress(model, prompt, ratio):
-    """KvevictPress(options={"heads": "adakv"}) serves per-head lengths as kvpress's AdaKVPress
-    does (masked_key_indices; the cache keeps its rows). The allocations differ by rule: kvpress
-    forces each head's top int(0.2 n_kept) and takes a global top over the rest; kvevict follows
-    the AdaKV paper (head h keeps round(c_h (1 - a) + floor(a B)) of the global top; docs/policies/
-    adakv.md). Measured here: 99.1-99.8 % of the (head, token) entries agree, head counts differ by
-    at most 3 and layer totals by at most 2 (= Hkv, rounding per head)."""
+def test_adakv_keeps_adakvpress_entries(model, prompt, ratio):
+    """KvevictPress(options={"heads": "adakv"}) serves per-head lengths as kvpress's AdaKVPress does
+    (masked_key_indices; the cache keeps its rows) with AdaKVPress's rule by default (preset
+    'kvpress': each head's top int(0.2 n_kept) first, then the layer's global top): the same
+    (batch, head, token) entries are masked in every layer."""
     theirs = masked_sets(model, kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=16)), prompt)
     ours = masked_sets(model, KvevictPress("snapkv", compression_ratio=ratio, window_size=16,
                                            options={"heads": "adakv"}), prompt)
+    for layer, (a, b) in enumerate(zip(theirs, ours)):
+        assert torch.equal(a, b), f"layer {layer}: {(a != b).sum().item()} entries differ"
+
+
+def test_adakv_same_greedy_generation_as_adakvpress(model, prompt):
+    a = greedy(model, kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=0.5, window_size=16)), prompt)
+    b = greedy(model, KvevictPress("snapkv", compression_ratio=0.5, window_size=16, options={"heads": "adakv"}), prompt)
+    assert torch.equal(a, b), f"kvpress {a.tolist()} vs kvevict {b.tolist()}"
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.75])
+def test_adakv_paper_rule_against_adakvpress(model, prompt, ratio):
+    """The AdaKV paper's allocation (adakv_rule 'paper': head h keeps round(c_h (1 - a) + floor(a B))
+    of the global top; docs/policies/adakv.md) against AdaKVPress: measured here 99.1-99.8 % of the
+    (head, token) entries agree, head counts differ by at most 3 and layer totals by at most 2
+    (= Hkv, rounding per head)."""
+    theirs = masked_sets(model, kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=16)), prompt)
+    ours = masked_sets(model, KvevictPress("snapkv", compression_ratio=ratio, window_size=16,
+                                           options={"heads": "adakv", "adakv_rule": "paper"}), prompt)
     for layer, (a, b) in enumerate(zip(theirs, ours)):
         assert (a == b).float().mean().item() >= 0.98, f"layer {layer}"
         kept_a, kept_b = (~a).sum(-1), (~b).sum(-1)
@@ -265,3 +283,51 @@ def test_padded_batches_are_refused(model, prompt):
         with torch.inference_mode(), KvevictPress("snapkv", compression_ratio=0.5, window_size=16)(model):
             model(prompt, attention_mask=mask, past_key_values=cache)
     assert cache.layers[0].keys.shape[2] == PROMPT_TOKENS
+
+
+def test_dapq_pseudo_tokens_through_the_press(model, prompt):
+    """options={"dapq_source": "pseudo_tokens"}: the press appends N pseudo tokens (the first 8 and
+    last N - 8 prompt tokens) at positions Lp .. Lp+N-1, scores the prompt with their queries,
+    keeps B prompt rows per head and no pseudo row, and hands back the prompt's logits. The keep
+    sets equal kvevict.Compressor's on the queries and keys of a plain forward of prompt + pseudo
+    tokens (the engine's way: pseudo tokens prefilled on the full cache), and the generation goes
+    on at position Lp."""
+    n, first, budget = 12, 4, 60
+    pseudo_ids = torch.cat([prompt[:, :first], prompt[:, -(n - first):]], dim=1)
+    press = KvevictPress("dapq", options={"pseudo_tokens": n, "pseudo_first": first,
+                                          "dapq_source": "pseudo_tokens", "tokens": budget})
+    cache, out = prefill(model, press, prompt)
+    with torch.inference_mode():
+        plain = model(prompt).logits
+        captured = {}
+
+        def capture(module, args, kwargs, output):  # each layer's post-RoPE pseudo queries
+            captured[module.layer_idx] = press._queries(module, kwargs["hidden_states"], kwargs, n)
+
+        hooks = [layer.self_attn.register_forward_hook(capture, with_kwargs=True) for layer in model.model.layers]
+        whole = DynamicCache()
+        try:
+            appended = model(torch.cat([prompt, pseudo_ids], dim=1), past_key_values=whole).logits
+        finally:
+            for h in hooks:
+                h.remove()
+    assert torch.equal(out.logits, appended[:, :PROMPT_TOKENS])  # the prompt's logits, the pseudo ones cut
+    torch.testing.assert_close(out.logits, plain, atol=1e-4, rtol=1e-4)  # (sdpa rounds by length: 1.1e-5 seen)
+    config = model.config
+    for layer, (got, full) in enumerate(zip(cache.layers, whole.layers)):
+        assert got.keys.shape[2] == budget
+        plan = Compressor(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+                          got.keys.shape[3], "float32", "dapq", tokens=budget, pseudo_tokens=n,
+                          max_sequences=prompt.shape[0], max_tokens=PROMPT_TOKENS + n)
+        keys, values = full.keys.contiguous().clone(), full.values.contiguous().clone()
+        lengths = torch.empty(keys.shape[0], keys.shape[1], dtype=torch.int64)
+        positions = torch.arange(PROMPT_TOKENS, PROMPT_TOKENS + n, dtype=torch.int64)
+        reports = plan.run(layer, keys, values, captured[layer].contiguous(), positions, head_lengths=lengths)
+        assert reports[0].action == "evicted" and reports[0].next_position == PROMPT_TOKENS
+        assert torch.equal(got.keys, keys[:, :, :budget]) and torch.equal(got.values, values[:, :, :budget])
+        prompt_rows = full.keys[:, :, :PROMPT_TOKENS]  # every kept row is a prompt row
+        for b in range(prompt.shape[0]):
+            for h in range(keys.shape[1]):
+                assert all(bool((prompt_rows[b, h] == r).all(-1).any()) for r in got.keys[b, h])
+    tokens = greedy(model, press, prompt, steps=4)  # decoding at Lp, Lp + 1, ...
+    assert tokens.shape == (prompt.shape[0], 4)

@@ -59,6 +59,24 @@ scores_result observation_scores(const kvevict::query_view<const QT>& q, host_bu
   return r;
 }
 
+template <class QT>
+rerotate_result dapq_rerotate(const kvevict::query_view<const QT>& q, host_buffer qbuf,
+                              const kvevict::rope_config& rope, std::int64_t delta) {
+  rerotate_result r;
+  mirror m;
+  const auto dq = device_queries(m, q, qbuf);
+  std::vector<double> table(static_cast<std::size_t>(kvevict::cuda::rotation_table_size(rope)) + 1);
+  kvevict::cuda::rotation_table(rope, delta, table.data());
+  const double* dt = m.put_vector(table);
+  const std::size_t n = static_cast<std::size_t>(q.num_heads * q.num_queries * q.head_dim);
+  QT* out = m.alloc<QT>(n + 1);
+  std::int64_t* positions = m.alloc<std::int64_t>(static_cast<std::size_t>(q.num_queries) + 1);
+  r.st = m.finish(kvevict::cuda::dapq_rerotate(dq, rope, dt, delta, out, positions, m.options()));
+  for (const QT& x : m.get(out, n)) r.queries.push_back(kvevict::to_float(x));
+  r.positions = m.get(positions, static_cast<std::size_t>(q.num_queries));
+  return r;
+}
+
 template <class KT>
 scores_result key_scores(const kvevict::cache_view<const KT>& k, host_buffer kbuf,
                          const std::vector<std::int32_t>& table, std::int64_t protected_tail, std::int64_t sinks) {
@@ -711,6 +729,12 @@ KVEVICT_GPU_OBS(kvevict::bf16, kvevict::fp8_e4m3)
 KVEVICT_GPU_OBS(kvevict::fp16, kvevict::fp8_e5m2)
 #undef KVEVICT_GPU_OBS
 
+template rerotate_result dapq_rerotate<float>(const kvevict::query_view<const float>&, host_buffer,
+                                              const kvevict::rope_config&, std::int64_t);
+template rerotate_result dapq_rerotate<kvevict::fp16>(const kvevict::query_view<const kvevict::fp16>&, host_buffer,
+                                                      const kvevict::rope_config&, std::int64_t);
+template rerotate_result dapq_rerotate<kvevict::bf16>(const kvevict::query_view<const kvevict::bf16>&, host_buffer,
+                                                      const kvevict::rope_config&, std::int64_t);
 template scores_result key_scores<float>(const kvevict::cache_view<const float>&, host_buffer,
                                          const std::vector<std::int32_t>&, std::int64_t, std::int64_t);
 template scores_result key_scores<kvevict::fp16>(const kvevict::cache_view<const kvevict::fp16>&, host_buffer,

@@ -13,6 +13,7 @@
 #include "kvevict/cuda/device_flags.hpp"
 #include "kvevict/dtype.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/rope/rope.hpp"
 #include "kvevict/scoring/params.hpp"
 #include "kvevict/selection/budget.hpp"
 #include "kvevict/selection/scope.hpp"
@@ -58,6 +59,17 @@ scores_result observation_scores(const kvevict::query_view<const QT>& q, host_bu
                                  const kvevict::cache_view<const KT>& k, host_buffer kbuf,
                                  const std::vector<std::int32_t>& table, const kvevict::scoring_params& params,
                                  const obs_inputs& in = {});
+
+struct rerotate_result {
+  kvevict::status st;
+  std::vector<float> queries;           ///< [Hq, W, d] as float
+  std::vector<std::int64_t> positions;  ///< [W]
+};
+/// kvevict::cuda::dapq_rerotate of device copies of `q` (its table from rotation_table on the
+/// host), output elements OutT (the query type).
+template <class QT>
+rerotate_result dapq_rerotate(const kvevict::query_view<const QT>& q, host_buffer qbuf,
+                              const kvevict::rope_config& rope, std::int64_t delta);
 
 /// kvevict::cuda::key_norm_scores (KNorm; sinks < 0) or streaming_scores (sinks >= 0) on a
 /// device copy of the key view.

@@ -31,6 +31,7 @@
 #include "kvevict/budgets/layer_budget.hpp"
 #include "kvevict/detail/finalize.hpp"
 #include "kvevict/detail/validate.hpp"
+#include "kvevict/policies/dapq.hpp"
 #include "kvevict/policies/knorm.hpp"
 #include "kvevict/policies/streaming_llm.hpp"
 #include "kvevict/scoring/observation_scores.hpp"
@@ -1018,6 +1019,82 @@ TEST_CASE("GPU KNorm and StreamingLLM scores equal the CPU policies' bit for bit
   check_key_scores<bf16>(test::layout::contiguous, 2, 0, 16, 0, 4, 1.0f, seed++);
 }
 
+namespace {
+/// One DapQ re-rotation on the device against kvevict::dapq_rerotate: queries [Hq, W, d] in a
+/// query-major buffer with padded rows (and every second element when `spread`), positions as
+/// int32 or int64.
+template <class QT>
+void check_rerotation(const kvevict::rope_config& rope, std::int64_t heads, std::int64_t window, std::int64_t delta,
+                      bool spread, bool narrow_positions, std::uint64_t seed) {
+  const std::int64_t d = rope.head_dim, step = spread ? 2 : 1, row = d * step + 3;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<QT> buf(static_cast<std::size_t>(window * heads * row));
+  for (QT& x : buf) x = kvevict::from_float<QT>(normal(rng));
+  std::vector<std::int64_t> pos64(static_cast<std::size_t>(window));
+  std::vector<std::int32_t> pos32(static_cast<std::size_t>(window));
+  for (std::int64_t t = 0; t < window; ++t) {
+    pos64[static_cast<std::size_t>(t)] = 1000 + 3 * t;
+    pos32[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(1000 + 3 * t);
+  }
+  kvevict::query_view<const QT> q;
+  q.data = buf.data();
+  q.num_heads = heads;
+  q.num_queries = window;
+  q.head_dim = d;
+  q.head_stride = row;
+  q.query_stride = heads * row;
+  q.dim_stride = step;
+  if (narrow_positions) {
+    q.positions = pos32.data();
+  } else {
+    q.positions = pos64.data();
+  }
+  std::vector<QT> want(static_cast<std::size_t>(heads * window * d));
+  std::vector<std::int64_t> want_pos(static_cast<std::size_t>(window));
+  REQUIRE(kvevict::dapq_rerotate(q, rope, delta, want.data(), want_pos.data()).ok());
+  const auto got = gpu::dapq_rerotate(q, gpu::buffer_of(buf), rope, delta);
+  INFO("status " << got.st.message());
+  REQUIRE(got.st.ok());
+  REQUIRE(got.positions == want_pos);
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    INFO("element " << i);
+    const float w = kvevict::to_float(want[i]);
+    REQUIRE(std::memcmp(&got.queries[i], &w, sizeof(float)) == 0);
+  }
+}
+}  // namespace
+
+TEST_CASE("GPU DapQ re-rotation equals the CPU's for every RoPE convention", "[gpu][gpu_scoring]") {
+  std::uint64_t seed = 4100;
+  for (const kvevict::rope_pairing pairing : {kvevict::rope_pairing::neox, kvevict::rope_pairing::gptj})
+    for (const std::int64_t rotary : {std::int64_t{0}, std::int64_t{24}})
+      for (const bool llama3 : {false, true}) {
+        kvevict::rope_config rope;
+        rope.head_dim = 40;
+        rope.rotary_dim = rotary;
+        rope.pairing = pairing;
+        rope.theta = llama3 ? 500000.0 : 10000.0;
+        rope.llama3.enabled = llama3;
+        rope.llama3.original_max_position = 64.0;  // pairs on both sides of the smoothing band
+        INFO("pairing " << static_cast<int>(pairing) << " rotary_dim " << rotary << " llama3 " << llama3);
+        check_rerotation<float>(rope, 4, 6, 6, false, false, seed++);
+        check_rerotation<kvevict::bf16>(rope, 4, 5, 5, true, true, seed++);
+        check_rerotation<kvevict::fp16>(rope, 2, 3, 100003, false, true, seed++);  // large angles
+      }
+  kvevict::rope_config wide;  // d = 128, the Llama shape
+  check_rerotation<kvevict::bf16>(wide, 8, 32, 32, false, false, seed++);
+  // Refused before anything runs: a RoPE of another head_dim, and no table.
+  kvevict::rope_config other;
+  other.head_dim = 64;
+  std::vector<float> buf(4 * 2 * 128);
+  std::vector<std::int64_t> pos{7, 8};
+  const auto q = kvevict::contiguous_queries<const float>(buf.data(), 4, 2, 128, pos.data());
+  const auto bad = gpu::dapq_rerotate(q, gpu::buffer_of(buf), other, 2);
+  REQUIRE(bad.st.code() == kvevict::errc::invalid_shape);
+  REQUIRE(std::string(bad.st.argument()) == "rope.head_dim");
+}
+
 TEST_CASE("GPU ChunkKV chunk scores follow kvevict::chunkkv's operations bit for bit", "[gpu][gpu_scoring]") {
   // kvevict::chunkkv::score after its base, in float, in its order: heads ascending, then the
   // chunk's tokens; one division; the tail untouched. (The compressor suite compares the real
@@ -1389,27 +1466,33 @@ TEST_CASE("GPU AdaKV head budgets equal the CPU's and feed the selection without
           const kvevict::const_score_view sv{scores.data(), sc.rows, sc.cols, sc.cols};
           kvevict::adakv_params params;
           params.alpha = alpha;
-          std::vector<std::int64_t> want(static_cast<std::size_t>(sc.rows));
-          kvevict::workspace ws(kvevict::adakv_workspace_size(sc.rows, sc.cols) +
-                                kvevict::select_workspace_size(sc.cols));
-          REQUIRE(kvevict::adakv_head_budgets(sv, sc.tail, b, params, want.data(), ws).ok());
-          kvevict::selection_params sel;
-          sel.protected_tail = sc.tail;
-          std::int64_t capacity = 0;
-          for (std::int64_t hb : want) capacity += kvevict::tokens_kept(hb, sc.cols, sel);
-          kvevict::keep_list cpu(sc.rows, capacity);
-          REQUIRE(kvevict::select(sv, want.data(), sel, cpu, ws).ok());
+          // Both rules in full runs; sanitizer runs alternate them over the combinations kept.
+          for (const kvevict::adakv_rule rule : {kvevict::adakv_rule::paper, kvevict::adakv_rule::kvpress_safeguard}) {
+            if (trimmed && (rule == kvevict::adakv_rule::paper) != ((combination / 3) % 2 == 0)) continue;
+            params.rule = rule;
+            INFO("rule " << static_cast<int>(rule));
+            std::vector<std::int64_t> want(static_cast<std::size_t>(sc.rows));
+            kvevict::workspace ws(kvevict::adakv_workspace_size(sc.rows, sc.cols) +
+                                  kvevict::select_workspace_size(sc.cols));
+            REQUIRE(kvevict::adakv_head_budgets(sv, sc.tail, b, params, want.data(), ws).ok());
+            kvevict::selection_params sel;
+            sel.protected_tail = sc.tail;
+            std::int64_t capacity = 0;
+            for (std::int64_t hb : want) capacity += kvevict::tokens_kept(hb, sc.cols, sel);
+            kvevict::keep_list cpu(sc.rows, capacity);
+            REQUIRE(kvevict::select(sv, want.data(), sel, cpu, ws).ok());
 
-          const auto g = gpu::adakv(scores, sc.rows, sc.cols, b, params, sel, capacity);
-          INFO("status " << g.st.message());
-          REQUIRE(g.st.ok());
-          REQUIRE(g.keep.flags == 0);
-          REQUIRE(g.budgets == want);
-          for (std::int64_t h = 0; h <= sc.rows; ++h)
-            REQUIRE(g.keep.offsets[static_cast<std::size_t>(h)] == cpu.view().offsets[h]);
-          for (std::int64_t i = 0; i < capacity; ++i) {
-            INFO("entry " << i);
-            REQUIRE(g.keep.indices[static_cast<std::size_t>(i)] == cpu.view().indices[i]);
+            const auto g = gpu::adakv(scores, sc.rows, sc.cols, b, params, sel, capacity);
+            INFO("status " << g.st.message());
+            REQUIRE(g.st.ok());
+            REQUIRE(g.keep.flags == 0);
+            REQUIRE(g.budgets == want);
+            for (std::int64_t h = 0; h <= sc.rows; ++h)
+              REQUIRE(g.keep.offsets[static_cast<std::size_t>(h)] == cpu.view().offsets[h]);
+            for (std::int64_t i = 0; i < capacity; ++i) {
+              INFO("entry " << i);
+              REQUIRE(g.keep.indices[static_cast<std::size_t>(i)] == cpu.view().indices[i]);
+            }
           }
         }
       }
@@ -1430,6 +1513,12 @@ TEST_CASE("GPU AdaKV head budgets: bad input is refused before anything runs", "
   REQUIRE(a.st.code() == kvevict::errc::invalid_argument);
   REQUIRE(std::string(a.st.message()).find("params.alpha") != std::string::npos);
   REQUIRE(a.budgets == std::vector<std::int64_t>(4, -7));
+  kvevict::adakv_params unknown;
+  unknown.rule = static_cast<kvevict::adakv_rule>(9);
+  const auto r = gpu::adakv(scores, 4, 100, 10, unknown, sel, 40);
+  REQUIRE(r.st.code() == kvevict::errc::invalid_argument);
+  REQUIRE(std::string(r.st.message()).find("params.rule") != std::string::npos);
+  REQUIRE(r.budgets == std::vector<std::int64_t>(4, -7));
   const auto b = gpu::adakv(scores, 4, 100, -1, kvevict::adakv_params{}, sel, 40);
   REQUIRE(b.st.code() == kvevict::errc::invalid_argument);
   REQUIRE(std::string(b.st.message()).find("per_head_budget") != std::string::npos);

@@ -340,11 +340,13 @@ TEST_CASE("GPU compressor: H2O, DapQ, KNorm, StreamingLLM and ChunkKV equal kvev
     scenario<bf16, bf16> sc(o, true, 0, 26, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
     check_against_cpu(sc);
   }
-  SECTION("H2O, float, own strided caches, the engine's log-sum-exp, AdaKV, ratio budget, into fresh memory") {
+  SECTION(
+      "H2O, float, own strided caches, the engine's log-sum-exp, AdaKVPress's rule, ratio budget, into fresh memory") {
     kvevict::compressor_options o = base_options(dtype::f32, dtype::f32);
     o.policy = kvevict::policy::h2o();
     o.per_head = kvevict::budget::ratio(0.35);
     o.heads = kvevict::head_allocation::adakv;
+    o.adakv.rule = kvevict::adakv_rule::kvpress_safeguard;  // kvpress's AdaKVPress rule
     o.compact = kvevict::compaction::out_of_place;
     scenario<float, float> sc(o, false, 0, 27, true, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
     check_against_cpu(sc);
@@ -403,6 +405,36 @@ TEST_CASE("GPU compressor: H2O, DapQ, KNorm, StreamingLLM and ChunkKV equal kvev
     o.heads = kvevict::head_allocation::adakv;
     o.compact = kvevict::compaction::out_of_place;
     scenario<float, float> sc(o, false, 0, 32);
+    check_against_cpu(sc);
+  }
+  // DapQ's re-rotated window: the cache is the prompt; its last N = 6 queries (of the 9 rows)
+  // are moved 6 positions on with the model's RoPE on the device, as the CPU moves them.
+  SECTION("DapQ re-rotated window, bf16, shared paged pools, GPT-J pairs over 24 of 40 dims, in place") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    kvevict::dapq_config d;
+    d.pseudo_tokens = 6;
+    d.source = kvevict::dapq_source::rerotated_window;
+    d.rope.head_dim = kDim;
+    d.rope.rotary_dim = 24;
+    d.rope.pairing = kvevict::rope_pairing::gptj;
+    o.policy = kvevict::policy::dapq(d);
+    scenario<bf16, bf16> sc(o, true, 0, 33);
+    check_against_cpu(sc);
+  }
+  SECTION("DapQ re-rotated window, float, own strided caches, Llama-3 scaling, PyramidKV, into fresh memory") {
+    kvevict::compressor_options o = base_options(dtype::f32, dtype::f32);
+    kvevict::dapq_config d;
+    d.pseudo_tokens = 6;
+    d.source = kvevict::dapq_source::rerotated_window;
+    d.rope.head_dim = kDim;
+    d.rope.theta = 500000.0;
+    d.rope.llama3.enabled = true;
+    d.rope.llama3.original_max_position = 64.0;
+    o.policy = kvevict::policy::dapq(d);
+    o.per_head = kvevict::budget::ratio(0.4);
+    o.layers = kvevict::layer_allocation::pyramidkv;
+    o.compact = kvevict::compaction::out_of_place;
+    scenario<float, float> sc(o, false, 0, 34);
     check_against_cpu(sc);
   }
   SECTION("ChunkKV on SnapKV, bf16, shared paged pools, chunks of 5, uniform budget, in place") {
@@ -526,13 +558,6 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
     cases.push_back({base, kvevict::errc::unsupported, "policy.kind"});
     cases.back().o.policy = kvevict::policy_config::of<Tr>({});
   });
-  cases.push_back({base, kvevict::errc::unsupported, "policy.dapq.source"});
-  {
-    kvevict::dapq_config d;
-    d.source = kvevict::dapq_source::rerotated_window;
-    d.rope.head_dim = kDim;
-    cases.back().o.policy = kvevict::policy::dapq(d);
-  }
   cases.push_back({base, kvevict::errc::invalid_argument, "policy.deferkv.window"});  // the CPU's limit too
   {
     kvevict::deferkv_config d;

@@ -83,6 +83,13 @@ std::vector<select_case> select_cases() {
       c.name = "adakv B=" + std::to_string(b) + (normalize ? " normalised" : "");
       out.push_back(c);
     }
+    select_case c;  // kvpress's rule: each head's own top f, then the global top of the rest
+    c.budget.per_head = kvevict::budget::tokens(b);
+    c.budget.heads = kvevict::head_allocation::adakv;
+    c.budget.adakv = {0.5, false, kvevict::adakv_rule::kvpress_safeguard};
+    c.sel = {3, kvevict::protected_mode::inside_budget};
+    c.name = "adakv kvpress_safeguard B=" + std::to_string(b);
+    out.push_back(c);
   }
   for (auto rule : {kvevict::scope_combine::normalized_max, kvevict::scope_combine::normalized_mean,
                     kvevict::scope_combine::max, kvevict::scope_combine::mean}) {

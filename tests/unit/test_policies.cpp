@@ -381,6 +381,84 @@ TEST_CASE("AdaKV head budgets: total Hkv*B, floor respected, matches a reference
     }
 }
 
+TEST_CASE("AdaKV head budgets, kvpress's safeguard rule: a reference written from AdaKVPress", "[policies][budgets]") {
+  // AdaKVPress over L = B + T kept of n tokens: n_safe = max(1, int(alpha * (B + T))) of each head
+  // forced (the window T first: its scores top every head), then the layer keeps the global top
+  // Hkv * (B + T) of the scores with the forced ones raised to the top. Written here in double,
+  // with every head's full row and window, as kvpress computes it.
+  const std::int64_t heads = 6, tokens = 500, protect = 16;
+  const std::int64_t candidates = tokens - protect;
+  std::mt19937_64 rng(11);
+  std::vector<float> scores(static_cast<std::size_t>(heads * tokens));
+  for (std::int64_t h = 0; h < heads; ++h) {
+    std::exponential_distribution<float> e(1.0f);
+    for (std::int64_t j = 0; j < tokens; ++j) {
+      const float x = std::pow(e(rng), 1.0f + static_cast<float>(h));
+      // Ties across and within heads: head 5 repeats values of head 4 and of its own tokens.
+      scores[static_cast<std::size_t>(h * tokens + j)] =
+          j >= candidates ? INFINITY
+          : h == 5        ? scores[static_cast<std::size_t>(4 * tokens + (j / 2) * 2)]
+                          : x;
+    }
+  }
+  for (std::int64_t b : {0, 1, 3, 4, 30, 100, 483, 484, 600})
+    for (double alpha : {0.0, 0.2, 0.5, 1.0}) {
+      std::vector<std::int64_t> out(static_cast<std::size_t>(heads));
+      kvevict::workspace ws(kvevict::adakv_workspace_size(heads, tokens));
+      kvevict::adakv_params params{alpha, false, kvevict::adakv_rule::kvpress_safeguard};
+      REQUIRE(
+          kvevict::adakv_head_budgets({scores.data(), heads, tokens, tokens}, protect, b, params, out.data(), ws).ok());
+      std::vector<std::int64_t> want(static_cast<std::size_t>(heads), std::min(b, candidates));
+      if (b < candidates) {
+        const std::int64_t kept = b + protect;
+        std::int64_t safe = static_cast<std::int64_t>(static_cast<double>(kept) * alpha);
+        if (alpha > 0) safe = std::max<std::int64_t>(safe, 1);
+        // (forced, score, head, token): each head's top `safe` of its whole row (window included)
+        // are forced; the layer keeps the first Hkv * (B + T) in (forced, score) order, ties to
+        // the lower head, then the lower token.
+        struct entry {
+          int forced;
+          double score;
+          std::int64_t head, token;
+        };
+        std::vector<entry> all;
+        for (std::int64_t h = 0; h < heads; ++h) {
+          std::vector<entry> row;
+          for (std::int64_t j = 0; j < tokens; ++j)
+            row.push_back({0, scores[static_cast<std::size_t>(h * tokens + j)], h, j});
+          std::sort(row.begin(), row.end(), [](const entry& x, const entry& y) {
+            return x.score != y.score ? x.score > y.score : x.token < y.token;
+          });
+          for (std::int64_t r = 0; r < safe; ++r) row[static_cast<std::size_t>(r)].forced = 1;
+          all.insert(all.end(), row.begin(), row.end());
+        }
+        std::sort(all.begin(), all.end(), [](const entry& x, const entry& y) {
+          if (x.forced != y.forced) return x.forced > y.forced;
+          if (x.score != y.score) return x.score > y.score;
+          return x.head != y.head ? x.head < y.head : x.token < y.token;
+        });
+        std::fill(want.begin(), want.end(), 0);
+        for (std::int64_t i = 0; i < heads * kept; ++i)
+          if (all[static_cast<std::size_t>(i)].token < candidates)
+            ++want[static_cast<std::size_t>(all[static_cast<std::size_t>(i)].head)];
+      }
+      INFO("B=" << b << " alpha=" << alpha);
+      REQUIRE(out == want);
+      if (b < candidates)
+        REQUIRE(std::accumulate(out.begin(), out.end(), std::int64_t{0}) == heads * b);  // exact, unlike the paper's
+    }
+  kvevict::adakv_params both{0.2, true, kvevict::adakv_rule::kvpress_safeguard};
+  std::int64_t out[6];
+  kvevict::workspace ws(kvevict::adakv_workspace_size(heads, tokens));
+  const kvevict::status st =
+      kvevict::adakv_head_budgets({scores.data(), heads, tokens, tokens}, protect, 10, both, out, ws);
+  REQUIRE(st.code() == kvevict::errc::invalid_argument);
+  REQUIRE(std::string(st.argument()) == "params.normalize");
+  kvevict::adakv_params odd{0.2, false, static_cast<kvevict::adakv_rule>(7)};
+  REQUIRE(std::string(kvevict::adakv_head_budgets({scores.data(), heads, tokens, tokens}, protect, 10, odd, out, ws)
+                          .argument()) == "params.rule");
+}
+
 namespace {
 // A policy written by a user against the shared contract: keep the tokens whose keys have
 // the largest first channel. It needs nothing from kvevict but the views.

@@ -8,8 +8,8 @@ mean the C++ engine and bench are sound; --check compares with docs/fidelity/res
     python fidelity_hf.py [--per-task N] [--budgets 0.5,0.25] [--policies snapkv,h2o] [--check]
 
 Policies served here: full, streaming_llm, knorm, h2o, snapkv, deferkv_eta<eta>_d<d>,
-dapq_rerotate (13 of the bench's 26 rows; the allocator combinations, the shared scopes and DapQ's
-pseudo tokens are not served by the press). Run in a venv with kvevict, kvpress, transformers and torch (scripts/test python's).
+dapq (pseudo tokens appended by the press), dapq_rerotate (14 of the bench's 26 rows; the
+allocator combinations and the shared scopes are not served by the press). Run in a venv with kvevict, kvpress, transformers and torch (scripts/test python's).
 """
 import argparse
 import contextlib
@@ -45,6 +45,9 @@ def press_for(policy: str, budget: int):
         return KvevictPress("snapkv", window_size=WINDOW, kernel_size=7, preset="kvcache_factory", options=inside)
     if policy == "dapq_rerotate":  # N = 32 re-rotated prompt queries, inside the budget (policies.hpp)
         return KvevictPress("dapq", options={"pseudo_tokens": 32, **inside})
+    if policy == "dapq":  # N = 32 pseudo tokens, the first 8 + last 24 prompt tokens (main.cpp)
+        return KvevictPress("dapq", options={"pseudo_tokens": 32, "pseudo_first": 8, "dapq_source": "pseudo_tokens",
+                                             "tokens": budget})
     if policy.startswith("deferkv_eta"):  # deferkv_eta0.9_d1: eta and the delay d
         eta, delay = policy[len("deferkv_eta"):].split("_d")
         return KvevictPress("deferkv", window_size=WINDOW, kernel_size=7,

@@ -14,6 +14,9 @@
 // The sum is Hkv*B up to the floor and the rounding: floor(alpha*B) drops less than one token
 // per head and rounding moves each head by at most half a token, so the sum lies in
 // [Hkv*B - 1.5*Hkv, Hkv*B + Hkv/2] (e.g. Hkv = 1, B = 3, alpha = 0.5 gives 2).
+// That is adakv_rule::paper. adakv_rule::kvpress_safeguard is kvpress's AdaKVPress instead: each
+// head keeps its own top f first (adakv_safeguard), the global top Hkv*(B - f) of the remaining
+// candidates is shared out, and the sum is exactly Hkv*B.
 
 #include <cmath>
 #include <cstddef>
@@ -60,6 +63,37 @@ inline void adakv_head_row(const const_score_view& scores, std::int64_t h, std::
   }
 }
 
+/// The kvpress_safeguard rule (0 <= f <= b < candidates): each head's top f leave its row, the
+/// rest of every row is packed into `flat` [Hkv, C - f] in token order, and the global top
+/// Hkv*(b - f) of that goes to the heads. Packing keeps the tie order (lower head, then lower
+/// token) and lets the picks' head be a division, as in the paper rule.
+inline void adakv_safeguard_budgets(const const_score_view& scores, std::int64_t candidates, std::int64_t b,
+                                    std::int64_t f, std::int64_t* out, const adakv_layout& layout) {
+  const std::int64_t heads = scores.rows, rest = candidates - f;
+  for (std::int64_t h = 0; h < heads; ++h) {
+    // Copied whole to where its packed form goes, then packed in place (the write position
+    // never passes the read position); the forced picks are ascending, so one pass drops them.
+    float* row = layout.flat + h * rest;
+    for (std::int64_t j = 0; j < candidates; ++j) row[j] = scores.at(h, j);
+    if (f == 0) continue;
+    top_k_ascending(row, candidates, f, layout.picked, layout.topk);
+    std::int64_t w = 0, p = 0;
+    for (std::int64_t j = 0; j < candidates; ++j) {
+      if (p < f && layout.picked[p] == j) {
+        ++p;
+        continue;
+      }
+      row[w++] = row[j];
+    }
+  }
+  for (std::int64_t h = 0; h < heads; ++h) out[h] = f;
+  const std::int64_t global = heads * (b - f);
+  if (global > 0) {
+    top_k_ascending(layout.flat, heads * rest, global, layout.picked, layout.topk);
+    for (std::int64_t i = 0; i < global; ++i) ++out[layout.picked[i] / rest];
+  }
+}
+
 }  // namespace detail
 
 /// Bytes of workspace `adakv_head_budgets` needs for [num_kv_heads, num_tokens] scores.
@@ -97,6 +131,11 @@ inline status adakv_head_budgets(const_score_view scores, std::int64_t protected
     return status();
   }
   const std::int64_t b = per_head_budget;
+  if (params.rule == adakv_rule::kvpress_safeguard) {
+    detail::adakv_safeguard_budgets(scores, candidates, b, detail::adakv_safeguard(b, protected_tail, params), out,
+                                    layout);
+    return status();
+  }
   for (std::int64_t h = 0; h < heads; ++h)
     detail::adakv_head_row(scores, h, candidates, b, params, layout.flat + h * candidates, layout.picked, layout.topk);
   const std::int64_t global = heads * b;

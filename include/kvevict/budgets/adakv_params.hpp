@@ -16,9 +16,21 @@
 
 KVEVICT_NAMESPACE_BEGIN
 
+/// How a head's picks become its budget (budgets/adakv.hpp).
+enum class adakv_rule : std::int32_t {
+  /// The AdaKV paper's: round(c_h*(1 - alpha) + floor(alpha*B)) of the global top's picks.
+  paper,
+  /// kvpress's AdaKVPress: every head first keeps its own top f = max(1, floor(alpha*(B + T)))
+  /// - T candidates (T the protected tail, which the safeguard counts first, since kvpress's
+  /// window sits inside the budget and at the top of every head), then the layer's top Hkv*(B - f)
+  /// of the other candidates go to their heads; a head keeps f + its picks, Hkv*B in all.
+  kvpress_safeguard,
+};
+
 struct adakv_params {
-  double alpha = 0.2;      ///< floor fraction (the AdaKV GQA script's value)
-  bool normalize = false;  ///< per-head normalisation (off in AdaKV's GQA script)
+  double alpha = 0.2;                   ///< floor fraction (the AdaKV GQA script's value)
+  bool normalize = false;               ///< per-head normalisation (off in AdaKV's GQA script)
+  adakv_rule rule = adakv_rule::paper;  ///< picks -> budget
 };
 
 namespace detail {
@@ -41,6 +53,19 @@ KVEVICT_HOST_DEVICE inline std::int64_t adakv_head_budget(std::int64_t picks, st
   return v < 0 ? 0 : (v > candidates ? candidates : v);
 }
 
+/// kvpress_safeguard's candidates every head keeps before the global top: kvpress's
+/// int(n_kept * alpha) (at least 1 of a non-empty budget) of n_kept = B + T tokens, less the
+/// protected tail the safeguard takes first, at most B.
+KVEVICT_HOST_DEVICE inline std::int64_t adakv_safeguard(std::int64_t b, std::int64_t protected_tail,
+                                                        const adakv_params& params) noexcept {
+  const std::int64_t kept = b + protected_tail;
+  if (kept <= 0) return 0;
+  std::int64_t safe = static_cast<std::int64_t>(static_cast<double>(kept) * params.alpha);
+  if (params.alpha > 0.0 && safe < 1) safe = 1;
+  const std::int64_t f = safe - protected_tail;
+  return f < 0 ? 0 : (f > b ? b : f);
+}
+
 /// The argument checks of adakv_head_budgets, on the CPU and on the GPU: scores [Hkv >= 1, L],
 /// a tail and a budget >= 0, alpha in [0, 1], somewhere to write.
 inline status validate_adakv_inputs(const const_score_view& scores, std::int64_t protected_tail,
@@ -58,6 +83,12 @@ inline status validate_adakv_inputs(const const_score_view& scores, std::int64_t
                          static_cast<long long>(per_head_budget));
   if (!(params.alpha >= 0.0 && params.alpha <= 1.0))
     return status::error(errc::invalid_argument, fn, "params.alpha", "expected alpha in [0, 1], got %g", params.alpha);
+  if (params.rule != adakv_rule::paper && params.rule != adakv_rule::kvpress_safeguard)
+    return status::error(errc::invalid_argument, fn, "params.rule", "expected paper or kvpress_safeguard, got %d",
+                         static_cast<int>(params.rule));
+  if (params.rule == adakv_rule::kvpress_safeguard && params.normalize)
+    return status::error(errc::invalid_argument, fn, "params.normalize",
+                         "expected false with the kvpress_safeguard rule (AdaKVPress ranks raw scores)");
   if (out == nullptr) return status::error(errc::null_pointer, fn, "out", "expected [Hkv] budgets");
   return status();
 }

@@ -15,7 +15,8 @@
 // rank's budgets equal the single-process budgets of its heads bit for bit.
 //
 // Per layer: at most 4 rounds of 257 words and 1 of total_heads + 1 words (the last word of
-// each counts failed ranks, design.md §15).
+// each counts failed ranks, design.md §15). The kvpress_safeguard rule ranks what is left of each
+// head after its own top f (budgets/adakv.hpp), k = total_heads*(b - f).
 
 #include <cstddef>
 #include <cstdint>
@@ -74,11 +75,14 @@ inline status adakv_head_budgets_sharded(const_score_view scores, std::int64_t p
   const collective& group = *shard.group;
   const std::int64_t heads = scores.rows;
   const std::int64_t candidates = scores.cols > protected_tail ? scores.cols - protected_tail : 0;
-  // Every rank takes these two exits together: b, L and the tail are agreed.
-  if (b >= candidates || b == 0) {
+  // kvpress_safeguard's forced picks per head (0 under the paper rule), which leave the ranking.
+  const bool safeguard = params.rule == adakv_rule::kvpress_safeguard;
+  const std::int64_t forced = safeguard && b < candidates ? adakv_safeguard(b, protected_tail, params) : 0;
+  // Every rank takes these exits together: b, L, the tail and the parameters are agreed.
+  if (b >= candidates || b == forced) {
     if (!local.ok()) return local;
     for (std::int64_t h = 0; h < heads; ++h)
-      out[h] = b >= candidates ? candidates : adakv_head_budget(0, b, candidates, params);
+      out[h] = b >= candidates ? candidates : (safeguard ? forced : adakv_head_budget(0, b, candidates, params));
     return status();
   }
   arena a(ws);
@@ -92,17 +96,25 @@ inline status adakv_head_budgets_sharded(const_score_view scores, std::int64_t p
   if (local.ok())
     for (std::int64_t h = 0; h < heads; ++h) {
       adakv_head_row(scores, h, candidates, b, params, lay.row, lay.picked, lay.topk);
+      if (forced > 0) top_k_ascending(lay.row, candidates, forced, lay.picked, lay.topk);
       std::uint32_t* keys = lay.keys + h * candidates;
-      for (std::int64_t j = 0; j < candidates; ++j) keys[j] = score_key(lay.row[j]);
-      lay.alive[h] = candidates;
+      std::int64_t n = 0, p = 0;
+      for (std::int64_t j = 0; j < candidates; ++j) {
+        if (p < forced && lay.picked[p] == j) {
+          ++p;
+          continue;
+        }
+        keys[n++] = score_key(lay.row[j]);
+      }
+      lay.alive[h] = n;
       out[h] = 0;
     }
   const std::int64_t local_heads = local.ok() ? heads : 0;
 
-  // Radix select of the k-th largest key, k = total_heads * b (< 2^32: plan and select_layer
+  // Radix select of the k-th largest key, k = total_heads * (b - f) (< 2^32: plan and select_layer
   // check the layer's candidates), one byte per round from the top.
   std::uint32_t histogram[radix_bins + 1];
-  std::uint64_t need = static_cast<std::uint64_t>(shard.total_heads) * static_cast<std::uint64_t>(b);
+  std::uint64_t need = static_cast<std::uint64_t>(shard.total_heads) * static_cast<std::uint64_t>(b - forced);
   bool whole_bin = false;
   for (int shift = 24; shift >= 0 && !whole_bin; shift -= 8) {
     for (std::int64_t i = 0; i < radix_bins; ++i) histogram[i] = 0;
@@ -149,7 +161,8 @@ inline status adakv_head_budgets_sharded(const_score_view scores, std::int64_t p
       before += mine;
     }
   }
-  for (std::int64_t h = 0; h < heads; ++h) out[h] = adakv_head_budget(out[h], b, candidates, params);
+  for (std::int64_t h = 0; h < heads; ++h)
+    out[h] = safeguard ? forced + out[h] : adakv_head_budget(out[h], b, candidates, params);
   return status();
 }
 

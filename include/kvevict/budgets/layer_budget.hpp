@@ -149,8 +149,10 @@ inline status agree_layer_selection(const const_score_view& scores, const select
       {"budget.combine", static_cast<std::uint64_t>(b.combine)},
       {"budget.adakv.alpha", alpha_bits},
       {"budget.adakv.normalize", b.adakv.normalize ? 1u : 0u},
+      {"budget.adakv.rule", static_cast<std::uint64_t>(b.adakv.rule)},
       {"budget.shard.total_heads", static_cast<std::uint64_t>(b.shard.total_heads)},
   };
+  static_assert(sizeof(fields) / sizeof(fields[0]) <= max_agreement_fields, "one agreement round");
   return agree(*b.shard.group, fn, "budget.shard.group", local, fields,
                static_cast<int>(sizeof(fields) / sizeof(fields[0])));
 }

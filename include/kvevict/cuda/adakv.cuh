@@ -12,7 +12,10 @@
 //      as on the CPU; NaN ranks last;
 //   3. one block counts each head's picks (the picks are ascending: a binary search per head
 //      boundary) and applies detail::adakv_head_budget, the CPU's own function.
-// Three launches, integer arithmetic after the scores: deterministic.
+// Three launches, integer arithmetic after the scores: deterministic. The kvpress_safeguard rule
+// (budgets/adakv.hpp) first selects each head's top f in one batched launch (step 0), packs the
+// rest of each row around those picks in step 1, ranks Hkv*(B - f) in step 2, and gives head h
+// f + its picks in step 3: five launches, the CPU's budgets bit for bit.
 
 #include <cuda_runtime.h>
 
@@ -35,34 +38,65 @@ namespace cuda {
 namespace detail {
 
 struct adakv_workspace {
-  select_row* row = nullptr;       // the one descriptor of step 2
+  select_row* rows = nullptr;      // [Hkv + 1]: the safeguard's per-head rows, then step 2's row
   float* flat = nullptr;           // [Hkv * C]
-  std::int64_t* picked = nullptr;  // [Hkv * B], B < C
+  std::int64_t* picked = nullptr;  // [Hkv * C]: the safeguard's [Hkv, f] picks, then step 2's
 };
 
 inline void carve_adakv_workspace(kvevict::detail::arena& a, std::int64_t heads, std::int64_t tokens,
                                   adakv_workspace* out) noexcept {
   const std::int64_t n = kvevict::detail::saturating_mul(heads, tokens);
-  out->row = a.take<select_row>(1);
+  out->rows = a.take<select_row>(kvevict::detail::saturating_add(heads, 1));
   out->flat = a.take<float>(n);
   out->picked = a.take<std::int64_t>(n);
 }
 
-/// Step 1, and the descriptor of step 2 (written by thread 0 of block 0).
+/// kvpress_safeguard's step 0: one selection row per head, its top f candidates (f >= 1).
 template <int Unused = 0>
 __global__ void __launch_bounds__(256)
-    adakv_flatten_kernel(const_score_view scores, std::int64_t candidates, std::int64_t global, float* flat,
-                         std::int64_t* picked, select_row* row) {
-  const std::int64_t n = scores.rows * candidates;
+    adakv_safeguard_rows_kernel(const_score_view scores, std::int64_t candidates, std::int64_t forced,
+                                std::int64_t* picked, select_row* rows) {
+  for (std::int64_t h = threadIdx.x; h < scores.rows; h += blockDim.x) {
+    select_row r;
+    r.scores = scores.data + h * scores.row_stride;
+    r.length = candidates;
+    r.budget = forced;
+    r.protected_tail = 0;
+    r.mode = protected_mode::inside_budget;
+    r.out = picked + h * forced;
+    rows[h] = r;
+  }
+}
+
+/// Step 1, and the descriptor of step 2 (written by thread 0 of block 0). Under the safeguard
+/// rule each head's f forced picks (ascending in `picked`, [Hkv, f]) leave its row and the
+/// rest is packed in token order, as on the CPU: row h of `flat` is [C - f].
+template <int Unused = 0>
+__global__ void __launch_bounds__(256)
+    adakv_flatten_kernel(const_score_view scores, std::int64_t candidates, std::int64_t forced, std::int64_t global,
+                         float* flat, std::int64_t* picked, select_row* row) {
+  const std::int64_t n = scores.rows * candidates, rest = candidates - forced;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t h = i / candidates, j = i - h * candidates;
-    flat[i] = scores.data[h * scores.row_stride + j];
+    // Forced picks of head h before token j (binary search), and whether j is one.
+    const std::int64_t* mine = picked + h * forced;
+    std::int64_t lo = 0, hi = forced;
+    while (lo < hi) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      if (mine[mid] < j) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    if (lo < forced && mine[lo] == j) continue;
+    flat[h * rest + j - lo] = scores.data[h * scores.row_stride + j];
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     select_row r;
     r.scores = flat;
-    r.length = n;
+    r.length = scores.rows * rest;
     r.budget = global;
     r.protected_tail = 0;
     r.mode = protected_mode::inside_budget;
@@ -71,16 +105,18 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-/// Step 3: out[h] from the ascending picks (global of them; none when global == 0).
+/// Step 3: out[h] from the ascending picks (global of them; none when global == 0) of rows of
+/// `rest` candidates: the paper's rule, or the safeguard's f + picks.
 template <int Unused = 0>
 __global__ void __launch_bounds__(256)
     adakv_count_kernel(const std::int64_t* picked, std::int64_t global, std::int64_t heads, std::int64_t candidates,
-                       std::int64_t per_head_budget, adakv_params params, std::int64_t* out) {
+                       std::int64_t forced, std::int64_t per_head_budget, adakv_params params, std::int64_t* out) {
+  const std::int64_t rest = candidates - forced;
   for (std::int64_t h = threadIdx.x; h < heads; h += blockDim.x) {
-    // First pick at or past each boundary: picks of head h are [lower(h C), lower((h + 1) C)).
+    // First pick at or past each boundary: picks of head h are [lower(h rest), lower((h + 1) rest)).
     std::int64_t bounds[2];
     for (int e = 0; e < 2; ++e) {
-      const std::int64_t key = (h + e) * candidates;
+      const std::int64_t key = (h + e) * rest;
       std::int64_t lo = 0, hi = global;
       while (lo < hi) {
         const std::int64_t mid = lo + (hi - lo) / 2;
@@ -92,7 +128,10 @@ __global__ void __launch_bounds__(256)
       }
       bounds[e] = lo;
     }
-    out[h] = kvevict::detail::adakv_head_budget(bounds[1] - bounds[0], per_head_budget, candidates, params);
+    const std::int64_t picks = bounds[1] - bounds[0];
+    out[h] = params.rule == adakv_rule::kvpress_safeguard
+                 ? forced + picks
+                 : kvevict::detail::adakv_head_budget(picks, per_head_budget, candidates, params);
   }
 }
 
@@ -117,7 +156,7 @@ inline std::size_t adakv_workspace_size(std::int64_t num_kv_heads, std::int64_t 
 ///
 ///   scores:          [Hkv, L] float32 device (candidates [0, L - protected_tail))
 ///   per_head_budget: B, the average number of candidates a head keeps
-///   params:          alpha in [0, 1]; normalize must be false (below)
+///   params:          alpha in [0, 1], either rule; normalize must be false (below)
 ///   out:             [Hkv] int64 device: the candidates each head keeps, equal to
 ///                    kvevict::adakv_head_budgets; feed it to kvevict::cuda::select's
 ///                    head-budget overload with the same protected tail
@@ -155,18 +194,29 @@ inline status adakv_head_budgets(const_score_view scores, std::int64_t protected
   if (per_head_budget >= candidates)
     return detail::launch(fn, "adakv_all_kernel", {dim3(1), dim3(256), 0, opt.stream}, detail::adakv_all_kernel<>,
                           heads, candidates, out);
-  const std::int64_t global = heads * per_head_budget;
+  const std::int64_t forced = params.rule == adakv_rule::kvpress_safeguard
+                                  ? kvevict::detail::adakv_safeguard(per_head_budget, protected_tail, params)
+                                  : 0;
+  const std::int64_t global = heads * (per_head_budget - forced);
+  if (forced > 0) {
+    KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "adakv_safeguard_rows_kernel", {dim3(1), dim3(256), 0, opt.stream},
+                                           detail::adakv_safeguard_rows_kernel<>, scores, candidates, forced, w.picked,
+                                           w.rows));
+    KVEVICT_RETURN_IF_ERROR(detail::launch(
+        fn, "select_rows_kernel", {dim3(static_cast<unsigned>(heads)), dim3(detail::select_threads), 0, opt.stream},
+        detail::select_rows_kernel<>, w.rows, candidates, nullptr, opt.device_flags));
+  }
   if (global > 0) {
+    KVEVICT_RETURN_IF_ERROR(detail::launch(
+        fn, "adakv_flatten_kernel",
+        {dim3(static_cast<unsigned>(detail::stride_grid(flat, 256, 4096))), dim3(256), 0, opt.stream},
+        detail::adakv_flatten_kernel<>, scores, candidates, forced, global, w.flat, w.picked, w.rows + heads));
     KVEVICT_RETURN_IF_ERROR(
-        detail::launch(fn, "adakv_flatten_kernel",
-                       {dim3(static_cast<unsigned>(detail::stride_grid(flat, 256, 4096))), dim3(256), 0, opt.stream},
-                       detail::adakv_flatten_kernel<>, scores, candidates, global, w.flat, w.picked, w.row));
-    KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "select_rows_kernel",
-                                           {dim3(1), dim3(detail::select_threads), 0, opt.stream},
-                                           detail::select_rows_kernel<>, w.row, flat, nullptr, opt.device_flags));
+        detail::launch(fn, "select_rows_kernel", {dim3(1), dim3(detail::select_threads), 0, opt.stream},
+                       detail::select_rows_kernel<>, w.rows + heads, flat - heads * forced, nullptr, opt.device_flags));
   }
   return detail::launch(fn, "adakv_count_kernel", {dim3(1), dim3(256), 0, opt.stream}, detail::adakv_count_kernel<>,
-                        w.picked, global, heads, candidates, per_head_budget, params, out);
+                        w.picked, global, heads, candidates, forced, per_head_budget, params, out);
 }
 
 }  // namespace cuda

@@ -15,7 +15,8 @@
 //
 // A run() enqueues, for the sequences whose event needs it, in stream order:
 //   SnapKV, H2O, DapQ: one batched scoring of every sequence (observation_scores_batch; H2O's
-//            window is every prompt query, DapQ's its N pseudo tokens over the prompt before them)
+//            window is every prompt query, DapQ's its N pseudo tokens over the prompt before them,
+//            or its last N prompt queries moved N positions on by dapq_rerotate first)
 //   DeferKV: its observation (observation_state at prefill_end, the decode step's
 //            decode_observation after it) and, at the eviction step, finalize_state_scores
 //   KNorm, StreamingLLM: their scores from the keys or positions, one launch per sequence
@@ -37,10 +38,9 @@
 // or report. On the device, the compactions are all or nothing per layer (a bad block id or
 // a block reached twice moves nothing and raises its flag in launch_options::device_flags).
 //
-// Not on the GPU yet (refused by plan() or run(), by name): DapQ's re-rotated window, the TOVA
-// and KeyDiff policies, the per-sequence scope, AdaKV's normalize, tensor parallelism,
-// block reference counts (in-place compaction of prefix-shared blocks: use out_of_place),
-// and the changed_blocks / head_freed_blocks outputs.
+// Not on the GPU yet (refused by plan() or run(), by name): the TOVA and KeyDiff policies, the per-sequence scope,
+// AdaKV's normalize, tensor parallelism, block reference counts (in-place compaction of prefix-shared blocks: use
+// out_of_place), and the changed_blocks / head_freed_blocks outputs.
 
 #include <cuda_runtime.h>
 
@@ -250,6 +250,8 @@ class compressor : private detail::compressor_checks {
     // 2. Prepare every enqueue: the DeferKV observations, the scoring batch's list, the
     //    compaction batch (its host checks and descriptors).
     const bool defer = defers();
+    rope_config rope;
+    const bool rotate = rerotates(&rope);
     std::int64_t scored = 0, compacted = 0;
     bool weights_used = false;
     for (std::int64_t s = 0; s < n; ++s) {
@@ -266,6 +268,13 @@ class compressor : private detail::compressor_checks {
         scoring_sequence<Q, T>& q = host.scoring[scored];
         q = scoring_sequence<Q, T>{};
         q.queries = kvevict::detail::last_queries(io.queries, observed_queries(io.queries.num_queries));
+        if (rotate) {  // DapQ's re-rotated window: its W queries moved W positions on (as the CPU's)
+          const std::int64_t delta = q.queries.num_queries, d = options_.model.head_dim;
+          rotation_table(rope, delta, host.rotation_tables + s * rotation_table_doubles());
+          new (&host.rotation_sources[s]) query_view<const Q>(q.queries);
+          q.queries = contiguous_queries<const Q>(rotated_queries_of<Q>(dev, s), options_.model.num_query_heads, delta,
+                                                  d, dev.rotated_positions + s * window_);
+        }
         q.keys = io.keys.first_tokens(p.tokens);  // DapQ: the prompt before its pseudo tokens
         q.scores = scores_of(dev, s, p.tokens);
         q.inputs.key_positions = io.key_positions;
@@ -305,8 +314,24 @@ class compressor : private detail::compressor_checks {
                                                                 host.compact_staging_bytes, opt, fn, &compaction),
                              host.compacted_seq, compacted, fn));
 
-    // 3. Enqueue. The scoring batch checks and enqueues in one call: first, so that its
-    //    refusal still leaves everything as it was.
+    // 3. Enqueue. The scoring batch checks and enqueues in one call: first (after DapQ's
+    //    rotations, which write only the workspace), so that its refusal still leaves every
+    //    cache, state and output as it was.
+    if (rotate && scored > 0) {
+      KVEVICT_RETURN_IF_ERROR(
+          detail::cuda_status(cudaMemcpyAsync(dev.rotation_tables, host.rotation_tables, host.rotation_tables_bytes,
+                                              cudaMemcpyHostToDevice, opt.stream),
+                              fn, "cudaMemcpyAsync"));
+      for (std::int64_t i = 0; i < scored; ++i) {
+        const std::int64_t s = host.scored_seq[i];
+        const scoring_sequence<Q, T>& q = host.scoring[i];
+        KVEVICT_RETURN_IF_ERROR(kvevict::detail::in_sequence(
+            cuda::dapq_rerotate(host.rotation_sources[s], rope, dev.rotation_tables + s * rotation_table_doubles(),
+                                q.queries.num_queries, rotated_queries_of<Q>(dev, s),
+                                dev.rotated_positions + s * window_, opt),
+            s, fn));
+      }
+    }
     if (scored > 0)
       KVEVICT_RETURN_IF_ERROR(
           detail::renumbered(cuda::observation_scores_batch(host.scoring, scored, scoring_params_of(), dev.scoring,

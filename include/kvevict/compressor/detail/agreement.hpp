@@ -81,6 +81,7 @@ class compressor_agreement : protected compressor_lifecycle {
         {"heads", static_cast<std::uint64_t>(o.heads)},
         {"adakv.alpha", bits(o.adakv.alpha)},
         {"adakv.normalize", o.adakv.normalize ? 1u : 0u},
+        {"adakv.rule", static_cast<std::uint64_t>(o.adakv.rule)},
         {"layers", static_cast<std::uint64_t>(o.layers)},
         {"pyramid_beta", bits(o.pyramid_beta)},
         {"scope", static_cast<std::uint64_t>(o.scope)},
@@ -92,6 +93,7 @@ class compressor_agreement : protected compressor_lifecycle {
         {"limits.max_queries", static_cast<std::uint64_t>(o.limits.max_queries)},
         {"chunked_prefill", o.chunked_prefill ? 1u : 0u},
     };
+    static_assert(sizeof(fields) / sizeof(fields[0]) <= max_agreement_fields, "one agreement round");
     return agree(*o.tensor_parallel, fn, "tensor_parallel", local, fields,
                  static_cast<int>(sizeof(fields) / sizeof(fields[0])));
   }

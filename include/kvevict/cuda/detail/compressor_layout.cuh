@@ -31,6 +31,7 @@
 #include "kvevict/cuda/finalize.cuh"
 #include "kvevict/cuda/observation_scores.cuh"
 #include "kvevict/cuda/observation_scores_batch.cuh"
+#include "kvevict/cuda/rerotate.cuh"
 #include "kvevict/cuda/select_layer.cuh"
 #include "kvevict/cuda/sequence.cuh"
 #include "kvevict/detail/in_sequence.hpp"
@@ -41,6 +42,7 @@
 #include "kvevict/shape.hpp"
 #include "kvevict/views/cache_view.hpp"
 #include "kvevict/views/index_ptr.hpp"
+#include "kvevict/views/layouts.hpp"
 #include "kvevict/views/matrix_view.hpp"
 #include "kvevict/views/query_view.hpp"
 #include "kvevict/workspace.hpp"
@@ -146,8 +148,13 @@ class compressor_layout {
     std::int64_t* indices = nullptr;  ///< [max_seq][keep capacity]
     float* weights = nullptr;         ///< [max_seq][window] DeferKV's prefill weights
     workspace_span scoring;           ///< the scoring batch (SnapKV) or one observation (DeferKV)
-    workspace_span select;            ///< select_layer
-    workspace_span compact;           ///< the compaction batch
+    /// DapQ's re-rotated window: each sequence's rotated queries [Hq, W, d] (of Q), their
+    /// positions [W] and its rotation table (copied from the host staging's).
+    void* rotated_queries = nullptr;
+    std::int64_t* rotated_positions = nullptr;
+    double* rotation_tables = nullptr;
+    workspace_span select;   ///< select_layer
+    workspace_span compact;  ///< the compaction batch
   };
 
   template <class T, class Q>
@@ -169,6 +176,9 @@ class compressor_layout {
     std::size_t scoring_staging_bytes = 0;
     void* compact_staging = nullptr;
     std::size_t compact_staging_bytes = 0;
+    double* rotation_tables = nullptr;  ///< [max_seq][rotation_table_size], copied to the device's
+    std::size_t rotation_tables_bytes = 0;
+    query_view<const Q>* rotation_sources = nullptr;  ///< [max_seq] the windows to rotate, by sequence
   };
 
   bool defers() const noexcept { return kvevict::detail::defers(options_.policy.kind()); }
@@ -189,6 +199,27 @@ class compressor_layout {
       }
     });
   }
+  /// Whether the policy's window is re-rotated before scoring (DapQ's rerotated_window), and
+  /// with which RoPE.
+  bool rerotates(rope_config* rope = nullptr) const noexcept {
+    const policy_config& p = options_.policy;
+    rope_config r;
+    const bool yes = kvevict::detail::with_policy_traits(p.kind(), false, [&](auto traits) {
+      using Tr = decltype(traits);
+      if constexpr (detail::observation_scorer<Tr>::exists) {
+        return detail::observation_scorer<Tr>::rerotation(Tr::config(p), &r);
+      } else {
+        return false;
+      }
+    });
+    if (yes && rope != nullptr) *rope = r;
+    return yes;
+  }
+  std::int64_t rotation_table_doubles() const noexcept {
+    rope_config r;
+    return rerotates(&r) ? cuda::rotation_table_size(r) : 0;
+  }
+
   /// How many of a call's last `queries` observe at prefill_end: the window, or every one for a
   /// policy whose every prompt query observes (H2O; at most limits.max_queries, checked).
   std::int64_t observed_queries(std::int64_t queries) const noexcept {
@@ -288,6 +319,12 @@ class compressor_layout {
       scoring = two > one ? two : one;
     }
     out->scoring = kvevict::detail::take_bytes(a, scoring, true);
+    if (rerotates()) {
+      out->rotated_queries =
+          a.take<Q>(saturating_mul(seqs, saturating_mul(saturating_mul(m.num_query_heads, window_), m.head_dim)));
+      out->rotated_positions = a.take<std::int64_t>(saturating_mul(seqs, window_));
+      out->rotation_tables = a.take<double>(saturating_mul(seqs, rotation_table_doubles()));
+    }
     layer_budget b = base_budget();
     if (options_.layers == layer_allocation::pyramidkv) b.layer_candidates = tokens;
     out->select = kvevict::detail::take_bytes(a, cuda::select_layer_workspace_size(m.num_kv_heads, tokens, b), true);
@@ -339,6 +376,12 @@ class compressor_layout {
                                      ? cuda::compact_into_batch_staging_size(seqs)
                                      : 0;
     out->compact_staging = a.take<unsigned char>(static_cast<std::int64_t>(out->compact_staging_bytes));
+    if (rerotates()) {
+      const std::int64_t doubles = saturating_mul(seqs, rotation_table_doubles());
+      out->rotation_tables = a.take<double>(doubles);
+      out->rotation_tables_bytes = static_cast<std::size_t>(doubles) * sizeof(double);
+      out->rotation_sources = a.take<query_view<const Q>>(seqs);
+    }
   }
 
   template <class T, class Q>
@@ -381,6 +424,12 @@ class compressor_layout {
   score_view scores_of(const device_layout& dev, std::int64_t s, std::int64_t tokens) const noexcept {
     const std::int64_t heads = options_.model.num_kv_heads;
     return score_view{dev.scores + s * heads * options_.limits.max_tokens, heads, tokens, tokens};
+  }
+  /// Sequence s's re-rotated window [Hq, W, d] in the workspace (DapQ's rerotated_window).
+  template <class Q>
+  Q* rotated_queries_of(const device_layout& dev, std::int64_t s) const noexcept {
+    return static_cast<Q*>(dev.rotated_queries) +
+           s * options_.model.num_query_heads * window_ * options_.model.head_dim;
   }
   keep_list_view keep_of(const device_layout& dev, std::int64_t s) const noexcept {
     const std::int64_t heads = options_.model.num_kv_heads;

@@ -7,7 +7,9 @@
 // for SnapKV, H2O and DapQ; DeferKV's observation and finalisation) and refusing, at plan, a
 // configuration the GPU does not implement. A policy that reads
 // queries and states on_gpu in its traits needs one (asserted below); the compressor visits
-// its list, with no switch over kinds. Policies that read no queries: key_scorers.cuh.
+// its list, with no switch over kinds. `rerotation` names the RoPE that moves the window's
+// queries before scoring (DapQ's re-rotated window: cuda/rerotate.cuh), or none. Policies that
+// read no queries: key_scorers.cuh.
 
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
@@ -17,6 +19,7 @@
 #include "kvevict/policies/h2o_traits.hpp"
 #include "kvevict/policies/policy_list.hpp"
 #include "kvevict/policies/snapkv_traits.hpp"
+#include "kvevict/rope/rope.hpp"
 #include "kvevict/scoring/params.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
@@ -34,6 +37,7 @@ struct observation_scorer<snapkv_traits> {
   static constexpr bool exists = true;
   static scoring_params params(const window_config& c) noexcept { return c.params(); }
   static status plan_check(const window_config&, const char*) noexcept { return status(); }
+  static bool rerotation(const window_config&, rope_config*) noexcept { return false; }
 };
 
 template <>
@@ -41,17 +45,18 @@ struct observation_scorer<h2o_traits> {  // every prompt query, visible_mean, th
   static constexpr bool exists = true;
   static scoring_params params(const h2o_config& c) noexcept { return c.params(); }
   static status plan_check(const h2o_config&, const char*) noexcept { return status(); }
+  static bool rerotation(const h2o_config&, rope_config*) noexcept { return false; }
 };
 
 template <>
-struct observation_scorer<dapq_traits> {  // the pseudo tokens' queries over the prompt before them
+struct observation_scorer<dapq_traits> {  // pseudo tokens over the prompt before them, or the re-rotated window
   static constexpr bool exists = true;
   static scoring_params params(const dapq_config& c) noexcept { return c.scoring; }
-  static status plan_check(const dapq_config& c, const char* fn) noexcept {
-    if (c.source == dapq_source::rerotated_window)
-      return status::error(errc::unsupported, fn, "policy.dapq.source",
-                           "DapQ's re-rotated window is not implemented on the GPU (its pseudo tokens are)");
-    return status();
+  static status plan_check(const dapq_config&, const char*) noexcept { return status(); }
+  static bool rerotation(const dapq_config& c, rope_config* rope) noexcept {
+    if (c.source != dapq_source::rerotated_window) return false;
+    *rope = c.rope;
+    return true;
   }
 };
 
@@ -60,6 +65,7 @@ struct observation_scorer<deferkv_traits> {  // observation_state, decode_observ
   static constexpr bool exists = true;
   static scoring_params params(const deferkv_config& c) noexcept { return c.params(); }
   static status plan_check(const deferkv_config&, const char*) noexcept { return status(); }
+  static bool rerotation(const deferkv_config&, rope_config*) noexcept { return false; }
 };
 
 /// Whether every policy of the list that the GPU serves from queries has its parameters here.

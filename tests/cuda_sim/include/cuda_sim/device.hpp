@@ -407,6 +407,18 @@ inline float __fmul_rn(float a, float b) noexcept {
   const volatile float r = a * b;
   return r;
 }
+inline double __dadd_rn(double a, double b) noexcept {
+  const volatile double r = a + b;  // as __fadd_rn: one rounding per operation, never fused
+  return r;
+}
+inline double __dsub_rn(double a, double b) noexcept {
+  const volatile double r = a - b;
+  return r;
+}
+inline double __dmul_rn(double a, double b) noexcept {
+  const volatile double r = a * b;
+  return r;
+}
 inline float __frcp_rn(float x) noexcept {
   return 1.0f / x;  // IEEE division: correctly rounded, as the instruction
 }
