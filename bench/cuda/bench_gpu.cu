@@ -599,10 +599,10 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaMalloc(&budgets, static_cast<std::size_t>(hkv) * sizeof(std::int64_t)));
     const std::size_t wsb = kvevict::cuda::adakv_workspace_size(hkv, L);
     void* ws = device_bytes(wsb);
-    kvevict::adakv_params params;
-    params.rule = rule;
+    kvevict::adakv_params ada;
+    ada.rule = rule;
     const auto run = [&](const kvevict::cuda::launch_options& o) {
-      require_ok(kvevict::cuda::adakv_head_budgets({s, hkv, L, L}, W, B, params, budgets, {ws, wsb}, o));
+      require_ok(kvevict::cuda::adakv_head_budgets({s, hkv, L, L}, W, B, ada, budgets, {ws, wsb}, o));
     };
     const double us = median_us([&] { run(opt); }, reps);
     time_each_kernel(
