@@ -510,6 +510,19 @@ def adakv_kvpress_kernels(s: Shape, g: Gpu):
     return [rows] + per_head + [flatten, select, count]
 
 
+def adakv_normalised_kernels(s: Shape, g: Gpu):
+    """The paper rule with the per-head normalisation: each head's top B by the batched per-head
+    select, one thread per head summing its top B and its C candidates in double in order (a
+    chain of dependent double additions), then the paper rule's three kernels."""
+    rows = Kernel("adakv_head_rows_kernel", "per-head row descriptors", 1, 256, chain_cycles=g.hbm_latency_cycles)
+    per_head = [k for k in select_kernels(replace(s, budget=s.budget + s.window), g, s.hkv)
+                if k.name == "select_rows_kernel"]
+    factor = Kernel("adakv_factor_kernel", "per-head sums in double, one thread each", 1, 256,
+                    hbm_bytes=s.hkv * s.cand * 4, l2_bytes=s.hkv * (s.cand + s.budget) * 4,
+                    chain_cycles=(s.cand + s.budget) * 4 + g.hbm_latency_cycles)
+    return [rows] + per_head + [factor] + adakv_kernels(s, g)
+
+
 def compact_batch_kernels(s: Shape, g: Gpu, n):
     """compact_batch: n sequences of L/n tokens keeping B/n per head; compact's kernels with
     the sequence as blockIdx.y (each block's work that of one sequence's call), after one
@@ -614,6 +627,8 @@ def calls(s: Shape, g: Gpu):
                         [decode_logits(s, g, False), row_lse(s, g, s.hq, dec_tiles), decode_update(s, g)]),
         "adakv": ("adakv_head_budgets (device)", adakv_kernels(s, g)),
         "adakv_kvpress": ("adakv_head_budgets (device), AdaKVPress's rule", adakv_kvpress_kernels(s, g)),
+        "adakv_normalised": ("adakv_head_budgets (device), the paper's rule normalised",
+                             adakv_normalised_kernels(s, g)),
         "compact_batch": (f"compact_batch, {BATCH} sequences x {s.tokens // BATCH} tokens, one call",
                           compact_batch_kernels(s, g, BATCH)),
         "compact_into_batch": (f"compact_into_batch, {BATCH} sequences x {s.tokens // BATCH} tokens, one call",

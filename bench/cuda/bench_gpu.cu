@@ -591,9 +591,12 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaFree(s));
   }
 
-  // AdaKV: the layer's head budgets on the device (the paper's rule, then AdaKVPress's).
-  for (const kvevict::adakv_rule rule : {kvevict::adakv_rule::paper, kvevict::adakv_rule::kvpress_safeguard}) {
-    const bool paper = rule == kvevict::adakv_rule::paper;
+  // AdaKV: the layer's head budgets on the device (the paper's rule, then AdaKVPress's, then the
+  // paper's normalised).
+  for (int variant : {0, 1, 2}) {
+    const kvevict::adakv_rule rule = variant == 1 ? kvevict::adakv_rule::kvpress_safeguard : kvevict::adakv_rule::paper;
+    const char* name = variant == 0 ? "adakv" : variant == 1 ? "adakv_kvpress" : "adakv_normalised";
+    const char* label = variant == 0 ? "" : variant == 1 ? " (AdaKVPress's rule)" : " (normalised)";
     float* s = device_random<float>(hkv * L, 9);
     std::int64_t* budgets = nullptr;
     BENCH_CHECK(cudaMalloc(&budgets, static_cast<std::size_t>(hkv) * sizeof(std::int64_t)));
@@ -601,16 +604,16 @@ int main(int argc, char** argv) {
     void* ws = device_bytes(wsb);
     kvevict::adakv_params ada;
     ada.rule = rule;
+    ada.normalize = variant == 2;
     const auto run = [&](const kvevict::cuda::launch_options& o) {
       require_ok(kvevict::cuda::adakv_head_budgets({s, hkv, L, L}, W, B, ada, budgets, {ws, wsb}, o));
     };
     const double us = median_us([&] { run(opt); }, reps);
     time_each_kernel(
-        paper ? "adakv" : "adakv_kvpress", capture_stream, [&] { run(capture_opt); }, reps);
-    std::printf("| adakv_head_budgets%s, %lld heads x %lld (global top-%lld on the device) | %.1f | | |\n",
-                paper ? "" : " (AdaKVPress's rule)", static_cast<long long>(hkv), static_cast<long long>(L),
-                static_cast<long long>(hkv * B), us);
-    result(paper ? "adakv_us" : "adakv_kvpress_us", us);
+        name, capture_stream, [&] { run(capture_opt); }, reps);
+    std::printf("| adakv_head_budgets%s, %lld heads x %lld (global top-%lld on the device) | %.1f | | |\n", label,
+                static_cast<long long>(hkv), static_cast<long long>(L), static_cast<long long>(hkv * B), us);
+    result((std::string(name) + "_us").c_str(), us);
     BENCH_CHECK(cudaFree(ws));
     BENCH_CHECK(cudaFree(budgets));
     BENCH_CHECK(cudaFree(s));

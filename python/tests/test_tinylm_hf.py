@@ -103,3 +103,23 @@ def test_kvpress_and_kvevict_answer_alike_on_tinylm(model, name, theirs, ours):
     for ids in tinylm_prompts():
         outs = [fidelity_hf.answer(model, press, ids, 8) for press in (theirs(0.75), ours(0.75))]
         assert outs[0] == outs[1], f"{name}: kvpress {outs[0]} vs kvevict {outs[1]}"
+
+
+def test_adakv_keeps_adakvpress_entries_on_tinylm(model):
+    """AdaKV through the press (AdaKVPress's rule, the default under preset 'kvpress') against
+    kvpress's own AdaKVPress on the trained TinyLM: the same masked entries in every layer, and
+    the same greedy answers (ratio 0.75, SnapKV's window of 64)."""
+    from test_kvpress import masked_sets  # noqa: E402
+    import kvpress  # noqa: E402
+    from kvevict.kvpress import KvevictPress  # noqa: E402
+
+    for ids in tinylm_prompts():
+        prompt = torch.tensor([ids])
+        theirs = masked_sets(model, kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=0.75)), prompt)
+        ours = masked_sets(model, KvevictPress("snapkv", compression_ratio=0.75, options={"heads": "adakv"}), prompt)
+        for layer, (a, b) in enumerate(zip(theirs, ours)):
+            assert torch.equal(a, b), f"layer {layer}: {(a != b).sum().item()} entries differ"
+        answers = [fidelity_hf.answer(model, press, ids, 8)
+                   for press in (kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=0.75)),
+                                 KvevictPress("snapkv", compression_ratio=0.75, options={"heads": "adakv"}))]
+        assert answers[0] == answers[1], f"kvpress {answers[0]} vs kvevict {answers[1]}"

@@ -867,6 +867,11 @@ TEST_CASE("GPU decode observation: every group bucket, key load and layout", "[g
     check_decode<bf16, fp8_e4m3>(layout::paged_hnd, 1, 12, 256, 260, max, vis, 0, false, seed++, 0.5f);
     check_decode<float>(layout::paged_nhd, 1, 16, 36, 280, sum, vis, 3, false, seed++);  // partial panel
   }
+  SECTION("fp8 rows of d % 16 == 8 (8-byte loads)") {
+    check_decode<bf16, fp8_e4m3>(layout::contiguous, 2, 4, 40, 290, mean, vis, 3, false, seed++, 0.5f);
+    check_decode<fp16, fp8_e5m2>(layout::paged_nhd, 1, 2, 72, 270, max, cand, 0, true, seed++, 2.0f);
+    check_decode<bf16, fp8_e4m3>(layout::paged_hnd, 2, 8, 136, 260, sum, vis, 0, false, seed++, 1.0f);  // 2 panels
+  }
   SECTION("fp8 rows that do not allow 8-byte loads (scalar)") {
     check_decode<fp16, fp8_e5m2>(layout::paged_hnd, 2, 3, 45, 270, mean, vis, 0, false, seed++, 0.25f);
     check_decode<bf16, fp8_e4m3>(layout::transposed, 1, 8, 64, 260, sum, vis, 0, false, seed++, 1.0f);
@@ -1466,11 +1471,13 @@ TEST_CASE("GPU AdaKV head budgets equal the CPU's and feed the selection without
           const kvevict::const_score_view sv{scores.data(), sc.rows, sc.cols, sc.cols};
           kvevict::adakv_params params;
           params.alpha = alpha;
-          // Both rules in full runs; sanitizer runs alternate them over the combinations kept.
-          for (const kvevict::adakv_rule rule : {kvevict::adakv_rule::paper, kvevict::adakv_rule::kvpress_safeguard}) {
-            if (trimmed && (rule == kvevict::adakv_rule::paper) != ((combination / 3) % 2 == 0)) continue;
-            params.rule = rule;
-            INFO("rule " << static_cast<int>(rule));
+          // The paper's rule, with and without the normalisation, and kvpress's safeguard rule:
+          // all three in full runs; sanitizer runs take them in turn over the combinations kept.
+          for (int variant : {0, 1, 2}) {
+            if (trimmed && variant != static_cast<int>((combination / 3) % 3)) continue;
+            params.rule = variant == 2 ? kvevict::adakv_rule::kvpress_safeguard : kvevict::adakv_rule::paper;
+            params.normalize = variant == 1;
+            INFO("variant " << variant << " (0 paper, 1 paper normalised, 2 kvpress_safeguard)");
             std::vector<std::int64_t> want(static_cast<std::size_t>(sc.rows));
             kvevict::workspace ws(kvevict::adakv_workspace_size(sc.rows, sc.cols) +
                                   kvevict::select_workspace_size(sc.cols));
@@ -1501,10 +1508,11 @@ TEST_CASE("GPU AdaKV head budgets equal the CPU's and feed the selection without
 TEST_CASE("GPU AdaKV head budgets: bad input is refused before anything runs", "[gpu][gpu_errors]") {
   const auto scores = score_matrix(4, 100, 1600, 0);
   kvevict::selection_params sel;
-  kvevict::adakv_params normalised;
+  kvevict::adakv_params normalised;  // the normalisation is the paper rule's, not kvpress's
   normalised.normalize = true;
+  normalised.rule = kvevict::adakv_rule::kvpress_safeguard;
   const auto n = gpu::adakv(scores, 4, 100, 10, normalised, sel, 40);
-  REQUIRE(n.st.code() == kvevict::errc::unsupported);
+  REQUIRE(n.st.code() == kvevict::errc::invalid_argument);
   REQUIRE(std::string(n.st.message()).find("params.normalize") != std::string::npos);
   REQUIRE(n.budgets == std::vector<std::int64_t>(4, -7));
   kvevict::adakv_params wild;

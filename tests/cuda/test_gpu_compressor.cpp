@@ -359,7 +359,8 @@ TEST_CASE("GPU compressor: H2O, DapQ, KNorm, StreamingLLM and ChunkKV equal kvev
     scenario<bf16, bf16> sc(o, true, 0, 21);
     check_against_cpu(sc);
   }
-  SECTION("KNorm, fp8 e4m3 (scaled), bf16 queries, PyramidKV and AdaKV, tail on top, into fresh paged blocks") {
+  SECTION(
+      "KNorm, fp8 e4m3 (scaled), bf16 queries, PyramidKV and normalised AdaKV, tail on top, into fresh paged blocks") {
     kvevict::compressor_options o = base_options(dtype::f8_e4m3, dtype::bf16);
     kvevict::knorm_config k;
     k.protected_tail = 2;
@@ -367,6 +368,7 @@ TEST_CASE("GPU compressor: H2O, DapQ, KNorm, StreamingLLM and ChunkKV equal kvev
     o.policy = kvevict::policy::knorm(k);
     o.per_head = kvevict::budget::ratio(0.4);
     o.heads = kvevict::head_allocation::adakv;
+    o.adakv.normalize = true;  // the paper rule's per-head normalisation
     o.layers = kvevict::layer_allocation::pyramidkv;
     o.compact = kvevict::compaction::out_of_place;
     scenario<fp8_e4m3, bf16> sc(o, true, 0, 22);
@@ -569,9 +571,6 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
   cases.back().o.chunked_prefill = true;
   cases.push_back({base, kvevict::errc::unsupported, "scope"});
   cases.back().o.scope = kvevict::selection_scope::per_sequence;
-  cases.push_back({base, kvevict::errc::unsupported, "adakv.normalize"});
-  cases.back().o.heads = kvevict::head_allocation::adakv;
-  cases.back().o.adakv.normalize = true;
   cases.push_back({base, kvevict::errc::invalid_shape, "limits.max_pool_blocks"});
   cases.back().o.limits.max_pool_blocks = -1;
   cases.push_back({base, kvevict::errc::invalid_shape, "model.num_kv_heads"});  // the CPU plan's checks first

@@ -346,6 +346,13 @@ TEST_CASE("vector loads only where every row start is 16-byte aligned", "[cuda_l
   REQUIRE(cd::vector_width(4096, 2, 128, 1, 128 * 100, 132, 0) == 1);  // padded rows
   REQUIRE(cd::vector_width(4096, 2, 128, 7, 128, 1, 0) == 1);          // transposed
   REQUIRE(cd::vector_width(4096, 2, 128, 1, 128, 1024, 12) == 1);      // block stride misaligned
+  // fp8 loaded 8 bytes at a time (the decode kernel): d % 16 == 8 rows qualify, 8-byte aligned.
+  REQUIRE(cd::vector_width(4096, 1, 40, 1, 40 * 100, 40, 0, 8) == 8);
+  REQUIRE(cd::vector_width(4104, 1, 40, 1, 40 * 100, 40, 0, 8) == 8);  // 8- but not 16-byte aligned
+  REQUIRE(cd::vector_width(4096, 1, 40, 1, 40 * 100, 40, 0) == 1);     // 16-byte loads: d % 16 != 0
+  REQUIRE(cd::vector_width(4100, 1, 40, 1, 40 * 100, 40, 0, 8) == 1);  // base misaligned
+  REQUIRE(cd::vector_width(4096, 1, 44, 1, 44 * 100, 44, 0, 8) == 1);  // d % 8 != 0
+  REQUIRE(cd::vector_width(4096, 1, 40, 1, 40, 8 * 40, 36, 8) == 1);   // block stride misaligned
 }
 
 TEST_CASE("pool_at equals the CPU pooling bit for bit, through halo windows", "[cuda_logic]") {

@@ -15,7 +15,10 @@
 // Three launches, integer arithmetic after the scores: deterministic. The kvpress_safeguard rule
 // (budgets/adakv.hpp) first selects each head's top f in one batched launch (step 0), packs the
 // rest of each row around those picks in step 1, ranks Hkv*(B - f) in step 2, and gives head h
-// f + its picks in step 3: five launches, the CPU's budgets bit for bit.
+// f + its picks in step 3: five launches, the CPU's budgets bit for bit. The paper rule's
+// normalisation selects each head's top B the same way, then one thread per head sums its top B
+// and its whole row in double in the CPU's order (adakv_factor_kernel), and step 1 scales each
+// score by its head's factor as the CPU does: six launches.
 
 #include <cuda_runtime.h>
 
@@ -40,7 +43,8 @@ namespace detail {
 struct adakv_workspace {
   select_row* rows = nullptr;      // [Hkv + 1]: the safeguard's per-head rows, then step 2's row
   float* flat = nullptr;           // [Hkv * C]
-  std::int64_t* picked = nullptr;  // [Hkv * C]: the safeguard's [Hkv, f] picks, then step 2's
+  std::int64_t* picked = nullptr;  // [Hkv * C]: each head's top f (safeguard) or B (normalise), then step 2's
+  double* factors = nullptr;       // [Hkv] the normalisation's factors
 };
 
 inline void carve_adakv_workspace(kvevict::detail::arena& a, std::int64_t heads, std::int64_t tokens,
@@ -49,32 +53,52 @@ inline void carve_adakv_workspace(kvevict::detail::arena& a, std::int64_t heads,
   out->rows = a.take<select_row>(kvevict::detail::saturating_add(heads, 1));
   out->flat = a.take<float>(n);
   out->picked = a.take<std::int64_t>(n);
+  out->factors = a.take<double>(heads);
 }
 
-/// kvpress_safeguard's step 0: one selection row per head, its top f candidates (f >= 1).
+/// Step 0 of the safeguard rule and of the normalisation: one selection row per head, its top
+/// `count` candidates (count >= 1) into picked [Hkv, count].
 template <int Unused = 0>
 __global__ void __launch_bounds__(256)
-    adakv_safeguard_rows_kernel(const_score_view scores, std::int64_t candidates, std::int64_t forced,
-                                std::int64_t* picked, select_row* rows) {
+    adakv_head_rows_kernel(const_score_view scores, std::int64_t candidates, std::int64_t count, std::int64_t* picked,
+                           select_row* rows) {
   for (std::int64_t h = threadIdx.x; h < scores.rows; h += blockDim.x) {
     select_row r;
     r.scores = scores.data + h * scores.row_stride;
     r.length = candidates;
-    r.budget = forced;
+    r.budget = count;
     r.protected_tail = 0;
     r.mode = protected_mode::inside_budget;
-    r.out = picked + h * forced;
+    r.out = picked + h * count;
     rows[h] = r;
+  }
+}
+
+/// The normalisation's factors: head h's (sum of its top b) / (sum of all), both summed in
+/// double by one thread in ascending index order, as the CPU sums them (adakv_head_row), so the
+/// factors are its bits; 1 where the total is not positive and finite.
+template <int Unused = 0>
+__global__ void __launch_bounds__(256)
+    adakv_factor_kernel(const_score_view scores, std::int64_t candidates, std::int64_t b, const std::int64_t* picked,
+                        double* factors) {
+  for (std::int64_t h = threadIdx.x; h < scores.rows; h += blockDim.x) {
+    const float* row = scores.data + h * scores.row_stride;
+    const std::int64_t* top_b = picked + h * b;
+    double top = 0.0, total = 0.0;
+    for (std::int64_t i = 0; i < b; ++i) top += static_cast<double>(row[top_b[i]]);
+    for (std::int64_t j = 0; j < candidates; ++j) total += static_cast<double>(row[j]);
+    factors[h] = (total > 0.0 && ::isfinite(total) && ::isfinite(top)) ? top / total : 1.0;
   }
 }
 
 /// Step 1, and the descriptor of step 2 (written by thread 0 of block 0). Under the safeguard
 /// rule each head's f forced picks (ascending in `picked`, [Hkv, f]) leave its row and the
-/// rest is packed in token order, as on the CPU: row h of `flat` is [C - f].
+/// rest is packed in token order, as on the CPU: row h of `flat` is [C - f]. With `factors`
+/// (the normalisation) each score is scaled as the CPU scales it: float(double(v) * factor).
 template <int Unused = 0>
 __global__ void __launch_bounds__(256)
     adakv_flatten_kernel(const_score_view scores, std::int64_t candidates, std::int64_t forced, std::int64_t global,
-                         float* flat, std::int64_t* picked, select_row* row) {
+                         const double* factors, float* flat, std::int64_t* picked, select_row* row) {
   const std::int64_t n = scores.rows * candidates, rest = candidates - forced;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
@@ -91,7 +115,8 @@ __global__ void __launch_bounds__(256)
       }
     }
     if (lo < forced && mine[lo] == j) continue;
-    flat[h * rest + j - lo] = scores.data[h * scores.row_stride + j];
+    const float v = scores.data[h * scores.row_stride + j];
+    flat[h * rest + j - lo] = factors == nullptr ? v : static_cast<float>(static_cast<double>(v) * factors[h]);
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     select_row r;
@@ -156,26 +181,22 @@ inline std::size_t adakv_workspace_size(std::int64_t num_kv_heads, std::int64_t 
 ///
 ///   scores:          [Hkv, L] float32 device (candidates [0, L - protected_tail))
 ///   per_head_budget: B, the average number of candidates a head keeps
-///   params:          alpha in [0, 1], either rule; normalize must be false (below)
+///   params:          alpha in [0, 1], either rule; normalize with the paper's
 ///   out:             [Hkv] int64 device: the candidates each head keeps, equal to
 ///                    kvevict::adakv_head_budgets; feed it to kvevict::cuda::select's
 ///                    head-budget overload with the same protected tail
 ///   ws:              device memory, >= adakv_workspace_size(Hkv, L)
 ///
-/// Enqueues up to three kernels on opt.stream; no synchronisation, no allocation. The
-/// per-head normalisation (params.normalize, off in AdaKV's GQA setting) sums scores in
-/// double in the CPU's sequential order, which a GPU would either serialise or round
-/// differently: it is refused (errc::unsupported) rather than computed with other bits.
+/// Enqueues up to six kernels on opt.stream; no synchronisation, no allocation. The per-head
+/// normalisation (params.normalize, off in AdaKV's GQA setting) selects each head's top B in
+/// one batched launch and sums in double in the CPU's order, one thread per head (a chain of
+/// C additions: about C x 4 cycles), so its factors are the CPU's bits.
 inline status adakv_head_budgets(const_score_view scores, std::int64_t protected_tail, std::int64_t per_head_budget,
                                  const adakv_params& params, std::int64_t* out, workspace_span ws,
                                  const launch_options& opt = {}) {
   static constexpr const char* fn = "kvevict::cuda::adakv_head_budgets";
   KVEVICT_RETURN_IF_ERROR(
       kvevict::detail::validate_adakv_inputs(scores, protected_tail, per_head_budget, params, out, fn));
-  if (params.normalize)
-    return status::error(errc::unsupported, fn, "params.normalize",
-                         "the per-head normalisation is not implemented on the GPU (its double sums would not "
-                         "match the CPU's bits); compute those budgets with kvevict::adakv_head_budgets");
   const std::int64_t heads = scores.rows;
   const std::int64_t candidates = scores.cols > protected_tail ? scores.cols - protected_tail : 0;
   const std::int64_t flat = kvevict::detail::saturating_mul(heads, candidates);
@@ -198,19 +219,27 @@ inline status adakv_head_budgets(const_score_view scores, std::int64_t protected
                                   ? kvevict::detail::adakv_safeguard(per_head_budget, protected_tail, params)
                                   : 0;
   const std::int64_t global = heads * (per_head_budget - forced);
-  if (forced > 0) {
-    KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "adakv_safeguard_rows_kernel", {dim3(1), dim3(256), 0, opt.stream},
-                                           detail::adakv_safeguard_rows_kernel<>, scores, candidates, forced, w.picked,
+  // Each head's own top: the safeguard's f, or the normalisation's B (the rules exclude each other).
+  const bool normalises = params.normalize && per_head_budget > 0;
+  const std::int64_t own = normalises ? per_head_budget : forced;
+  if (own > 0) {
+    KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "adakv_head_rows_kernel", {dim3(1), dim3(256), 0, opt.stream},
+                                           detail::adakv_head_rows_kernel<>, scores, candidates, own, w.picked,
                                            w.rows));
     KVEVICT_RETURN_IF_ERROR(detail::launch(
         fn, "select_rows_kernel", {dim3(static_cast<unsigned>(heads)), dim3(detail::select_threads), 0, opt.stream},
         detail::select_rows_kernel<>, w.rows, candidates, nullptr, opt.device_flags));
   }
+  if (normalises)
+    KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "adakv_factor_kernel", {dim3(1), dim3(256), 0, opt.stream},
+                                           detail::adakv_factor_kernel<>, scores, candidates, per_head_budget, w.picked,
+                                           w.factors));
   if (global > 0) {
-    KVEVICT_RETURN_IF_ERROR(detail::launch(
-        fn, "adakv_flatten_kernel",
-        {dim3(static_cast<unsigned>(detail::stride_grid(flat, 256, 4096))), dim3(256), 0, opt.stream},
-        detail::adakv_flatten_kernel<>, scores, candidates, forced, global, w.flat, w.picked, w.rows + heads));
+    KVEVICT_RETURN_IF_ERROR(
+        detail::launch(fn, "adakv_flatten_kernel",
+                       {dim3(static_cast<unsigned>(detail::stride_grid(flat, 256, 4096))), dim3(256), 0, opt.stream},
+                       detail::adakv_flatten_kernel<>, scores, candidates, forced, global,
+                       normalises ? static_cast<const double*>(w.factors) : nullptr, w.flat, w.picked, w.rows + heads));
     KVEVICT_RETURN_IF_ERROR(
         detail::launch(fn, "select_rows_kernel", {dim3(1), dim3(detail::select_threads), 0, opt.stream},
                        detail::select_rows_kernel<>, w.rows + heads, flat - heads * forced, nullptr, opt.device_flags));

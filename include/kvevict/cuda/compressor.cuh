@@ -38,9 +38,9 @@
 // or report. On the device, the compactions are all or nothing per layer (a bad block id or
 // a block reached twice moves nothing and raises its flag in launch_options::device_flags).
 //
-// Not on the GPU yet (refused by plan() or run(), by name): the TOVA and KeyDiff policies, the per-sequence scope,
-// AdaKV's normalize, tensor parallelism, block reference counts (in-place compaction of prefix-shared blocks: use
-// out_of_place), and the changed_blocks / head_freed_blocks outputs.
+// Not on the GPU yet (refused by plan() or run(), by name): the TOVA and KeyDiff policies, the
+// per-sequence scope, tensor parallelism, block reference counts (in-place compaction of
+// prefix-shared blocks: use out_of_place), and the changed_blocks / head_freed_blocks outputs.
 
 #include <cuda_runtime.h>
 
@@ -131,9 +131,6 @@ class compressor : private detail::compressor_checks {
       return status::error(errc::unsupported, fn, "scope",
                            "the per-sequence keep set is not implemented on the GPU compressor (per_head and "
                            "per_layer are; fold_layer_scores and select_shared are its blocks)");
-    if (o.heads == head_allocation::adakv && o.adakv.normalize)
-      return status::error(errc::unsupported, fn, "adakv.normalize",
-                           "AdaKV's per-head normalisation is not implemented on the GPU");
     KVEVICT_RETURN_IF_ERROR(detail::check_pooling_fits(c.scoring_params_of().pool, fn));
     // The kernels' 32-bit limits, refused here so that no run() stops half-way through its
     // enqueues (selection tiles rows of L keys; AdaKV ranks a layer's Hkv * L candidates in

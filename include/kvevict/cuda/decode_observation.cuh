@@ -201,10 +201,12 @@ status decode_prepare(const query_view<const Q>& queries, const cache_view<const
   // A tail longer than the capacity protects everything; clamped so that it fits an int.
   a.protected_tail = static_cast<int>(p.protected_tail < dims.tokens ? p.protected_tail : dims.tokens);
   a.visible_domain = dims.visible_domain;
+  // The kernel's loads: 16 bytes of 16-bit or float keys, 8 bytes (8 channels) of fp8 keys.
+  const std::int64_t load = sizeof(K) == 1 ? 8 : 16;
   const std::int64_t vec =
       vector_width(reinterpret_cast<std::uintptr_t>(keys.data), static_cast<std::int64_t>(sizeof(K)), keys.head_dim,
-                   keys.dim_stride, keys.head_stride, keys.token_stride, keys.is_paged() ? keys.block_stride : 0);
-  out->vectorised = vec == 16 / static_cast<std::int64_t>(sizeof(K));
+                   keys.dim_stride, keys.head_stride, keys.token_stride, keys.is_paged() ? keys.block_stride : 0, load);
+  out->vectorised = vec == load / static_cast<std::int64_t>(sizeof(K));
   return status();
 }
 

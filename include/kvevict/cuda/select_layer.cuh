@@ -79,10 +79,9 @@ inline std::size_t select_layer_workspace_size(std::int64_t num_kv_heads, std::i
 ///           >= detail::layer_keep_capacity(Hkv, L, sel, b)
 ///   ws:     device memory, >= select_layer_workspace_size(Hkv, L, b)
 ///
-/// Writes the keep-lists kvevict::select_layer writes. Up to six kernels (AdaKV: three plus
-/// select's two; per_layer with a normalised rule: a memset, three, then select_shared's).
-/// AdaKV's normalize is refused (see adakv_head_budgets), as is the per_sequence scope (the
-/// compressor's: it folds every layer first).
+/// Writes the keep-lists kvevict::select_layer writes. Up to eight kernels (AdaKV: up to six
+/// plus select's two; per_layer with a normalised rule: a memset, three, then select_shared's).
+/// The per_sequence scope is refused (the compressor's: it folds every layer first).
 inline status select_layer(const_score_view scores, const selection_params& sel, const layer_budget& b,
                            keep_list_view out, workspace_span ws, const launch_options& opt = {}) {
   static constexpr const char* fn = "kvevict::cuda::select_layer";

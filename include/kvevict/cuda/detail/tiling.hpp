@@ -63,18 +63,20 @@ KVEVICT_HOST_DEVICE constexpr index_range halo_range(index_range tile, std::int6
   return {b < 0 ? 0 : b, e > n ? n : e};
 }
 
-/// Vector width (elements per 16-byte load) usable for the rows of a view: the rows must be
-/// contiguous (dim_stride 1) and every row start 16-byte aligned, which holds when the base
-/// address and every stride a row start is built from are multiples of 16 bytes. Returns 1
-/// (scalar loads) otherwise.
+/// Vector width (elements per load of `load_bytes`, 16 by default) usable for the rows of a
+/// view: the rows must be contiguous (dim_stride 1), hold whole loads, and every row start be
+/// aligned to the load, which holds when the base address and every stride a row start is built
+/// from are multiples of `load_bytes`. Returns 1 (scalar loads) otherwise. (The decode kernel
+/// loads fp8 keys 8 bytes at a time: rows of d % 16 == 8 take them too.)
 KVEVICT_HOST_DEVICE constexpr std::int64_t vector_width(std::uintptr_t base, std::int64_t element_bytes,
                                                         std::int64_t head_dim, std::int64_t dim_stride,
                                                         std::int64_t head_stride, std::int64_t token_stride,
-                                                        std::int64_t block_stride) noexcept {
-  if (element_bytes <= 0 || 16 % element_bytes != 0 || dim_stride != 1) return 1;
-  const std::int64_t v = 16 / element_bytes;
-  const bool aligned =
-      base % 16 == 0 && head_dim % v == 0 && head_stride % v == 0 && token_stride % v == 0 && block_stride % v == 0;
+                                                        std::int64_t block_stride,
+                                                        std::int64_t load_bytes = 16) noexcept {
+  if (element_bytes <= 0 || load_bytes <= 0 || load_bytes % element_bytes != 0 || dim_stride != 1) return 1;
+  const std::int64_t v = load_bytes / element_bytes;
+  const bool aligned = base % static_cast<std::uintptr_t>(load_bytes) == 0 && head_dim % v == 0 &&
+                       head_stride % v == 0 && token_stride % v == 0 && block_stride % v == 0;
   return aligned ? v : 1;
 }
 
