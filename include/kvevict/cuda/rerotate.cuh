@@ -88,7 +88,7 @@ status dapq_rerotate(const query_view<QT>& window, const rope_config& rope, cons
                      OutT* out, std::int64_t* out_positions, const launch_options& opt = {}) {
   static constexpr const char* fn = "kvevict::cuda::dapq_rerotate";
   const query_view<const std::remove_cv_t<QT>> q = window;
-  KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_query_view(q, fn, "window"));
+  KVEVICT_RETURN_IF_ERROR(detail::validate_device_query_view(q, opt, fn, "window"));  // reads no device memory
   KVEVICT_RETURN_IF_ERROR(validate_rope_config(rope, fn));
   if (rope.head_dim != q.head_dim)
     return status::error(errc::invalid_shape, fn, "rope.head_dim", "expected window.head_dim = %lld, got %lld",
@@ -106,8 +106,6 @@ status dapq_rerotate(const query_view<QT>& window, const rope_config& rope, cons
                          : out == nullptr ? "out"
                                           : "out_positions",
                          "expected device memory");
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(q.data, opt, fn, "window.data"));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(q.positions, opt, fn, "window.positions"));
   KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(table, opt, fn, "table"));
   KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(out, opt, fn, "out"));
   KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(out_positions, opt, fn, "out_positions"));
