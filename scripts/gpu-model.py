@@ -332,6 +332,14 @@ def key_norm(s: Shape, g: Gpu):
                   chain_cycles=g.hbm_latency_cycles + s.d * 8)
 
 
+def head_mean(s: Shape, g: Gpu):
+    """TOVA's mean across KV heads: one thread per token, Hkv scores read and written, a chain
+    of Hkv double additions."""
+    n = s.hkv * s.tokens * 4
+    return Kernel("head_mean_kernel", "mean across KV heads (TOVA)", ceil_div(s.tokens, 256), 256,
+                  hbm_bytes=2 * n, l2_bytes=2 * n, chain_cycles=g.hbm_latency_cycles + s.hkv * 8)
+
+
 def rerotate(s: Shape, g: Gpu):
     """DapQ's re-rotated window: a block per query row, a thread per rotated pair; the queries
     read and written once, the table from L2; a few dependent double operations per pair."""
@@ -613,6 +621,7 @@ def calls(s: Shape, g: Gpu):
         "finalize_state": ("finalize_state_scores", [finalize(s, g, 1)]),
         "key_norm": ("key_norm_scores (KNorm)", [key_norm(s, g)]),
         "rerotate": ("dapq_rerotate (DapQ's re-rotated window)", [rerotate(s, g)]),
+        "head_mean": ("head_mean_scores (TOVA)", [head_mean(s, g)]),
         "select_layer": (f"select, one layer ({s.hkv} rows)", select_kernels(s, g, s.hkv)),
         "select_model": (f"select, {s.layers} layers x {s.hkv} rows, one launch",
                          select_kernels(s, g, s.layers * s.hkv)),

@@ -415,6 +415,15 @@ int main(int argc, char** argv) {
     std::printf("| dapq_rerotate (DapQ's re-rotated window, %lld x %lld queries) | %.1f | | |\n",
                 static_cast<long long>(hq), static_cast<long long>(W), us_rot);
     result("rerotate_us", us_rot);
+    // TOVA's mean across KV heads, in place over the scores.
+    const auto run_mean = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::head_mean_scores(sview, W, o));
+    };
+    const double us_mean = median_us([&] { run_mean(opt); }, reps);
+    time_each_kernel(
+        "head_mean", capture_stream, [&] { run_mean(capture_opt); }, reps);
+    std::printf("| head_mean_scores (TOVA) | %.1f | | |\n", us_mean);
+    result("head_mean_us", us_mean);
     BENCH_CHECK(cudaFree(rotated_pos));
     BENCH_CHECK(cudaFree(rotated));
     BENCH_CHECK(cudaFree(table));

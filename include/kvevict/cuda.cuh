@@ -28,6 +28,7 @@
 #include "kvevict/cuda/decode_observation.cuh"
 #include "kvevict/cuda/device_flags.hpp"
 #include "kvevict/cuda/finalize.cuh"
+#include "kvevict/cuda/head_mean_scores.cuh"
 #include "kvevict/cuda/key_scores.cuh"
 #include "kvevict/cuda/observation_scores.cuh"
 #include "kvevict/cuda/observation_scores_batch.cuh"

@@ -327,7 +327,7 @@ TEST_CASE("GPU compressor: SnapKV equals kvevict::compressor, call for call", "[
   }
 }
 
-TEST_CASE("GPU compressor: H2O, DapQ, KNorm, StreamingLLM and ChunkKV equal kvevict::compressor, call for call",
+TEST_CASE("GPU compressor: H2O, DapQ, TOVA, KNorm, StreamingLLM and ChunkKV equal kvevict::compressor, call for call",
           "[gpu][gpu_compressor]") {
   using kvevict::dtype;
   // H2O observes every prompt query (the scenarios hand them all); KNorm and StreamingLLM read
@@ -437,6 +437,26 @@ TEST_CASE("GPU compressor: H2O, DapQ, KNorm, StreamingLLM and ChunkKV equal kvev
     o.layers = kvevict::layer_allocation::pyramidkv;
     o.compact = kvevict::compaction::out_of_place;
     scenario<float, float> sc(o, false, 0, 34);
+    check_against_cpu(sc);
+  }
+  // TOVA: the last prompt query's attention, averaged over every query head (the batched
+  // scoring, then the mean across KV heads on the device).
+  SECTION("TOVA, bf16, shared paged pools, uniform budget, in place") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    o.policy = kvevict::policy::tova();
+    scenario<bf16, bf16> sc(o, true, 0, 35);
+    check_against_cpu(sc);
+  }
+  SECTION("TOVA, float, own strided caches, a tail of 3, PyramidKV and AdaKV, chunks of 4, into fresh memory") {
+    kvevict::compressor_options o = base_options(dtype::f32, dtype::f32);
+    kvevict::tova_config t;
+    t.protected_tail = 3;
+    o.policy = kvevict::policy::tova(t).chunked(4);
+    o.per_head = kvevict::budget::ratio(0.4);
+    o.layers = kvevict::layer_allocation::pyramidkv;
+    o.heads = kvevict::head_allocation::adakv;
+    o.compact = kvevict::compaction::out_of_place;
+    scenario<float, float> sc(o, false, 0, 36);
     check_against_cpu(sc);
   }
   SECTION("ChunkKV on SnapKV, bf16, shared paged pools, chunks of 5, uniform budget, in place") {

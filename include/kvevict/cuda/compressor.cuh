@@ -14,9 +14,11 @@
 //   per step, per layer:  st = c.run(layer, seqs, n, reports, ws, staging, bytes, launch);
 //
 // A run() enqueues, for the sequences whose event needs it, in stream order:
-//   SnapKV, H2O, DapQ: one batched scoring of every sequence (observation_scores_batch; H2O's
-//            window is every prompt query, DapQ's its N pseudo tokens over the prompt before them,
-//            or its last N prompt queries moved N positions on by dapq_rerotate first)
+//   SnapKV, H2O, DapQ, TOVA: one batched scoring of every sequence (observation_scores_batch;
+//            H2O's window is every prompt query, DapQ's its N pseudo tokens over the prompt before
+//            them, or its last N prompt queries moved N positions on by dapq_rerotate first,
+//            TOVA's the last prompt query, its scores then averaged across KV heads by
+//            head_mean_scores)
 //   DeferKV: its observation (observation_state at prefill_end, the decode step's
 //            decode_observation after it) and, at the eviction step, finalize_state_scores
 //   KNorm, StreamingLLM: their scores from the keys or positions, one launch per sequence
@@ -38,7 +40,7 @@
 // or report. On the device, the compactions are all or nothing per layer (a bad block id or
 // a block reached twice moves nothing and raises its flag in launch_options::device_flags).
 //
-// Not on the GPU yet (refused by plan() or run(), by name): the TOVA and KeyDiff policies, the
+// Not on the GPU yet (refused by plan() or run(), by name): the KeyDiff policy, the
 // per-sequence scope, tensor parallelism, block reference counts (in-place compaction of
 // prefix-shared blocks: use out_of_place), and the changed_blocks / head_freed_blocks outputs.
 
@@ -358,6 +360,8 @@ class compressor : private detail::compressor_checks {
             state_of(seqs[s], layer, p.candidates), options_.model.num_query_heads / options_.model.num_kv_heads,
             static_cast<float>(1.0 / p.after.z), params, scores_of(dev, s, p.tokens), opt));
       }
+      if (scores_in_batch())  // what follows the batched scoring (TOVA: the mean across KV heads)
+        KVEVICT_RETURN_IF_ERROR(finish_scores(scores_of(dev, s, p.tokens), p.sel.protected_tail, opt));
       if (options_.policy.chunk_length > 0)  // ChunkKV on top of the policy's scores
         KVEVICT_RETURN_IF_ERROR(
             cuda::chunk_scores(scores_of(dev, s, p.tokens), p.sel.protected_tail, options_.policy.chunk_length, opt));

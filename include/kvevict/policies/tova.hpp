@@ -37,19 +37,8 @@ class tova : public scoring_policy<tova<T, Q>, T, Q> {
   /// How many of its last prompt queries the engine should hand in.
   static constexpr std::int64_t window() noexcept { return 1; }
 
-  /// Per KV head: the mean over its group of the one query's attention. The group means
-  /// are then averaged across KV heads, which is the mean over every query head because
-  /// every group has the same size.
-  scoring_params params() const noexcept {
-    scoring_params p;
-    p.domain = softmax_domain::visible;
-    p.window = window_aggregation::mean;
-    p.gqa = gqa_reduction::mean;
-    p.order = gqa_order::before_pooling;
-    p.pool = {pooling_kind::none, 1, true};
-    p.protected_tail = config_.protected_tail;
-    return p;
-  }
+  /// The observation scoring's parameters (tova_config::params).
+  scoring_params params() const noexcept { return config_.params(); }
 
   std::size_t workspace_size(const layer_shape& shape, const executor& exec = {}) const noexcept {
     return observation_scores_workspace_size(shape, params(), exec);

@@ -21,6 +21,20 @@ struct tova_config {
   /// own attention kvpress drops before scoring.
   std::int64_t protected_tail = 1;
   protected_mode protect = protected_mode::inside_budget;
+
+  /// Per KV head: the mean over its group of the one query's attention (visible softmax, no
+  /// pooling). tova then averages the group means across KV heads, which is the mean over
+  /// every query head because every group has the same size.
+  scoring_params params() const noexcept {
+    scoring_params p;
+    p.domain = softmax_domain::visible;
+    p.window = window_aggregation::mean;
+    p.gqa = gqa_reduction::mean;
+    p.order = gqa_order::before_pooling;
+    p.pool = {pooling_kind::none, 1, true};
+    p.protected_tail = protected_tail;
+    return p;
+  }
 };
 
 template <class T, class Q>
@@ -32,6 +46,7 @@ struct tova_traits : policy_traits_base {
   template <class T, class Q>
   using policy = tova<T, Q>;
   static constexpr bool chunkable = true;
+  static constexpr bool on_gpu = true;  // the batched scoring, then cuda::head_mean_scores
 
   static constexpr policy_kind kind = static_cast<policy_kind>(6);  // its index in default_policies
   static const config_type& config(const policy_config& p) noexcept { return p.config<tova_traits>(); }

@@ -199,6 +199,20 @@ class compressor_layout {
       }
     });
   }
+  /// The policy's step after the batched scoring (observation_scorer::finish), on one sequence's
+  /// scores.
+  status finish_scores(score_view scores, std::int64_t protected_tail, const launch_options& opt) const {
+    const policy_config& p = options_.policy;
+    return kvevict::detail::with_policy_traits(p.kind(), status(), [&](auto traits) -> status {
+      using Tr = decltype(traits);
+      if constexpr (detail::observation_scorer<Tr>::exists) {
+        return detail::observation_scorer<Tr>::finish(Tr::config(p), scores, protected_tail, opt);
+      } else {
+        return status();
+      }
+    });
+  }
+
   /// Whether the policy's window is re-rotated before scoring (DapQ's rerotated_window), and
   /// with which RoPE.
   bool rerotates(rope_config* rope = nullptr) const noexcept {

@@ -8,10 +8,13 @@
 // configuration the GPU does not implement. A policy that reads
 // queries and states on_gpu in its traits needs one (asserted below); the compressor visits
 // its list, with no switch over kinds. `rerotation` names the RoPE that moves the window's
-// queries before scoring (DapQ's re-rotated window: cuda/rerotate.cuh), or none. Policies that
-// read no queries: key_scorers.cuh.
+// queries before scoring (DapQ's re-rotated window: cuda/rerotate.cuh), or none; `finish`
+// enqueues what follows the batched scoring (TOVA's mean across KV heads), or nothing. Policies
+// that read no queries: key_scorers.cuh.
 
 #include "kvevict/config.hpp"
+#include "kvevict/cuda/common.cuh"
+#include "kvevict/cuda/head_mean_scores.cuh"
 #include "kvevict/error.hpp"
 #include "kvevict/policies/configs.hpp"
 #include "kvevict/policies/dapq_traits.hpp"
@@ -19,8 +22,10 @@
 #include "kvevict/policies/h2o_traits.hpp"
 #include "kvevict/policies/policy_list.hpp"
 #include "kvevict/policies/snapkv_traits.hpp"
+#include "kvevict/policies/tova_traits.hpp"
 #include "kvevict/rope/rope.hpp"
 #include "kvevict/scoring/params.hpp"
+#include "kvevict/views/matrix_view.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
 namespace cuda {
@@ -38,6 +43,7 @@ struct observation_scorer<snapkv_traits> {
   static scoring_params params(const window_config& c) noexcept { return c.params(); }
   static status plan_check(const window_config&, const char*) noexcept { return status(); }
   static bool rerotation(const window_config&, rope_config*) noexcept { return false; }
+  static status finish(const window_config&, score_view, std::int64_t, const launch_options&) { return status(); }
 };
 
 template <>
@@ -46,6 +52,7 @@ struct observation_scorer<h2o_traits> {  // every prompt query, visible_mean, th
   static scoring_params params(const h2o_config& c) noexcept { return c.params(); }
   static status plan_check(const h2o_config&, const char*) noexcept { return status(); }
   static bool rerotation(const h2o_config&, rope_config*) noexcept { return false; }
+  static status finish(const h2o_config&, score_view, std::int64_t, const launch_options&) { return status(); }
 };
 
 template <>
@@ -58,6 +65,7 @@ struct observation_scorer<dapq_traits> {  // pseudo tokens over the prompt befor
     *rope = c.rope;
     return true;
   }
+  static status finish(const dapq_config&, score_view, std::int64_t, const launch_options&) { return status(); }
 };
 
 template <>
@@ -66,6 +74,18 @@ struct observation_scorer<deferkv_traits> {  // observation_state, decode_observ
   static scoring_params params(const deferkv_config& c) noexcept { return c.params(); }
   static status plan_check(const deferkv_config&, const char*) noexcept { return status(); }
   static bool rerotation(const deferkv_config&, rope_config*) noexcept { return false; }
+  static status finish(const deferkv_config&, score_view, std::int64_t, const launch_options&) { return status(); }
+};
+
+template <>
+struct observation_scorer<tova_traits> {  // the last prompt query, then the mean across KV heads
+  static constexpr bool exists = true;
+  static scoring_params params(const tova_config& c) noexcept { return c.params(); }
+  static status plan_check(const tova_config&, const char*) noexcept { return status(); }
+  static bool rerotation(const tova_config&, rope_config*) noexcept { return false; }
+  static status finish(const tova_config&, score_view scores, std::int64_t protected_tail, const launch_options& opt) {
+    return cuda::head_mean_scores(scores, protected_tail, opt);
+  }
 };
 
 /// Whether every policy of the list that the GPU serves from queries has its parameters here.
