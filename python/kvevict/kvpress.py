@@ -139,8 +139,14 @@ class KvevictPress(BasePress):
             with super().__call__(model):
                 yield
             return
-        hooks = [model.register_forward_pre_hook(self._append_pseudo_tokens, with_kwargs=True),
-                 model.register_forward_hook(self._drop_pseudo_outputs, with_kwargs=True)]
+        # On the decoder stack (kvpress's own choice of module), so that a call of the causal LM
+        # and one of its inner model (kvpress's pipeline prefills through model.model) both get
+        # them; the LM head then sees the trimmed hidden states.
+        inner = getattr(model, "model", model)
+        inner = getattr(inner, "language_model", inner)
+        self._appended = 0
+        hooks = [inner.register_forward_pre_hook(self._append_pseudo_tokens, with_kwargs=True),
+                 inner.register_forward_hook(self._drop_pseudo_outputs, with_kwargs=True)]
         try:
             with super().__call__(model):
                 yield
@@ -261,6 +267,9 @@ class KvevictPress(BasePress):
             return keys, values
         _refuse_padding(kwargs)
         tokens = keys.shape[2]
+        if self._pseudo() and getattr(self, "_appended", 0) != self.options.get("pseudo_tokens", 32):
+            raise ValueError("input_ids: DapQ's pseudo tokens were not appended to this prefill (call the model "
+                             "inside the press's context, with input_ids)")
         observe = _QUERIES[self.policy]
         pseudo = self.options.get("pseudo_tokens", 32)
         count = {"window": min(self.window_size, tokens), "all": tokens, "last": 1, "pseudo": min(pseudo, tokens),

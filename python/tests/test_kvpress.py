@@ -331,3 +331,10 @@ def test_dapq_pseudo_tokens_through_the_press(model, prompt):
                 assert all(bool((prompt_rows[b, h] == r).all(-1).any()) for r in got.keys[b, h])
     tokens = greedy(model, press, prompt, steps=4)  # decoding at Lp, Lp + 1, ...
     assert tokens.shape == (prompt.shape[0], 4)
+    # kvpress's pipeline prefills through the inner model: the same pseudo tokens, the same cache.
+    inner_cache = DynamicCache()
+    with torch.inference_mode(), press(model):
+        hidden = model.model(prompt, past_key_values=inner_cache).last_hidden_state
+    assert hidden.shape[1] == PROMPT_TOKENS
+    for got, again in zip(cache.layers, inner_cache.layers):
+        assert torch.equal(got.keys, again.keys) and torch.equal(got.values, again.values)
