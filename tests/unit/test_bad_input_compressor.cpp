@@ -501,6 +501,35 @@ TEST_CASE("bad input: compressor::run", "[errors]") {
                return c->run(0, io.data(), 3, wd.reports.data(), wd.span());
              };
            }},
+          // DapQ normalises over the prompt's keys, for queries the engine's attention normalised
+          // otherwise (or never saw: the re-rotated window): an engine LSE is refused, both sources.
+          {"DapQ: LSE passed (pseudo tokens)", errc::unsupported, "seqs[0].lse",
+           [](world& wd) -> call_fn {
+             kvevict::dapq_config q;
+             q.pseudo_tokens = world::w;
+             auto c = std::make_shared<kvevict::compressor>();
+             REQUIRE(kvevict::compressor::plan(world::options(kvevict::policy::dapq(q)), c.get()).ok());
+             return [&wd, c] {
+               auto io = wd.prefill(false);
+               io[0].lse = lse.data();
+               return c->run(0, io.data(), 3, wd.reports.data(), wd.span());
+             };
+           }},
+          {"DapQ: LSE passed (re-rotated window)", errc::unsupported, "seqs[2].lse",
+           [](world& wd) -> call_fn {
+             kvevict::dapq_config q;
+             q.pseudo_tokens = world::w;
+             q.source = kvevict::dapq_source::rerotated_window;
+             q.rope.head_dim = world::d;
+             auto c = std::make_shared<kvevict::compressor>();
+             REQUIRE(kvevict::compressor::plan(world::options(kvevict::policy::dapq(q)), c.get()).ok());
+             auto ws = std::make_shared<kvevict::workspace>(c->workspace_size());  // the rotation's too
+             return [&wd, c, ws] {
+               auto io = wd.prefill(false);
+               io[2].lse = lse.data();
+               return c->run(0, io.data(), 3, wd.reports.data(), *ws);
+             };
+           }},
           // Chunked prefill: a last chunk with fewer queries than the window must not score.
           r("SnapKV: fewer queries than its window at prefill_end", errc::invalid_shape, "seqs[1].queries.num_queries",
             [](world&, io_vec& io) { io[1].queries.num_queries = world::w - 1; }),

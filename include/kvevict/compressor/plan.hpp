@@ -270,7 +270,9 @@ status check_sequence_queries(const compressor_options& o, softmax_domain domain
   if (lse == nullptr) return status();
   if (!accepts_lse(o.policy.kind()))
     return status::error(errc::unsupported, fn, io_name(s, "lse"),
-                         "DeferKV normalises its own observations; pass no LSE");
+                         "%s normalises its observations itself (DeferKV its running state, DapQ over the prompt's "
+                         "keys); pass no LSE",
+                         with_policy_traits(o.policy.kind(), "", [](auto traits) { return decltype(traits)::name; }));
   if (domain != softmax_domain::visible)
     return status::error(errc::unsupported, fn, io_name(s, "lse"),
                          "an engine log-sum-exp covers every visible key; the policy normalises over candidates");

@@ -55,7 +55,8 @@ struct sequence_io {
   index_ptr key_positions = nullptr;
   /// Optional flash-attention log-sum-exp of the queries ([Hq, W] natural log, rows
   /// lse_head_stride apart; 0 means W): one sweep over K instead of two (softmax over
-  /// visible keys only; not for DeferKV, which normalises its own observations). Read only
+  /// visible keys only; not for DeferKV, which normalises its own observations, nor for DapQ,
+  /// which normalises over the prompt's keys for queries moved or unseen by the engine). Read only
   /// when this call's queries hold the whole window: a window assembled with the rows of
   /// earlier prefill chunks is normalised by kvevict.
   const float* lse = nullptr;

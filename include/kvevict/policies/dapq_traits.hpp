@@ -32,7 +32,11 @@ struct dapq_traits : policy_traits_base {
   template <class T, class Q>
   using policy = dapq<T, Q>;
   static constexpr bool reuses_positions = true;
-  static constexpr bool on_gpu = true;  // pseudo tokens; the GPU plan refuses the re-rotated window
+  static constexpr bool on_gpu = true;  // both sources (the re-rotated window by cuda::dapq_rerotate)
+  /// Its softmax covers the prompt's keys only, for queries the engine's attention did not
+  /// normalise that way (the pseudo tokens also see each other; the re-rotated window is moved):
+  /// an engine LSE would be another normaliser, so it is refused.
+  static constexpr bool accepts_lse = false;
 
   static constexpr policy_kind kind = policy_kind::dapq;  // its index in default_policies
   static const config_type& config(const policy_config& p) noexcept { return p.config<dapq_traits>(); }

@@ -45,8 +45,9 @@ struct policy_traits_base {
   /// A deferred policy observes into per-sequence state and evicts later (decide()'s
   /// lifecycle); its class offers deferkv's state calls. A list holds at most one.
   static constexpr bool deferred = false;
-  /// An engine log-sum-exp may stand in for the policy's normaliser (a deferred policy
-  /// normalises its own observations).
+  /// An engine log-sum-exp may stand in for the policy's normaliser (not where the policy
+  /// normalises its own observations, DeferKV, or over other keys or queries than the engine's
+  /// attention, DapQ).
   static constexpr bool accepts_lse = true;
   /// After eviction the next position is the scored length, not past the cache's last token
   /// (DapQ's pseudo tokens are dropped, so their positions are used again).
