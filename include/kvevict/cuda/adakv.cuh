@@ -56,6 +56,21 @@ inline void carve_adakv_workspace(kvevict::detail::arena& a, std::int64_t heads,
   out->factors = a.take<double>(heads);
 }
 
+/// The first of n ascending values at or past `key` (n if none).
+KVEVICT_HOST_DEVICE inline std::int64_t first_at_least(const std::int64_t* values, std::int64_t n,
+                                                       std::int64_t key) noexcept {
+  std::int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    if (values[mid] < key) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 /// Step 0 of the safeguard rule and of the normalisation: one selection row per head, its top
 /// `count` candidates (count >= 1) into picked [Hkv, count].
 template <int Unused = 0>
@@ -105,15 +120,7 @@ __global__ void __launch_bounds__(256)
     const std::int64_t h = i / candidates, j = i - h * candidates;
     // Forced picks of head h before token j (binary search), and whether j is one.
     const std::int64_t* mine = picked + h * forced;
-    std::int64_t lo = 0, hi = forced;
-    while (lo < hi) {
-      const std::int64_t mid = lo + (hi - lo) / 2;
-      if (mine[mid] < j) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
+    const std::int64_t lo = first_at_least(mine, forced, j);
     if (lo < forced && mine[lo] == j) continue;
     const float v = scores.data[h * scores.row_stride + j];
     flat[h * rest + j - lo] = factors == nullptr ? v : static_cast<float>(static_cast<double>(v) * factors[h]);
@@ -139,21 +146,8 @@ __global__ void __launch_bounds__(256)
   const std::int64_t rest = candidates - forced;
   for (std::int64_t h = threadIdx.x; h < heads; h += blockDim.x) {
     // First pick at or past each boundary: picks of head h are [lower(h rest), lower((h + 1) rest)).
-    std::int64_t bounds[2];
-    for (int e = 0; e < 2; ++e) {
-      const std::int64_t key = (h + e) * rest;
-      std::int64_t lo = 0, hi = global;
-      while (lo < hi) {
-        const std::int64_t mid = lo + (hi - lo) / 2;
-        if (picked[mid] < key) {
-          lo = mid + 1;
-        } else {
-          hi = mid;
-        }
-      }
-      bounds[e] = lo;
-    }
-    const std::int64_t picks = bounds[1] - bounds[0];
+    const std::int64_t picks =
+        first_at_least(picked, global, (h + 1) * rest) - first_at_least(picked, global, h * rest);
     out[h] = params.rule == adakv_rule::kvpress_safeguard
                  ? forced + picks
                  : kvevict::detail::adakv_head_budget(picks, per_head_budget, candidates, params);

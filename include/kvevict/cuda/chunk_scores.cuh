@@ -27,6 +27,25 @@ namespace detail {
 
 constexpr int chunk_scores_block = 128;
 
+/// The checks of an in-place pass over a layer's scores [Hkv, L] whose protected tail it leaves
+/// as it is (chunk_scores, head_mean_scores): a tail >= 0, Hkv >= 1, a valid view within the
+/// kernels' 32-bit limits (grids of `block` threads), device memory; *candidates = L - tail.
+inline status check_score_rows(const score_view& scores, std::int64_t protected_tail, int block,
+                               const launch_options& opt, const char* fn, std::int64_t* candidates) noexcept {
+  if (protected_tail < 0)
+    return status::error(errc::invalid_argument, fn, "protected_tail", "expected >= 0, got %lld",
+                         static_cast<long long>(protected_tail));
+  if (scores.rows < 1)
+    return status::error(errc::invalid_shape, fn, "scores.rows", "expected >= 1 KV head, got %lld",
+                         static_cast<long long>(scores.rows));
+  KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_matrix_view(scores, scores.rows, scores.cols, fn, "scores"));
+  if (!fits_int32(scores.cols, block) || scores.rows > int32_limit)
+    return status::error(errc::overflow, fn, "scores", "expected L < 2^31 and Hkv < 2^31, got [%lld, %lld]",
+                         static_cast<long long>(scores.rows), static_cast<long long>(scores.cols));
+  *candidates = scores.cols > protected_tail ? scores.cols - protected_tail : 0;
+  return *candidates == 0 ? status() : check_device_pointer(scores.data, opt, fn, "scores.data");
+}
+
 struct chunk_args {
   float* scores = nullptr;
   std::int64_t score_stride = 0;
@@ -64,19 +83,10 @@ inline status chunk_scores(score_view scores, std::int64_t protected_tail, std::
   if (chunk_length < 1)
     return status::error(errc::invalid_argument, fn, "chunk_length", "expected >= 1, got %lld",
                          static_cast<long long>(chunk_length));
-  if (protected_tail < 0)
-    return status::error(errc::invalid_argument, fn, "protected_tail", "expected >= 0, got %lld",
-                         static_cast<long long>(protected_tail));
-  if (scores.rows < 1)
-    return status::error(errc::invalid_shape, fn, "scores.rows", "expected >= 1 KV head, got %lld",
-                         static_cast<long long>(scores.rows));
-  KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_matrix_view(scores, scores.rows, scores.cols, fn, "scores"));
-  if (!detail::fits_int32(scores.cols, detail::chunk_scores_block) || scores.rows > detail::int32_limit)
-    return status::error(errc::overflow, fn, "scores", "expected L < 2^31 and Hkv < 2^31, got [%lld, %lld]",
-                         static_cast<long long>(scores.rows), static_cast<long long>(scores.cols));
-  const std::int64_t candidates = scores.cols > protected_tail ? scores.cols - protected_tail : 0;
+  std::int64_t candidates = 0;
+  KVEVICT_RETURN_IF_ERROR(
+      detail::check_score_rows(scores, protected_tail, detail::chunk_scores_block, opt, fn, &candidates));
   if (candidates == 0) return status();
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(scores.data, opt, fn, "scores.data"));
   detail::chunk_args a;
   a.scores = scores.data;
   a.score_stride = scores.row_stride;

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "kvevict/config.hpp"
+#include "kvevict/cuda/chunk_scores.cuh"
 #include "kvevict/cuda/common.cuh"
 #include "kvevict/cuda/detail/launch.cuh"
 #include "kvevict/cuda/detail/tiling.hpp"
@@ -47,19 +48,10 @@ __global__ void __launch_bounds__(head_mean_block)
 inline status head_mean_scores(score_view scores, std::int64_t protected_tail,
                                const launch_options& opt = {}) noexcept {
   static constexpr const char* fn = "kvevict::cuda::head_mean_scores";
-  if (protected_tail < 0)
-    return status::error(errc::invalid_argument, fn, "protected_tail", "expected >= 0, got %lld",
-                         static_cast<long long>(protected_tail));
-  if (scores.rows < 1)
-    return status::error(errc::invalid_shape, fn, "scores.rows", "expected >= 1 KV head, got %lld",
-                         static_cast<long long>(scores.rows));
-  KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_matrix_view(scores, scores.rows, scores.cols, fn, "scores"));
-  if (!detail::fits_int32(scores.cols, detail::head_mean_block) || scores.rows > detail::int32_limit)
-    return status::error(errc::overflow, fn, "scores", "expected L < 2^31 and Hkv < 2^31, got [%lld, %lld]",
-                         static_cast<long long>(scores.rows), static_cast<long long>(scores.cols));
-  const std::int64_t candidates = scores.cols > protected_tail ? scores.cols - protected_tail : 0;
+  std::int64_t candidates = 0;
+  KVEVICT_RETURN_IF_ERROR(
+      detail::check_score_rows(scores, protected_tail, detail::head_mean_block, opt, fn, &candidates));
   if (candidates == 0) return status();
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(scores.data, opt, fn, "scores.data"));
   return detail::launch(fn, "head_mean_kernel",
                         {dim3(static_cast<unsigned>(detail::num_tiles(candidates, detail::head_mean_block))),
                          dim3(static_cast<unsigned>(detail::head_mean_block)), 0, opt.stream},
