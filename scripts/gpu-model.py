@@ -332,6 +332,33 @@ def key_norm(s: Shape, g: Gpu):
                   chain_cycles=g.hbm_latency_cycles + s.d * 8)
 
 
+def keydiff_kernels(s: Shape, g: Gpu):
+    """KeyDiff's scores, four launches in the CPU's summation order: the rows' norms (one thread
+    per row, as key_norm, double out), each chunk of 256 tokens' channel sums (one thread per
+    channel and chunk: K read a second time, a chain of 256 DFMAs), the anchor (one block per
+    head: the chunks' sums, then thread 0's d squares), the scores (one thread per row: K read a
+    third time, a chain of d DFMAs). Beyond the first pass K comes from HBM again when it does
+    not fit L2."""
+    k_bytes = s.hkv * s.tokens * s.d * s.elem
+    norms = s.hkv * s.tokens * 8
+    chunks = ceil_div(s.tokens, 256)
+    sums = s.hkv * chunks * s.d * 8
+    k_again = 0 if fits_l2(g, k_bytes) else k_bytes
+    out = s.hkv * s.tokens * 4
+    return [
+        Kernel("keydiff_norm_kernel", "KeyDiff: key norms, one thread per row", ceil_div(s.tokens, 256) * s.hkv, 256,
+               hbm_bytes=k_bytes + norms, l2_bytes=k_bytes + norms, chain_cycles=g.hbm_latency_cycles + s.d * 8),
+        Kernel("keydiff_chunk_kernel", "KeyDiff: channel sums per chunk of 256", chunks * s.hkv, 128,
+               hbm_bytes=k_again + sums, l2_bytes=k_bytes + norms + sums,
+               chain_cycles=g.hbm_latency_cycles + 256 * 8 * ceil_div(s.d, 128)),
+        Kernel("keydiff_anchor_kernel", "KeyDiff: anchor and its norm, a block per head", s.hkv, 128,
+               l2_bytes=sums + s.hkv * s.d * 8, chain_cycles=g.l2_latency_cycles + chunks * 8 + s.d * 8),
+        Kernel("keydiff_score_kernel", "KeyDiff: cosine to the anchor, one thread per row",
+               ceil_div(s.tokens, 256) * s.hkv, 256, hbm_bytes=k_again + out, l2_bytes=k_bytes + norms + out,
+               chain_cycles=g.hbm_latency_cycles + s.d * 8),
+    ]
+
+
 def head_mean(s: Shape, g: Gpu):
     """TOVA's mean across KV heads: one thread per token, Hkv scores read and written, a chain
     of Hkv double additions."""
@@ -620,6 +647,7 @@ def calls(s: Shape, g: Gpu):
         "decode_1pass": ("decode_observation, engine LSE", [decode_logits(s, g, True)]),
         "finalize_state": ("finalize_state_scores", [finalize(s, g, 1)]),
         "key_norm": ("key_norm_scores (KNorm)", [key_norm(s, g)]),
+        "keydiff": ("keydiff_scores (KeyDiff)", keydiff_kernels(s, g)),
         "rerotate": ("dapq_rerotate (DapQ's re-rotated window)", [rerotate(s, g)]),
         "head_mean": ("head_mean_scores (TOVA)", [head_mean(s, g)]),
         "select_layer": (f"select, one layer ({s.hkv} rows)", select_kernels(s, g, s.hkv)),

@@ -396,6 +396,19 @@ int main(int argc, char** argv) {
     std::printf("| key_norm_scores (KNorm) | %.1f | %.0f GB/s of K | K-read bound %.1f us (x%.1f) |\n", us_norm,
                 k_bytes / (us_norm * 1e-6) / 1e9, k_bound_us, us_norm / k_bound_us);
     result("key_norm_us", us_norm);
+    // KeyDiff's scores: norms, chunked channel sums, anchor, cosines (cuda/keydiff_scores.cuh).
+    const std::size_t kd_bytes = kvevict::cuda::keydiff_scores_workspace_size(hkv, L, d);
+    void* kd_ws = nullptr;
+    BENCH_CHECK(cudaMalloc(&kd_ws, kd_bytes));
+    const auto run_keydiff = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::keydiff_scores(kview, W, sview, {kd_ws, kd_bytes}, o));
+    };
+    const double us_keydiff = median_us([&] { run_keydiff(opt); }, reps);
+    time_each_kernel(
+        "keydiff", capture_stream, [&] { run_keydiff(capture_opt); }, reps);
+    std::printf("| keydiff_scores (KeyDiff), 4 launches | %.1f | %.0f GB/s of K | K-read bound %.1f us (x%.1f) |\n",
+                us_keydiff, k_bytes / (us_keydiff * 1e-6) / 1e9, k_bound_us, us_keydiff / k_bound_us);
+    result("keydiff_us", us_keydiff);
     // DapQ's re-rotated window: the W window queries moved W positions on (cuda/rerotate.cuh).
     kvevict::rope_config rope;
     rope.head_dim = d;
@@ -424,6 +437,7 @@ int main(int argc, char** argv) {
         "head_mean", capture_stream, [&] { run_mean(capture_opt); }, reps);
     std::printf("| head_mean_scores (TOVA) | %.1f | | |\n", us_mean);
     result("head_mean_us", us_mean);
+    BENCH_CHECK(cudaFree(kd_ws));
     BENCH_CHECK(cudaFree(rotated_pos));
     BENCH_CHECK(cudaFree(rotated));
     BENCH_CHECK(cudaFree(table));

@@ -30,6 +30,7 @@
 #include "kvevict/cuda/finalize.cuh"
 #include "kvevict/cuda/head_mean_scores.cuh"
 #include "kvevict/cuda/key_scores.cuh"
+#include "kvevict/cuda/keydiff_scores.cuh"
 #include "kvevict/cuda/observation_scores.cuh"
 #include "kvevict/cuda/observation_scores_batch.cuh"
 #include "kvevict/cuda/rerotate.cuh"

@@ -55,7 +55,9 @@ compressor_session_result compressor_session(const kvevict::compressor_options& 
     mirror m;
     const std::size_t n = call.seqs.size();
     std::vector<kvevict::cuda::sequence_io<T, Q>> ios(n);
-    std::vector<std::int64_t*> lengths(n, nullptr), kept(n, nullptr), padded(n, nullptr);
+    std::vector<std::int64_t*> lengths(n, nullptr), kept(n, nullptr), padded(n, nullptr), freed(n, nullptr);
+    std::vector<std::int32_t*> changed(n, nullptr);
+    const auto changed_size = static_cast<std::size_t>(c.changed_blocks_capacity());
     const auto cap = static_cast<std::size_t>(std::max<std::int64_t>(c.keep_capacity(), 1));
     const auto padded_size = static_cast<std::size_t>(heads * std::max<std::int64_t>(c.keep_capacity_per_head(), 1));
     for (std::size_t s = 0; s < n; ++s) {
@@ -75,6 +77,15 @@ compressor_session_result compressor_session(const kvevict::compressor_options& 
       io.lse = m.fresh_copy(q.lse);
       io.lse_head_stride = q.lse_head_stride;
       io.block_refcounts = m.fresh_copy(q.block_refcounts);
+      io.shared_blocks = q.raw_shared_blocks != nullptr ? q.raw_shared_blocks : m.fresh_copy(q.shared_blocks);
+      if (q.block_outputs) {
+        changed[s] = m.alloc<std::int32_t>(changed_size);
+        freed[s] = m.alloc<std::int64_t>(static_cast<std::size_t>(heads));
+        m.fill(changed[s], changed_size, std::int32_t{77});
+        m.fill(freed[s], static_cast<std::size_t>(heads), std::int64_t{-7});
+        io.changed_blocks = changed[s];
+        io.head_freed_blocks = freed[s];
+      }
       if (q.state >= 0) {
         io.state = states[static_cast<std::size_t>(q.state)];
         io.host_state = host_states[static_cast<std::size_t>(q.state)].data();
@@ -110,6 +121,10 @@ compressor_session_result compressor_session(const kvevict::compressor_options& 
         out.head_lengths = m.get(lengths[s], static_cast<std::size_t>(heads));
         out.kept_positions = m.get(kept[s], cap);
         out.padded = m.get(padded[s], padded_size);
+      }
+      if (q.block_outputs) {
+        out.changed_blocks = m.get(changed[s], changed_size);
+        out.head_freed_blocks = m.get(freed[s], static_cast<std::size_t>(heads));
       }
       cr.seqs.push_back(std::move(out));
     }

@@ -26,9 +26,12 @@ struct compressor_sequence {
   std::vector<std::int64_t> key_positions;  ///< empty: position j
   std::vector<float> lse;                   ///< empty: none
   std::int64_t lse_head_stride = 0;
-  std::vector<std::int32_t> block_refcounts;  ///< empty: none
-  int state = -1;                             ///< the session's state slot (DeferKV), -1: none
-  bool outputs = true;                        ///< pass head_lengths, kept_positions and padded_indices
+  std::vector<std::int32_t> block_refcounts;         ///< empty: none
+  std::vector<std::uint32_t> shared_blocks;          ///< empty: none
+  const std::uint32_t* raw_shared_blocks = nullptr;  ///< passed as is when set (refusals: host memory)
+  int state = -1;                                    ///< the session's state slot (DeferKV), -1: none
+  bool outputs = true;                               ///< pass head_lengths, kept_positions and padded_indices
+  bool block_outputs = false;                        ///< pass changed_blocks and head_freed_blocks
 };
 
 template <class T, class Q>
@@ -40,6 +43,8 @@ struct compressor_call {
 struct compressor_sequence_result {
   std::vector<unsigned char> keys, values, dst_keys, dst_values;   ///< the buffers afterwards
   std::vector<std::int64_t> head_lengths, kept_positions, padded;  ///< -7 where untouched
+  std::vector<std::int32_t> changed_blocks;                        ///< 77 where untouched
+  std::vector<std::int64_t> head_freed_blocks;                     ///< -7 where untouched
 };
 
 struct compressor_call_result {

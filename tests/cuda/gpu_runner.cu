@@ -79,7 +79,7 @@ rerotate_result dapq_rerotate(const kvevict::query_view<const QT>& q, host_buffe
 
 template <class KT>
 scores_result key_scores(const kvevict::cache_view<const KT>& k, host_buffer kbuf,
-                         const std::vector<std::int32_t>& table, std::int64_t protected_tail, std::int64_t sinks) {
+                         const std::vector<std::int32_t>& table, key_scorer_kind kind, std::int64_t param) {
   scores_result r;
   mirror m;
   const auto dk = device_view(m, k, kbuf, table);
@@ -87,8 +87,18 @@ scores_result key_scores(const kvevict::cache_view<const KT>& k, host_buffer kbu
   float* scores = m.alloc<float>(n);
   m.fill(scores, n, 12345.0f);  // unwritten entries show up
   const kvevict::score_view out{scores, k.num_heads, k.num_tokens, k.num_tokens};
-  r.st = m.finish(sinks < 0 ? kvevict::cuda::key_norm_scores(dk, protected_tail, out, m.options())
-                            : kvevict::cuda::streaming_scores(sinks, out, m.options()));
+  kvevict::status st;
+  if (kind == key_scorer_kind::knorm) {
+    st = kvevict::cuda::key_norm_scores(dk, param, out, m.options());
+  } else if (kind == key_scorer_kind::streaming_llm) {
+    st = kvevict::cuda::streaming_scores(param, out, m.options());
+  } else {
+    const std::size_t bytes = kvevict::cuda::keydiff_scores_workspace_size(k.num_heads, k.num_tokens, k.head_dim);
+    unsigned char* ws = m.alloc<unsigned char>(bytes + 1);
+    m.fill(ws, bytes + 1, static_cast<unsigned char>(0xff));  // NaN doubles: an unwritten read shows up
+    st = kvevict::cuda::keydiff_scores(dk, param, out, kvevict::workspace_span{ws, bytes}, m.options());
+  }
+  r.st = m.finish(st);
   r.scores = m.get(scores, static_cast<std::size_t>(k.num_heads * k.num_tokens));
   r.flags = m.read_flags();
   return r;
@@ -464,7 +474,8 @@ template <class KT, class VT>
 compact_result compact(const kvevict::cache_view<KT>& k, host_buffer kbuf, const std::vector<std::int32_t>& ktable,
                        const kvevict::cache_view<VT>& v, host_buffer vbuf, const std::vector<std::int32_t>& vtable,
                        const std::vector<std::int64_t>& offsets, const std::vector<std::int64_t>& indices,
-                       std::int64_t capacity, const std::vector<std::int64_t>& key_positions) {
+                       std::int64_t capacity, const std::vector<std::int64_t>& key_positions,
+                       const compact_blocks& blocks) {
   compact_result r;
   mirror m;
   const auto dk = device_view(m, k, kbuf, ktable);
@@ -481,6 +492,19 @@ compact_result compact(const kvevict::cache_view<KT>& k, host_buffer kbuf, const
   out.head_lengths = lengths;
   out.positions = positions;
   out.key_positions = m.put_vector(key_positions);
+  out.block_refcounts = m.put_vector(blocks.refcounts);
+  out.shared_blocks = m.put_vector(blocks.shared_bits);
+  out.shared_check =
+      blocks.every_used_block ? kvevict::cuda::shared_block_check::used : kvevict::cuda::shared_block_check::written;
+  const auto changed_n = static_cast<std::size_t>(blocks.changed_entries);
+  if (blocks.changed) {
+    out.changed_blocks = m.alloc<std::int32_t>(changed_n + 1);
+    m.fill(out.changed_blocks, changed_n + 1, std::int32_t{77});  // entries past the list show up
+  }
+  if (blocks.freed) {
+    out.head_freed_blocks = m.alloc<std::int64_t>(static_cast<std::size_t>(k.num_heads));
+    m.fill(out.head_freed_blocks, static_cast<std::size_t>(k.num_heads), std::int64_t{-7});
+  }
   const std::size_t bytes = kvevict::cuda::compact_workspace_size(dk, dv, capacity);
   void* ws = m.alloc_bytes(bytes);
   const kvevict::const_keep_list_view keep{k.num_heads, doff, didx, capacity};
@@ -491,6 +515,8 @@ compact_result compact(const kvevict::cache_view<KT>& k, host_buffer kbuf, const
   r.values = m.get(vd, vbuf.bytes);
   r.head_lengths = m.get(lengths, static_cast<std::size_t>(k.num_heads));
   r.positions = m.get(positions, idx.size());
+  if (blocks.changed) r.changed_blocks = m.get(out.changed_blocks, changed_n + 1);
+  if (blocks.freed) r.head_freed_blocks = m.get(out.head_freed_blocks, static_cast<std::size_t>(k.num_heads));
   r.flags = m.read_flags();
   return r;
 }
@@ -736,13 +762,13 @@ template rerotate_result dapq_rerotate<kvevict::fp16>(const kvevict::query_view<
 template rerotate_result dapq_rerotate<kvevict::bf16>(const kvevict::query_view<const kvevict::bf16>&, host_buffer,
                                                       const kvevict::rope_config&, std::int64_t);
 template scores_result key_scores<float>(const kvevict::cache_view<const float>&, host_buffer,
-                                         const std::vector<std::int32_t>&, std::int64_t, std::int64_t);
+                                         const std::vector<std::int32_t>&, key_scorer_kind, std::int64_t);
 template scores_result key_scores<kvevict::fp16>(const kvevict::cache_view<const kvevict::fp16>&, host_buffer,
-                                                 const std::vector<std::int32_t>&, std::int64_t, std::int64_t);
+                                                 const std::vector<std::int32_t>&, key_scorer_kind, std::int64_t);
 template scores_result key_scores<kvevict::bf16>(const kvevict::cache_view<const kvevict::bf16>&, host_buffer,
-                                                 const std::vector<std::int32_t>&, std::int64_t, std::int64_t);
+                                                 const std::vector<std::int32_t>&, key_scorer_kind, std::int64_t);
 template scores_result key_scores<kvevict::fp8_e5m2>(const kvevict::cache_view<const kvevict::fp8_e5m2>&, host_buffer,
-                                                     const std::vector<std::int32_t>&, std::int64_t, std::int64_t);
+                                                     const std::vector<std::int32_t>&, key_scorer_kind, std::int64_t);
 
 #define KVEVICT_GPU_COMPACT(KT, VT)                                                                                  \
   template compact_into_result compact_into<KT, VT>(                                                                 \
@@ -751,7 +777,7 @@ template scores_result key_scores<kvevict::fp8_e5m2>(const kvevict::cache_view<c
   template compact_result compact<KT, VT>(                                                                           \
       const kvevict::cache_view<KT>&, host_buffer, const std::vector<std::int32_t>&, const kvevict::cache_view<VT>&, \
       host_buffer, const std::vector<std::int32_t>&, const std::vector<std::int64_t>&,                               \
-      const std::vector<std::int64_t>&, std::int64_t, const std::vector<std::int64_t>&);
+      const std::vector<std::int64_t>&, std::int64_t, const std::vector<std::int64_t>&, const compact_blocks&);
 KVEVICT_GPU_COMPACT(float, float)
 template compact_batch_result compact_batch<kvevict::bf16, kvevict::bf16>(
     const std::vector<batch_compaction<kvevict::bf16, kvevict::bf16>>&, std::size_t, std::size_t);

@@ -71,11 +71,13 @@ template <class QT>
 rerotate_result dapq_rerotate(const kvevict::query_view<const QT>& q, host_buffer qbuf,
                               const kvevict::rope_config& rope, std::int64_t delta);
 
-/// kvevict::cuda::key_norm_scores (KNorm; sinks < 0) or streaming_scores (sinks >= 0) on a
-/// device copy of the key view.
+/// The scores that read no queries: key_norm_scores, streaming_scores, keydiff_scores.
+enum class key_scorer_kind { knorm, streaming_llm, keydiff };
+/// One of them on a device copy of the key view; `param` is the protected tail (KNorm,
+/// KeyDiff) or the sinks (StreamingLLM).
 template <class KT>
 scores_result key_scores(const kvevict::cache_view<const KT>& k, host_buffer kbuf,
-                         const std::vector<std::int32_t>& table, std::int64_t protected_tail, std::int64_t sinks = -1);
+                         const std::vector<std::int32_t>& table, key_scorer_kind kind, std::int64_t param);
 
 /// kvevict::cuda::chunk_scores on a device copy of `scores` [rows * cols] (in place).
 scores_result chunk_scores(const std::vector<float>& scores, std::int64_t rows, std::int64_t cols,
@@ -230,7 +232,18 @@ struct compact_result {
   kvevict::status st;
   std::vector<unsigned char> keys, values;  ///< the buffers afterwards
   std::vector<std::int64_t> head_lengths, positions;
+  std::vector<std::int32_t> changed_blocks;     ///< when asked for (compact_blocks::changed)
+  std::vector<std::int64_t> head_freed_blocks;  ///< when asked for (compact_blocks::freed)
   std::uint32_t flags = 0;
+};
+
+/// compact's block inputs and outputs (prefix-shared blocks).
+struct compact_blocks {
+  std::vector<std::int32_t> refcounts;     ///< per pool block, or empty
+  std::vector<std::uint32_t> shared_bits;  ///< bitmap words, or empty
+  bool every_used_block = false;           ///< shared_block_check::used (else written)
+  bool changed = false, freed = false;     ///< ask for changed_blocks / head_freed_blocks
+  std::int64_t changed_entries = 0;        ///< changed_blocks' length (the runner fills it with 77)
 };
 
 struct compact_into_result {
@@ -262,7 +275,8 @@ template <class KT, class VT>
 compact_result compact(const kvevict::cache_view<KT>& k, host_buffer kbuf, const std::vector<std::int32_t>& ktable,
                        const kvevict::cache_view<VT>& v, host_buffer vbuf, const std::vector<std::int32_t>& vtable,
                        const std::vector<std::int64_t>& offsets, const std::vector<std::int64_t>& indices,
-                       std::int64_t capacity, const std::vector<std::int64_t>& key_positions = {});
+                       std::int64_t capacity, const std::vector<std::int64_t>& key_positions = {},
+                       const compact_blocks& blocks = {});
 
 /// One sequence of a batched compaction: its K and V sides (views may point into a pool
 /// shared with other sequences: buffers and tables given by the same host pointer become one

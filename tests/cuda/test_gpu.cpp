@@ -31,7 +31,9 @@
 #include "kvevict/budgets/layer_budget.hpp"
 #include "kvevict/detail/finalize.hpp"
 #include "kvevict/detail/validate.hpp"
+#include "kvevict/eviction/evict.hpp"
 #include "kvevict/policies/dapq.hpp"
+#include "kvevict/policies/keydiff.hpp"
 #include "kvevict/policies/knorm.hpp"
 #include "kvevict/policies/streaming_llm.hpp"
 #include "kvevict/scoring/observation_scores.hpp"
@@ -976,13 +978,16 @@ TEST_CASE("GPU scoring of fp8 caches with a dequantisation scale", "[gpu][gpu_sc
 }
 
 namespace {
-/// cuda::key_norm_scores (sinks < 0) or streaming_scores against kvevict::knorm /
-/// streaming_llm::score on the same keys: the same bits, NaN where the CPU has NaN.
+/// cuda::key_norm_scores, streaming_scores or keydiff_scores against kvevict::knorm /
+/// streaming_llm / keydiff::score on the same keys: the same bits, NaN where the CPU has NaN.
+/// `param` is the protected tail (KNorm, KeyDiff) or the sinks (StreamingLLM).
 template <class T>
-void check_key_scores(test::layout lay, std::int64_t heads, std::int64_t tokens, std::int64_t dim,
-                      std::int64_t protected_tail, std::int64_t sinks, float scale, std::uint64_t seed) {
+void check_key_scores(test::layout lay, gpu::key_scorer_kind kind, std::int64_t heads, std::int64_t tokens,
+                      std::int64_t dim, std::int64_t param, float scale, std::uint64_t seed, bool nan_key = true) {
   std::vector<double> kd = test::rounded<T>(test::normal(static_cast<std::size_t>(heads * tokens * dim), seed, 3.0));
-  if (kd.size() > 8) kd[kd.size() / 3] = std::numeric_limits<double>::quiet_NaN();  // one NaN key
+  if (nan_key && kd.size() > 8) kd[kd.size() / 3] = std::numeric_limits<double>::quiet_NaN();  // one NaN key
+  if (!nan_key && tokens > 2)
+    for (std::int64_t c = 0; c < dim; ++c) kd[static_cast<std::size_t>(tokens / 2 * dim + c)] = 0.0;  // a zero key
   auto keys = test::make_cache<T>(lay, heads, tokens, dim, kd);
   keys.view.scale = scale;
   const kvevict::cache_view<const T> kv = keys.view;
@@ -991,18 +996,25 @@ void check_key_scores(test::layout lay, std::int64_t heads, std::int64_t tokens,
   kvevict::layer_inputs<T, Q> in;
   in.keys = kv;
   const kvevict::score_view out{cpu.data(), heads, tokens, tokens};
-  if (sinks < 0) {
+  const kvevict::layer_shape shape{heads, heads, dim, tokens, 1};
+  if (kind == gpu::key_scorer_kind::knorm) {
     kvevict::knorm_config c;
-    c.protected_tail = protected_tail;
+    c.protected_tail = param;
     const kvevict::knorm<T, Q> policy(c);
-    kvevict::workspace ws(policy.workspace_size({heads, heads, dim, tokens, 1}));
+    kvevict::workspace ws(policy.workspace_size(shape));
     REQUIRE(policy.score(in, out, ws).ok());
-  } else {
+  } else if (kind == gpu::key_scorer_kind::streaming_llm) {
     kvevict::streaming_llm_config c;
-    c.sinks = sinks;
+    c.sinks = param;
     REQUIRE(kvevict::streaming_llm<T, Q>(c).score(in, out).ok());
+  } else {
+    kvevict::keydiff_config c;
+    c.protected_tail = param;
+    const kvevict::keydiff<T, Q> policy(c);
+    kvevict::workspace ws(policy.workspace_size(shape));
+    REQUIRE(policy.score(in, out, ws).ok());
   }
-  const gpu::scores_result g = gpu::key_scores(kv, gpu::buffer_of(keys.buffer), keys.table, protected_tail, sinks);
+  const gpu::scores_result g = gpu::key_scores(kv, gpu::buffer_of(keys.buffer), keys.table, kind, param);
   INFO(test::name(lay) << " L " << tokens << " d " << dim << " status " << g.st.message());
   REQUIRE(g.st.ok());
   REQUIRE(g.flags == 0);
@@ -1011,17 +1023,33 @@ void check_key_scores(test::layout lay, std::int64_t heads, std::int64_t tokens,
 }  // namespace
 
 TEST_CASE("GPU KNorm and StreamingLLM scores equal the CPU policies' bit for bit", "[gpu][gpu_scoring]") {
+  using kind = gpu::key_scorer_kind;
   std::uint64_t seed = 2300;
   for (test::layout lay : test::kAllLayouts) {
-    check_key_scores<float>(lay, 2, 300, 64, 5, -1, 1.0f, seed++);
-    check_key_scores<bf16>(lay, 3, 257, 40, 0, -1, 1.0f, seed++);
-    check_key_scores<fp16>(lay, 1, 70, 128, 70, -1, 1.0f, seed++);  // all protected
-    check_key_scores<fp8_e5m2>(lay, 2, 129, 24, 3, -1, 0.0371f, seed++);
-    check_key_scores<bf16>(lay, 2, 300, 16, 0, 4, 1.0f, seed++);
-    check_key_scores<float>(lay, 1, 9, 8, 0, 20, 1.0f, seed++);  // every token a sink
+    check_key_scores<float>(lay, kind::knorm, 2, 300, 64, 5, 1.0f, seed++);
+    check_key_scores<bf16>(lay, kind::knorm, 3, 257, 40, 0, 1.0f, seed++);
+    check_key_scores<fp16>(lay, kind::knorm, 1, 70, 128, 70, 1.0f, seed++);  // all protected
+    check_key_scores<fp8_e5m2>(lay, kind::knorm, 2, 129, 24, 3, 0.0371f, seed++);
+    check_key_scores<bf16>(lay, kind::streaming_llm, 2, 300, 16, 4, 1.0f, seed++);
+    check_key_scores<float>(lay, kind::streaming_llm, 1, 9, 8, 20, 1.0f, seed++);  // every token a sink
   }
-  check_key_scores<bf16>(test::layout::contiguous, 2, 0, 16, 0, -1, 1.0f, seed++);  // empty
-  check_key_scores<bf16>(test::layout::contiguous, 2, 0, 16, 0, 4, 1.0f, seed++);
+  check_key_scores<bf16>(test::layout::contiguous, kind::knorm, 2, 0, 16, 0, 1.0f, seed++);  // empty
+  check_key_scores<bf16>(test::layout::contiguous, kind::streaming_llm, 2, 0, 16, 4, 1.0f, seed++);
+}
+
+TEST_CASE("GPU KeyDiff scores equal kvevict::keydiff's bit for bit", "[gpu][gpu_scoring]") {
+  using kind = gpu::key_scorer_kind;
+  std::uint64_t seed = 2400;
+  // Lengths across the anchor's chunks of 256 (one partial chunk, exactly two, more than
+  // two), d above the channel block of 128, a zero key (the floors), a NaN key (its head NaN).
+  for (test::layout lay : test::kAllLayouts) {
+    check_key_scores<float>(lay, kind::keydiff, 2, 300, 64, 5, 1.0f, seed++, false);
+    check_key_scores<bf16>(lay, kind::keydiff, 3, 512, 40, 0, 1.0f, seed++);
+    check_key_scores<fp16>(lay, kind::keydiff, 1, 70, 136, 70, 1.0f, seed++, false);  // all protected
+    check_key_scores<fp8_e5m2>(lay, kind::keydiff, 2, 601, 24, 3, 0.0371f, seed++, false);
+  }
+  check_key_scores<bf16>(test::layout::contiguous, kind::keydiff, 2, 1, 16, 0, 1.0f, seed++, false);  // one token
+  check_key_scores<bf16>(test::layout::contiguous, kind::keydiff, 2, 0, 16, 0, 1.0f, seed++);         // empty
 }
 
 namespace {
@@ -1789,6 +1817,126 @@ TEST_CASE("GPU compaction: every layout pair against the definition", "[gpu][gpu
   }
   check_compact<float, float>(test::layout::contiguous, test::layout::transposed, 4, 1000, 64, 64, seed++);
   check_compact<bf16, float>(test::layout::paged_nhd, test::layout::paged_hnd, 8, 2000, 128, 96, seed++);
+}
+
+namespace {
+/// Marks for the shared-block cases: none, a block every head keeps in place (the first of
+/// each table: every head's kept prefix covers it), or a block the compaction writes (table
+/// 0's second: every head's rows from 20 on move).
+enum class marked { none, kept_in_place, written };
+
+/// cuda::compact with block_refcounts (or the shared-block bitmap), changed_blocks and
+/// head_freed_blocks against kvevict::evict with the same eviction_options: the same refusals
+/// (a status on the CPU, flag_shared_block on the device, the cache untouched either way), the
+/// same caches, the same changed-block list (then -1 on the device) and freed blocks.
+template <class T>
+void check_shared_compaction(test::layout lay, marked mark, bool bitmap, bool every_used_block, std::uint64_t seed) {
+  const std::int64_t heads = 3, tokens = 70, dim = 24;
+  auto k = test::make_cache<T>(lay, heads, tokens, dim,
+                               test::normal(static_cast<std::size_t>(heads * tokens * dim), seed), 16, seed + 1);
+  auto v = test::make_cache<T>(lay, heads, tokens, dim,
+                               test::normal(static_cast<std::size_t>(heads * tokens * dim), seed + 2), 16, seed + 3);
+  // Head h keeps its first 20 + h tokens in place, then every third token and the last 4.
+  std::vector<std::int64_t> offsets{0}, indices;
+  for (std::int64_t h = 0; h < heads; ++h) {
+    for (std::int64_t j = 0; j < tokens; ++j)
+      if (j < 20 + h || (j % 3 == 0 && j > 30 + h) || j >= tokens - 4) indices.push_back(j);
+    offsets.push_back(static_cast<std::int64_t>(indices.size()));
+  }
+  const std::int64_t capacity = static_cast<std::int64_t>(indices.size());
+  gpu::compact_blocks blocks;
+  const std::int64_t pool = std::max(k.view.num_pool_blocks, v.view.num_pool_blocks);
+  std::vector<std::int32_t> refs(static_cast<std::size_t>(pool), 1);
+  std::vector<std::uint32_t> bits(static_cast<std::size_t>((pool + 31) / 32), 0u);
+  const auto mark_block = [&](std::int64_t id) {
+    refs[static_cast<std::size_t>(id)] = 3;
+    bits[static_cast<std::size_t>(id / 32)] |= 1u << (id % 32);
+  };
+  for (std::int64_t t = 0; t < k.view.num_tables(); ++t) {
+    if (mark == marked::kept_in_place) mark_block(k.view.block_table[t * k.view.head_table_stride]);
+    if (mark == marked::written && t == 0) mark_block(k.view.block_table[1]);  // rows 16-31: row 20 on moves
+  }
+  if (bitmap) {
+    blocks.shared_bits = bits;
+  } else {
+    blocks.refcounts = refs;
+  }
+  blocks.every_used_block = every_used_block;
+  blocks.changed = blocks.freed = true;
+  blocks.changed_entries =
+      k.view.num_used_blocks() * k.view.num_tables() + v.view.num_used_blocks() * v.view.num_tables();
+  const auto g = gpu::compact(k.view, gpu::buffer_of(k.buffer), k.table, v.view, gpu::buffer_of(v.buffer), v.table,
+                              offsets, indices, capacity, {}, blocks);
+  INFO(test::name(lay) << (bitmap ? " bitmap" : " refcounts") << " mark " << static_cast<int>(mark)
+                       << (every_used_block ? " every used block" : " written blocks") << " status " << g.st.message());
+  REQUIRE(g.st.ok());
+
+  const std::vector<T> k_before = k.buffer, v_before = v.buffer;
+  kvevict::eviction_options opt;
+  opt.block_refcounts = bitmap ? nullptr : refs.data();
+  opt.shared_blocks = bitmap ? bits.data() : nullptr;
+  std::vector<std::int64_t> lengths(static_cast<std::size_t>(heads)), freed(static_cast<std::size_t>(heads));
+  std::vector<std::int32_t> changed(static_cast<std::size_t>(blocks.changed_entries));
+  kvevict::eviction_result res;
+  res.head_lengths = lengths.data();
+  res.head_freed_blocks = freed.data();
+  res.changed_blocks = changed.data();
+  kvevict::workspace ws(kvevict::evict_workspace_size(k.view, v.view));
+  const kvevict::status cpu = kvevict::evict(
+      k.view, v.view, kvevict::const_keep_list_view{heads, offsets.data(), indices.data(), capacity}, res, ws, opt);
+  // evict refuses a written block that is marked; the compressor's rule any used block (K's
+  // and V's ids index one array, so a mark on K's first block may fall on a block V writes).
+  const auto is_marked = [&](std::int64_t id) {
+    return bitmap ? ((bits[static_cast<std::size_t>(id / 32)] >> (id % 32)) & 1u) != 0
+                  : refs[static_cast<std::size_t>(id)] > 1;
+  };
+  bool any_used_marked = false;
+  for (const auto* c : {&k.view, &v.view})
+    for (std::int64_t t = 0; t < c->num_tables(); ++t)
+      for (std::int64_t b = 0; b < c->num_used_blocks(); ++b)
+        any_used_marked = any_used_marked || is_marked(c->block_table[t * c->head_table_stride + b]);
+  INFO("cpu " << cpu.message());
+  if (mark == marked::none) REQUIRE(cpu.ok());
+  if (mark == marked::written) REQUIRE(!cpu.ok());
+  const bool refused = every_used_block ? any_used_marked : !cpu.ok();
+  if (refused) {
+    REQUIRE(g.flags == kvevict::cuda::flag_shared_block);
+    REQUIRE(std::string(kvevict::cuda::device_flags_status(g.flags).argument()) == "block_refcounts");
+    require_bytes(g.keys, k_before);  // nothing moved
+    require_bytes(g.values, v_before);
+    REQUIRE(g.changed_blocks[0] == 77);  // no output written
+    REQUIRE(g.head_freed_blocks[0] == -7);
+    if (mark == marked::written) {
+      REQUIRE(cpu.code() == kvevict::errc::invalid_argument);
+      REQUIRE(std::string(cpu.argument()).rfind("keys.block_table[", 0) == 0);
+    }
+    return;
+  }
+  REQUIRE(cpu.ok());
+  REQUIRE(g.flags == 0);
+  require_bytes(g.keys, k.buffer);
+  require_bytes(g.values, v.buffer);
+  REQUIRE(res.num_changed_blocks > 0);
+  for (std::int64_t i = 0; i < blocks.changed_entries; ++i) {
+    INFO("changed block " << i << " of " << res.num_changed_blocks);
+    REQUIRE(g.changed_blocks[static_cast<std::size_t>(i)] ==
+            (i < res.num_changed_blocks ? changed[static_cast<std::size_t>(i)] : -1));
+  }
+  REQUIRE(g.changed_blocks[static_cast<std::size_t>(blocks.changed_entries)] == 77);
+  REQUIRE(g.head_freed_blocks == freed);
+}
+}  // namespace
+
+TEST_CASE("GPU compaction: prefix-shared blocks, changed blocks and freed blocks as kvevict::evict",
+          "[gpu][gpu_compact]") {
+  std::uint64_t seed = 2600;
+  for (test::layout lay : {test::layout::paged_nhd, test::layout::paged_hnd, test::layout::packed_nhd,
+                           test::layout::flashinfer_kv, test::layout::paged_per_head, test::layout::paged_int64})
+    for (marked mark : {marked::none, marked::kept_in_place, marked::written})
+      for (bool every_used_block : {false, true}) {
+        check_shared_compaction<kvevict::bf16>(lay, mark, false, every_used_block, seed++);
+        check_shared_compaction<float>(lay, mark, true, every_used_block, seed++);
+      }
 }
 
 TEST_CASE("GPU compaction: problems found on the device leave the cache untouched", "[gpu][gpu_compact]") {

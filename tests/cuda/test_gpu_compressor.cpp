@@ -207,7 +207,10 @@ void check_against_cpu(scenario<T, Q>& sc) {
     std::vector<kvevict::sequence_io<T, Q>> io(n);
     std::vector<std::vector<std::int64_t>> lengths(n, std::vector<std::int64_t>(kHkv, -7)),
         kept(n, std::vector<std::int64_t>(static_cast<std::size_t>(cap), -7)),
-        padded(n, std::vector<std::int64_t>(static_cast<std::size_t>(kHkv * head_cap), -7));
+        padded(n, std::vector<std::int64_t>(static_cast<std::size_t>(kHkv * head_cap), -7)),
+        freed(n, std::vector<std::int64_t>(kHkv, -7));
+    std::vector<std::vector<std::int32_t>> changed(
+        n, std::vector<std::int32_t>(static_cast<std::size_t>(cpu.changed_blocks_capacity()), 77));
     for (std::size_t s = 0; s < n; ++s) {
       const gpu::compressor_sequence<T, Q>& q = call.seqs[s];
       io[s].event = q.event;
@@ -223,6 +226,12 @@ void check_against_cpu(scenario<T, Q>& sc) {
       io[s].head_lengths = lengths[s].data();
       io[s].kept_positions = kept[s].data();
       io[s].padded_indices = padded[s].data();
+      io[s].block_refcounts = q.block_refcounts.empty() ? nullptr : q.block_refcounts.data();
+      io[s].shared_blocks = q.shared_blocks.empty() ? nullptr : q.shared_blocks.data();
+      if (q.block_outputs) {
+        io[s].changed_blocks = changed[s].data();
+        io[s].head_freed_blocks = freed[s].data();
+      }
     }
     std::vector<kvevict::sequence_report> reports(n);
     const kvevict::status st = cpu.run(call.layer, io.data(), static_cast<std::int64_t>(n), reports.data(), ws);
@@ -261,6 +270,13 @@ void check_against_cpu(scenario<T, Q>& sc) {
       REQUIRE(out.head_lengths == lengths[s]);
       REQUIRE(out.kept_positions == kept[s]);  // the kept entries, then -7 (untouched) past them
       REQUIRE(out.padded == padded[s]);
+      if (call.seqs[s].block_outputs) {  // the device's list ends at its first -1
+        REQUIRE(r.num_changed_blocks == -1);
+        for (std::int64_t b = 0; b < c.num_changed_blocks; ++b)
+          REQUIRE(out.changed_blocks[static_cast<std::size_t>(b)] == changed[s][static_cast<std::size_t>(b)]);
+        REQUIRE(out.changed_blocks[static_cast<std::size_t>(c.num_changed_blocks)] == -1);
+        REQUIRE(out.head_freed_blocks == freed[s]);
+      }
     }
     // Every buffer the call saw, as the CPU left it.
     for (std::size_t s = 0; s < n; ++s) {
@@ -327,7 +343,88 @@ TEST_CASE("GPU compressor: SnapKV equals kvevict::compressor, call for call", "[
   }
 }
 
-TEST_CASE("GPU compressor: H2O, DapQ, TOVA, KNorm, StreamingLLM and ChunkKV equal kvevict::compressor, call for call",
+namespace {
+/// block_sharing::marked: every active sequence marks its pools' blocks (no block shared:
+/// references of 1; sequence 2 by an empty bitmap) and asks for the changed and freed blocks.
+template <class T, class Q>
+void mark_blocks(scenario<T, Q>& sc) {
+  for (auto& c : sc.calls)
+    for (std::size_t s = 0; s < c.seqs.size(); ++s) {
+      auto& q = c.seqs[s];
+      if (q.k.buf.data == nullptr) continue;
+      const std::int64_t pool = std::max(q.k.view.num_pool_blocks, q.v.view.num_pool_blocks);
+      if (s == 2) {
+        q.shared_blocks.assign(static_cast<std::size_t>((pool + 31) / 32), 0u);
+      } else {
+        q.block_refcounts.assign(static_cast<std::size_t>(pool), 1);
+      }
+      q.block_outputs = true;
+    }
+}
+}  // namespace
+
+TEST_CASE("GPU compressor: prefix-shared block marks, changed blocks and freed blocks as kvevict::compressor",
+          "[gpu][gpu_compressor]") {
+  using kvevict::dtype;
+  SECTION("SnapKV, bf16, shared paged pools, block_sharing::marked, in place") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    o.sharing = kvevict::block_sharing::marked;
+    scenario<bf16, bf16> sc(o, true, 0, 43);
+    mark_blocks(sc);
+    check_against_cpu(sc);
+  }
+  SECTION("DeferKV delay 1, float, shared paged pools, AdaKV, block_sharing::marked, in place") {
+    kvevict::compressor_options o = deferkv_options(dtype::f32, dtype::f32, 1);
+    o.heads = kvevict::head_allocation::adakv;
+    o.sharing = kvevict::block_sharing::marked;
+    scenario<float, float> sc(o, true, 1, 44);
+    mark_blocks(sc);
+    check_against_cpu(sc);
+  }
+  SECTION("a marked block is refused on the device, where the CPU refuses the call") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    o.sharing = kvevict::block_sharing::marked;
+    scenario<bf16, bf16> sc(o, true, 0, 45);
+    mark_blocks(sc);
+    std::vector<gpu::compressor_call<bf16, bf16>> calls{sc.calls[0]};  // layer 0 at prefill_end
+    gpu::compressor_call<bf16, bf16>& c = calls[0];
+    REQUIRE(c.seqs[0].event == kvevict::sequence_event::prefill_end);
+    c.seqs[0].block_refcounts[static_cast<std::size_t>(c.seqs[0].k.view.block_table[1])] = 2;  // prefix-shared
+    const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(o, calls, 4);
+    REQUIRE(g.plan.ok());
+    INFO(g.calls[0].st.message());
+    REQUIRE(g.calls[0].st.ok());  // the host cannot read the block tables: the device refuses
+    REQUIRE(g.calls[0].flags == kvevict::cuda::flag_shared_block);
+    for (std::size_t s = 0; s < c.seqs.size(); ++s) {  // the layer's compaction moved nothing
+      if (c.seqs[s].k.buf.data == nullptr) continue;
+      require_bytes<bf16>(g.calls[0].seqs[s].keys, c.seqs[s].k.buf);
+      require_bytes<bf16>(g.calls[0].seqs[s].values, c.seqs[s].v.buf);
+      for (std::int64_t x : g.calls[0].seqs[s].head_lengths) REQUIRE(x == -7);
+      for (std::int32_t x : g.calls[0].seqs[s].changed_blocks) REQUIRE(x == 77);
+      for (std::int64_t x : g.calls[0].seqs[s].head_freed_blocks) REQUIRE(x == -7);
+    }
+    // The CPU compressor refuses the same call by name.
+    kvevict::compressor cpu;
+    REQUIRE(kvevict::compressor::plan(o, &cpu).ok());
+    kvevict::workspace ws(cpu.workspace_size());
+    std::vector<kvevict::sequence_io<bf16, bf16>> io(c.seqs.size());
+    for (std::size_t s = 0; s < c.seqs.size(); ++s) {
+      io[s].event = c.seqs[s].event;
+      io[s].keys = c.seqs[s].k.view;
+      io[s].values = c.seqs[s].v.view;
+      io[s].queries = c.seqs[s].queries;
+      io[s].block_refcounts = c.seqs[s].block_refcounts.empty() ? nullptr : c.seqs[s].block_refcounts.data();
+      io[s].shared_blocks = c.seqs[s].shared_blocks.empty() ? nullptr : c.seqs[s].shared_blocks.data();
+    }
+    std::vector<kvevict::sequence_report> reports(c.seqs.size());
+    const kvevict::status st = cpu.run(0, io.data(), static_cast<std::int64_t>(io.size()), reports.data(), ws);
+    INFO(st.message());
+    REQUIRE(st.code() == kvevict::errc::invalid_argument);
+    REQUIRE(std::string(st.argument()).rfind("seqs[0].keys.block_table[", 0) == 0);
+  }
+}
+
+TEST_CASE("GPU compressor: H2O, DapQ, TOVA, KNorm, KeyDiff, StreamingLLM, ChunkKV equal the CPU's, call for call",
           "[gpu][gpu_compressor]") {
   using kvevict::dtype;
   // H2O observes every prompt query (the scenarios hand them all); KNorm and StreamingLLM read
@@ -384,6 +481,40 @@ TEST_CASE("GPU compressor: H2O, DapQ, TOVA, KNorm, StreamingLLM and ChunkKV equa
     o.compact = kvevict::compaction::keep_list_only;
     o.lengths = kvevict::length_mode::uniform;
     scenario<float, float> sc(o, false, 0, 23);
+    check_against_cpu(sc);
+  }
+  SECTION("KeyDiff, bf16, shared paged pools, a protected tail inside the budget, in place") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    kvevict::keydiff_config k;
+    k.protected_tail = 3;
+    o.policy = kvevict::policy::keydiff(k);
+    scenario<bf16, bf16> sc(o, true, 0, 37);
+    check_against_cpu(sc);
+  }
+  SECTION(
+      "ChunkKV on KeyDiff, fp8 e4m3 (scaled), bf16 queries, chunks of 3, PyramidKV and AdaKVPress's rule, "
+      "into fresh paged blocks") {
+    kvevict::compressor_options o = base_options(dtype::f8_e4m3, dtype::bf16);
+    kvevict::keydiff_config k;
+    k.protected_tail = 2;
+    k.protect = kvevict::protected_mode::on_top_of_budget;
+    o.policy = kvevict::policy::keydiff(k).chunked(3);
+    o.per_head = kvevict::budget::ratio(0.4);
+    o.heads = kvevict::head_allocation::adakv;
+    o.adakv.rule = kvevict::adakv_rule::kvpress_safeguard;
+    o.layers = kvevict::layer_allocation::pyramidkv;
+    o.compact = kvevict::compaction::out_of_place;
+    scenario<fp8_e4m3, bf16> sc(o, true, 0, 38);
+    for (auto& c : sc.calls)
+      for (auto& q : c.seqs) q.k.view.scale = 0.75f;  // no cosine changes under it
+    check_against_cpu(sc);
+  }
+  SECTION("KeyDiff, float, own strided caches, one keep set per layer, keep-list only") {
+    kvevict::compressor_options o = base_options(dtype::f32, dtype::f32);
+    o.policy = kvevict::policy::keydiff();
+    o.scope = kvevict::selection_scope::per_layer;
+    o.compact = kvevict::compaction::keep_list_only;
+    scenario<float, float> sc(o, false, 0, 39);
     check_against_cpu(sc);
   }
   // DapQ: each prompt is the prompt and its N = 6 pseudo tokens; the last 6 of the 9 query rows
@@ -640,11 +771,12 @@ TEST_CASE("GPU compressor: a refused call changes nothing, and the next call goe
       {"a pool larger than limits.max_pool_blocks",
        [](gpu::compressor_call<bf16, bf16>* c) { c->seqs[2].v.view.num_pool_blocks = 65; },
        kvevict::errc::invalid_shape, "seqs[2].values.num_pool_blocks"},
-      {"block reference counts",
+      {"shared-block marks in host memory",
        [](gpu::compressor_call<bf16, bf16>* c) {
-         c->seqs[0].block_refcounts = {1, 2, 1};
+         static std::uint32_t host_bits[2];  // pageable host memory: refused before anything is enqueued
+         c->seqs[0].raw_shared_blocks = host_bits;
        },
-       kvevict::errc::unsupported, "seqs[0].block_refcounts"},
+       kvevict::errc::invalid_argument, "seqs[0].shared_blocks"},
       {"two sequences on one state", [](gpu::compressor_call<bf16, bf16>* c) { c->seqs[2].state = 0; },
        kvevict::errc::invalid_argument, "seqs[2].state"},
       {"K outside device memory (found when sequence 2's step is prepared, after sequence 0's)",
@@ -729,11 +861,12 @@ TEST_CASE("GPU compressor: errors found by a batched call name the run's sequenc
   REQUIRE(gpu::compressor_session<bf16, bf16>(sc.options, {good}, 4).calls[0].st.ok());
 }
 
-TEST_CASE("GPU compressor: refuses a paged in-place run without block_sharing::none, and a short window",
+TEST_CASE("GPU compressor: refuses a paged in-place run with undeclared sharing or missing marks, and a short window",
           "[gpu][gpu_compressor]") {
   using kvevict::dtype;
-  // The device reads no refcounts: an undeclared or marked sharing is refused on the first call
-  // that compacts a paged cache in place (layer 0 at prefill_end), whose buffers stay as they were.
+  // As the CPU compressor: undeclared sharing, or block_sharing::marked without a sequence's
+  // marks, is refused on the first call that compacts a paged cache in place (layer 0 at
+  // prefill_end), whose buffers stay as they were.
   for (const kvevict::block_sharing sharing : {kvevict::block_sharing::undeclared, kvevict::block_sharing::marked}) {
     kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
     o.sharing = sharing;
@@ -742,9 +875,9 @@ TEST_CASE("GPU compressor: refuses a paged in-place run without block_sharing::n
     REQUIRE(g.plan.ok());
     const gpu::compressor_call_result& first = g.calls[0];
     INFO(first.st.message());
-    REQUIRE(first.st.code() ==
-            (sharing == kvevict::block_sharing::marked ? kvevict::errc::unsupported : kvevict::errc::invalid_argument));
-    REQUIRE(std::string(first.st.argument()) == "sharing");
+    const bool marked = sharing == kvevict::block_sharing::marked;
+    REQUIRE(first.st.code() == (marked ? kvevict::errc::null_pointer : kvevict::errc::invalid_argument));
+    REQUIRE(std::string(first.st.argument()) == (marked ? "seqs[0].block_refcounts" : "sharing"));
     for (const auto& r : first.reports) REQUIRE(r.length == -9);  // untouched
   }
   // A prefill chunk with fewer queries than the window (6) is refused by name, as on the CPU.

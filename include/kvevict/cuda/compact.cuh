@@ -12,8 +12,10 @@
 //   1. validate: keep-list structure (CSR offsets, indices strictly ascending in [0, L)),
 //      block ids in range, no physical block reached twice (a bitmap per pool in the
 //      workspace). Problems go to a private status word and to launch_options::device_flags.
-//   2. gather: if the status word is clear, every moving entry's source row -> workspace.
-//   3. scatter: if clear, staged rows -> destination rows; head lengths and positions out.
+//   2. gather: if the status word is clear, the blocks it will write checked against the
+//      engine's shared-block marks (optional), every moving entry's source row -> workspace.
+//   3. scatter: if clear, staged rows -> destination rows; head lengths, positions, changed
+//      blocks and freed blocks out.
 // So on any device-detected problem nothing in the cache changes. Kernels of one stream run
 // in order, which is the barrier between reading all sources and writing any destination.
 //
@@ -41,11 +43,32 @@
 KVEVICT_NAMESPACE_BEGIN
 namespace cuda {
 
-/// Optional device outputs of `compact` (and its input of original key positions).
+/// Which blocks compact checks against the shared-block marks: those it writes (as
+/// kvevict::evict: a kept prefix that stays in place may be shared), or every block the
+/// sequence uses (as kvevict::compressor in place, which refuses a sequence holding any marked
+/// block; cuda::compressor passes it so that both accept the same calls).
+enum class shared_block_check : std::int32_t { written, used };
+
+/// Optional device outputs of `compact`, and its optional inputs about the tokens and blocks
+/// (original key positions; blocks shared by prefix caching).
 struct compact_outputs {
   std::int64_t* head_lengths = nullptr;  ///< [Hkv] out: keep.size(h)
   std::int64_t* positions = nullptr;     ///< [keep.capacity] out, aligned with keep.indices
   index_ptr key_positions = nullptr;     ///< [L] original positions, or null: position j
+  /// Paged views, in device memory: references to each block of the pool (vLLM's ref_cnt; > 1
+  /// is shared), or a bitmap of shared blocks (bit id % 32 of word id / 32). A block the
+  /// compaction would write that is shared raises flag_shared_block and nothing moves, as the
+  /// CPU's evict refuses it; the kept prefix of each head that stays in place is not written.
+  const std::int32_t* block_refcounts = nullptr;
+  const std::uint32_t* shared_blocks = nullptr;
+  shared_block_check shared_check = shared_block_check::written;
+  /// [used blocks of K + used blocks of V with a table of its own] out: the physical blocks
+  /// the compaction writes (K's tables, then V's), ascending by logical block per table, as
+  /// the CPU's eviction_result::changed_blocks lists them; -1 after the last one.
+  std::int32_t* changed_blocks = nullptr;
+  /// [Hkv] out: head h's trailing block-table entries it no longer uses (per-head tables: its
+  /// own; one table: those beyond the longest head), as eviction_result::head_freed_blocks.
+  std::int64_t* head_freed_blocks = nullptr;
 };
 
 namespace detail {
@@ -62,6 +85,7 @@ struct compact_args {
   bool v_same_table = false;  // V's block ids are K's: checking K covers V
   bool shared_pool = false;   // K and V in one pool: their ids share one bitmap
   compact_outputs out;
+  std::int64_t changed_capacity = 0;  // entries of out.changed_blocks: used blocks of K and of V's own tables
   std::uint32_t* flags = nullptr;
 };
 
@@ -132,6 +156,124 @@ __global__ void __launch_bounds__(compact_threads) compact_validate_kernel(compa
 template <int Unused = 0>
 __global__ void __launch_bounds__(compact_threads) compact_validate_batch_kernel(const compact_args* seqs) {
   compact_validate(seqs[blockIdx.y]);
+}
+
+/// Head h's first row the compaction writes: the kept prefix with keep[i] == i stays in
+/// place. Kept indices ascend strictly, so keep[i] - i never decreases: a binary search.
+__device__ __forceinline__ std::int64_t first_written_row(const compact_args& a, std::int64_t h) {
+  const std::int64_t* kept = a.indices + a.offsets[h];
+  std::int64_t lo = 0, hi = a.offsets[h + 1] - a.offsets[h];
+  while (lo < hi) {
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    if (kept[mid] == mid) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+/// The rows written through table t of v (empty: first == end): head t's with per-head
+/// tables, every head's together with one table (the CPU's rows_written).
+struct written_range {
+  std::int64_t first = 0, end = 0;
+};
+__device__ __forceinline__ written_range table_rows_written(const compact_args& a, const byte_view& v, std::int64_t t) {
+  written_range w{0, 0};
+  bool any = false;
+  for (std::int64_t h = v.head_table_stride != 0 ? t : 0; h < (v.head_table_stride != 0 ? t + 1 : a.num_heads); ++h) {
+    const std::int64_t first = first_written_row(a, h), n = a.offsets[h + 1] - a.offsets[h];
+    if (first >= n) continue;
+    w.first = any && w.first < first ? w.first : first;
+    w.end = any && w.end > n ? w.end : n;
+    any = true;
+  }
+  return w;
+}
+
+/// Blocks of table t that the compaction writes: [first, end) in logical blocks.
+__device__ __forceinline__ written_range table_blocks_written(const compact_args& a, const byte_view& v,
+                                                              std::int64_t t) {
+  const written_range r = table_rows_written(a, v, t);
+  if (r.end <= r.first) return written_range{0, 0};
+  return written_range{r.first / v.block_size, ceil_div(r.end, v.block_size)};
+}
+
+/// The paged views whose blocks the compaction writes through their own table: K, and V
+/// unless it reads K's table (vLLM), whose blocks K's pass covers.
+__device__ __forceinline__ bool writes_own_table(const compact_args& a, const byte_view& v, bool is_values) {
+  return v.block_table != nullptr && v.num_tokens > 0 && !(is_values && a.v_same_table);
+}
+
+/// Raises flag_shared_block (cancelling the moves) for a written block marked shared.
+/// Runs after validation (the keep-list and block ids are sound), before any cache write.
+__device__ __forceinline__ void check_shared_writes(const compact_args& a, const byte_view& v, bool is_values,
+                                                    std::int64_t gtid, std::int64_t nthreads) {
+  if ((a.out.block_refcounts == nullptr && a.out.shared_blocks == nullptr) || !writes_own_table(a, v, is_values))
+    return;
+  const std::int64_t used = ceil_div(v.num_tokens, v.block_size);
+  for (std::int64_t e = gtid; e < v.num_tables * used; e += nthreads) {
+    const std::int64_t t = e / used, b = e % used;
+    if (a.out.shared_check == shared_block_check::written) {
+      const written_range blocks = table_blocks_written(a, v, t);
+      if (b < blocks.first || b >= blocks.end) continue;
+    }
+    const std::int64_t id = v.block_table[t * v.head_table_stride + b];
+    const bool shared = a.out.block_refcounts != nullptr ? a.out.block_refcounts[id] > 1
+                                                         : ((a.out.shared_blocks[id >> 5] >> (id & 31)) & 1u) != 0;
+    if (shared) compact_fail(a, flag_shared_block);
+  }
+}
+
+/// The written blocks of table t of v (the tables of K, then V's own, in order) go to
+/// out.changed_blocks from the sum of the earlier tables' counts on: a thread per table.
+__device__ __forceinline__ std::int64_t changed_blocks_before(const compact_args& a, bool is_values, std::int64_t t) {
+  std::int64_t n = 0;
+  const auto count = [&](const byte_view& v, std::int64_t tables) {
+    for (std::int64_t u = 0; u < tables; ++u) {
+      const written_range r = table_blocks_written(a, v, u);
+      n += r.end - r.first;
+    }
+  };
+  if (writes_own_table(a, a.k, false)) count(a.k, is_values ? a.k.num_tables : t);
+  if (is_values && writes_own_table(a, a.v, true)) count(a.v, t);
+  return n;
+}
+
+__device__ __forceinline__ void write_changed_blocks(const compact_args& a, std::int64_t gtid, std::int64_t nthreads) {
+  if (a.out.changed_blocks == nullptr) return;
+  const std::int64_t k_tables = writes_own_table(a, a.k, false) ? a.k.num_tables : 0;
+  const std::int64_t v_tables = writes_own_table(a, a.v, true) ? a.v.num_tables : 0;
+  for (std::int64_t x = gtid; x < k_tables + v_tables; x += nthreads) {
+    const bool is_values = x >= k_tables;
+    const byte_view& v = is_values ? a.v : a.k;
+    const std::int64_t t = is_values ? x - k_tables : x;
+    const written_range r = table_blocks_written(a, v, t);
+    std::int32_t* out = a.out.changed_blocks + changed_blocks_before(a, is_values, t);
+    for (std::int64_t b = r.first; b < r.end; ++b)
+      *out++ = static_cast<std::int32_t>(v.block_table[t * v.head_table_stride + b]);
+  }
+  const std::int64_t total = changed_blocks_before(a, true, v_tables);
+  for (std::int64_t x = total + gtid; x < a.changed_capacity; x += nthreads) a.out.changed_blocks[x] = -1;
+}
+
+/// eviction_result::head_freed_blocks: K's table is the one an engine reclaims from; V's when
+/// K is strided (0 when both are).
+__device__ __forceinline__ void write_head_freed_blocks(const compact_args& a, std::int64_t gtid,
+                                                        std::int64_t nthreads) {
+  if (a.out.head_freed_blocks == nullptr) return;
+  const byte_view& v = a.k.block_table != nullptr ? a.k : a.v;
+  std::int64_t longest = 0;
+  for (std::int64_t h = 0; h < a.num_heads; ++h) {
+    const std::int64_t n = a.offsets[h + 1] - a.offsets[h];
+    longest = n > longest ? n : longest;
+  }
+  for (std::int64_t h = gtid; h < a.num_heads; h += nthreads) {
+    const std::int64_t n = v.head_table_stride != 0 ? a.offsets[h + 1] - a.offsets[h] : longest;
+    a.out.head_freed_blocks[h] =
+        v.block_table == nullptr ? 0 : ceil_div(v.num_tokens, v.block_size) - ceil_div(n, v.block_size);
+  }
 }
 
 /// Copies row_bytes bytes from src to dst with one warp, `unit` bytes per lane and copy.
@@ -222,13 +364,23 @@ __device__ __forceinline__ void write_outputs(const compact_outputs& out, const 
       out.positions[e] = out.key_positions != nullptr ? out.key_positions[indices[e]] : indices[e];
 }
 
+/// Gather (after validation): shared blocks are checked, then sources staged; scatter, when
+/// nothing was flagged: the staged rows written and the outputs with them.
 __device__ __forceinline__ void compact_move(const compact_args& a, bool gather) {
   if (*a.ws.status != 0) return;
+  const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  if (gather) {  // staging only: a shared block found here stops the scatter that follows
+    check_shared_writes(a, a.k, false, gtid, nthreads);
+    check_shared_writes(a, a.v, true, gtid, nthreads);
+  }
   const std::int64_t total = a.offsets[a.num_heads];
   move_view(a, a.k, a.ws.staged_keys, total, gather);
   move_view(a, a.v, a.ws.staged_values, total, gather);
   if (gather) return;
   write_outputs(a.out, a.offsets, a.indices, a.num_heads, total);
+  write_changed_blocks(a, gtid, nthreads);
+  write_head_freed_blocks(a, gtid, nthreads);
 }
 
 template <int Unused = 0>
@@ -265,6 +417,10 @@ inline status validate_keep_and_outputs(const const_keep_list_view& keep, std::i
   KVEVICT_RETURN_IF_ERROR(check_device_pointer(keep.indices, opt, fn, "keep.indices"));
   KVEVICT_RETURN_IF_ERROR(check_device_pointer(out.head_lengths, opt, fn, "out.head_lengths"));
   KVEVICT_RETURN_IF_ERROR(check_device_pointer(out.positions, opt, fn, "out.positions"));
+  KVEVICT_RETURN_IF_ERROR(check_device_pointer(out.block_refcounts, opt, fn, "out.block_refcounts"));
+  KVEVICT_RETURN_IF_ERROR(check_device_pointer(out.shared_blocks, opt, fn, "out.shared_blocks"));
+  KVEVICT_RETURN_IF_ERROR(check_device_pointer(out.changed_blocks, opt, fn, "out.changed_blocks"));
+  KVEVICT_RETURN_IF_ERROR(check_device_pointer(out.head_freed_blocks, opt, fn, "out.head_freed_blocks"));
   return check_device_pointer(out.key_positions, opt, fn, "out.key_positions");
 }
 
@@ -324,6 +480,8 @@ status prepare_compact(const cache_view<KT>& keys, const cache_view<VT>& values,
   a->v_same_table = rel.same_table;
   a->shared_pool = rel.shared_pool;
   a->out = out;
+  a->changed_capacity = keys.num_used_blocks() * keys.num_tables() +
+                        (rel.same_table ? 0 : values.num_used_blocks() * values.num_tables());
   a->flags = opt.device_flags;
   return status();
 }
@@ -352,8 +510,9 @@ std::size_t compact_workspace_size(const cache_view<KT>& keys, const cache_view<
 ///   out:    optional device outputs: head lengths [Hkv], positions [capacity]
 ///
 /// Enqueues a memset and three kernels on opt.stream; no synchronisation, no allocation. A
-/// bad keep-list, a block id out of range or a block reached twice sets the matching
-/// device flag and leaves the cache and the outputs untouched. K and V must not share
+/// bad keep-list, a block id out of range, a block reached twice or (with out.block_refcounts
+/// or out.shared_blocks) a shared block it would write sets the matching device flag and
+/// leaves the cache and the outputs untouched. K and V must not share
 /// elements (the same base pointer is rejected on the host; blocks shared through one
 /// pool are caught on the device).
 template <class KT, class VT>

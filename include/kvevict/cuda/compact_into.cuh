@@ -236,6 +236,16 @@ status prepare_compact_into(const cache_view<SK>& src_keys, const cache_view<SV>
        static_cast<const void*>(dst_values.data) == static_cast<const void*>(src_values.data)))
     return status::error(errc::invalid_argument, fn, "dst_keys.data",
                          "expected fresh memory, got the source's base pointer (use compact for in place)");
+  // The in-place compaction's block inputs and outputs: a fresh destination is written whole
+  // and shares nothing, so they have no meaning here.
+  if (out.block_refcounts != nullptr || out.shared_blocks != nullptr || out.changed_blocks != nullptr ||
+      out.head_freed_blocks != nullptr)
+    return status::error(errc::unsupported, fn,
+                         out.block_refcounts != nullptr  ? "out.block_refcounts"
+                         : out.shared_blocks != nullptr  ? "out.shared_blocks"
+                         : out.changed_blocks != nullptr ? "out.changed_blocks"
+                                                         : "out.head_freed_blocks",
+                         "in-place compaction's (compact, compact_batch) only: expected null");
   const std::int64_t widest = src_keys.head_dim > src_values.head_dim ? src_keys.head_dim : src_values.head_dim;
   KVEVICT_RETURN_IF_ERROR(
       validate_keep_and_outputs(keep, src_keys.num_heads, src_keys.num_tokens, widest, out, opt, fn));

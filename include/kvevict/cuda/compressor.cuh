@@ -21,8 +21,9 @@
 //            head_mean_scores)
 //   DeferKV: its observation (observation_state at prefill_end, the decode step's
 //            decode_observation after it) and, at the eviction step, finalize_state_scores
-//   KNorm, StreamingLLM: their scores from the keys or positions, one launch per sequence
-//            (cuda/key_scores.cuh, hooked up by cuda/detail/key_scorers.cuh)
+//   KNorm, StreamingLLM, KeyDiff: their scores from the keys or positions, per sequence
+//            (cuda/key_scores.cuh, cuda/keydiff_scores.cuh; hooked up by
+//            cuda/detail/key_scorers.cuh)
 //   ChunkKV on top (policy.chunk_length): chunk_scores per sequence
 //   then the selection -- every evicting sequence's rows in one select_rows launch when the
 //   host knows their counts (uniform heads, per-head sets: B or PyramidKV's share), else one
@@ -37,12 +38,12 @@
 //
 // All or nothing on the host: every sequence is checked and every batched call prepared
 // before the first operation is enqueued, so a refused call changes no cache, state, output
-// or report. On the device, the compactions are all or nothing per layer (a bad block id or
-// a block reached twice moves nothing and raises its flag in launch_options::device_flags).
+// or report. On the device, the compactions are all or nothing per layer (a bad block id, a
+// block reached twice or a block marked shared by block_refcounts / shared_blocks moves
+// nothing and raises its flag in launch_options::device_flags).
 //
-// Not on the GPU yet (refused by plan() or run(), by name): the KeyDiff policy, the
-// per-sequence scope, tensor parallelism, block reference counts (in-place compaction of
-// prefix-shared blocks: use out_of_place), and the changed_blocks / head_freed_blocks outputs.
+// Not on the GPU yet (refused by plan() or run(), by name): the per-sequence scope, chunked
+// prefill, tensor parallelism, and the changed_blocks / head_freed_blocks outputs out of place.
 
 #include <cuda_runtime.h>
 
@@ -114,8 +115,7 @@ class compressor : private detail::compressor_checks {
     if (!kvevict::detail::with_policy_traits(o.policy.kind(), false,
                                              [](auto traits) { return decltype(traits)::on_gpu; }))
       return status::error(errc::unsupported, fn, "policy.kind",
-                           "%s is not implemented on the GPU compressor (snapkv, deferkv, h2o, dapq, knorm "
-                           "and streaming_llm are)",
+                           "%s is not implemented on the GPU compressor (its traits do not state on_gpu)",
                            to_string(o.policy.kind()));
     KVEVICT_RETURN_IF_ERROR(kvevict::detail::with_policy_traits(o.policy.kind(), status(), [&](auto traits) {
       using Tr = decltype(traits);
@@ -178,6 +178,13 @@ class compressor : private detail::compressor_checks {
   std::int64_t keep_capacity() const noexcept { return keep_capacity_; }
   /// Columns of sequence_io::padded_indices: the most tokens one head may keep.
   std::int64_t keep_capacity_per_head() const noexcept { return head_capacity_; }
+  /// Entries of sequence_io::changed_blocks (in place): K and V, one block per token at most,
+  /// per head with per-head block tables (the CPU compressor's bound). The device's list ends
+  /// at its first -1.
+  std::int64_t changed_blocks_capacity() const noexcept {
+    return kvevict::detail::saturating_mul(
+        kvevict::detail::saturating_mul(std::int64_t{2}, options_.model.num_kv_heads), options_.limits.max_tokens);
+  }
   /// How many of its last queries a sequence hands in at prefill_end.
   std::int64_t observation_window() const noexcept { return window_; }
 
@@ -286,8 +293,13 @@ class compressor : private detail::compressor_checks {
       }
       if (options_.compact == compaction::keep_list_only) continue;
       const const_keep_list_view keep = keep_of(dev, s);
-      const compact_outputs out{io.head_lengths, io.kept_positions, io.key_positions};
+      compact_outputs out{io.head_lengths, io.kept_positions, io.key_positions};
       if (options_.compact == compaction::in_place) {
+        out.block_refcounts = io.block_refcounts;
+        out.shared_blocks = io.shared_blocks;
+        out.shared_check = shared_block_check::used;  // the CPU compressor's rule
+        out.changed_blocks = io.changed_blocks;
+        out.head_freed_blocks = io.head_freed_blocks;
         host.in_place[compacted] = compaction_sequence<T, T>{io.keys, io.values, keep, out};
       } else {
         compaction_into_sequence<T, T>& c = host.into[compacted];
@@ -339,7 +351,8 @@ class compressor : private detail::compressor_checks {
     if (!defer && !scores_in_batch())  // the policies that read no queries: a launch per sequence
       for (std::int64_t s = 0; s < n; ++s)
         if (host.steps[s].evict)
-          KVEVICT_RETURN_IF_ERROR(enqueue_key_scores(seqs[s].keys, scores_of(dev, s, host.steps[s].tokens), opt, fn));
+          KVEVICT_RETURN_IF_ERROR(
+              enqueue_key_scores(seqs[s].keys, scores_of(dev, s, host.steps[s].tokens), dev.scoring, opt, fn));
     if (weights_used)
       KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
           cudaMemcpyAsync(dev.weights, host.weights, host.weights_bytes, cudaMemcpyHostToDevice, opt.stream), fn,
@@ -406,13 +419,13 @@ class compressor : private detail::compressor_checks {
  private:
   /// The scores of a policy that reads no queries, by its key_scorer (validated arguments).
   template <class T>
-  status enqueue_key_scores(const cache_view<T>& keys, score_view scores, const launch_options& opt,
+  status enqueue_key_scores(const cache_view<T>& keys, score_view scores, workspace_span ws, const launch_options& opt,
                             const char* fn) const {
     const policy_config& p = options_.policy;
     return kvevict::detail::with_policy_traits(p.kind(), status(), [&](auto traits) -> status {
       using Tr = decltype(traits);
       if constexpr (detail::key_scorer<Tr>::exists) {
-        return detail::key_scorer<Tr>::enqueue(Tr::config(p), cache_view<const T>(keys), scores, opt);
+        return detail::key_scorer<Tr>::enqueue(Tr::config(p), cache_view<const T>(keys), scores, ws, opt);
       } else {
         return status::error(errc::invalid_state, fn, "policy.kind", "%s has no GPU scorer", Tr::name);
       }
@@ -499,6 +512,8 @@ class compressor : private detail::compressor_checks {
     r.next_slot = per_head;
     r.dropped = per_head >= 0 ? io.keys.num_tokens - per_head : -1;                      // DapQ's pseudo rows too
     if (kvevict::detail::reuses_positions(options_.policy.kind())) r.next_position = L;  // DapQ: Lp, known here
+    // The changed blocks depend on which rows move: the device's list ends at its first -1.
+    if (options_.compact == compaction::in_place && io.changed_blocks != nullptr) r.num_changed_blocks = -1;
     if (options_.compact == compaction::out_of_place) {
       r.freed_blocks = io.keys.is_paged() ? io.keys.num_used_blocks() : io.values.num_used_blocks();
     } else {

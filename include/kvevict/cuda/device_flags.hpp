@@ -45,6 +45,10 @@ enum device_flag : std::uint32_t {
   /// A device-side token count (decode_plan's num_tokens) outside [0, the plan's capacity].
   /// The step changes nothing and is not counted.
   flag_length_out_of_range = 1u << 7,
+  /// In-place compaction would write a block marked shared by prefix caching (its reference
+  /// count above 1, or its bit in the shared-block bitmap). Compaction moves nothing and
+  /// writes no outputs (the CPU's evict refuses the same call).
+  flag_shared_block = 1u << 8,
 };
 
 /// A status for a device flag word read back by the caller: ok when `flags` is 0, otherwise
@@ -57,6 +61,11 @@ inline status device_flags_status(std::uint32_t flags, const char* fn = "kvevict
   if (flags & flag_duplicate_block)
     return status::error(errc::invalid_argument, fn, "block_table",
                          "a physical block reached twice (repeated id, or K and V sharing a block) (flags 0x%x)",
+                         static_cast<unsigned>(flags));
+  if (flags & flag_shared_block)
+    return status::error(errc::invalid_argument, fn, "block_refcounts",
+                         "in-place compaction would write a block shared with another sequence: compact out of "
+                         "place into fresh blocks (flags 0x%x)",
                          static_cast<unsigned>(flags));
   if (flags & flag_invalid_keep_list)
     return status::error(errc::invalid_keep_list, fn, "keep",

@@ -5,7 +5,9 @@
 // KeyDiff, kvpress's KeyDiffPress convention: per KV head, the anchor is the mean of the
 // L2-normalised keys of every token (the protected tail included), and each key scores
 // minus its cosine similarity to the anchor, so the most typical keys go first. No queries.
-// docs/policies/keydiff.md.
+// docs/policies/keydiff.md. Products are summed with explicit fused multiply-adds (and the
+// squares of floats, exact in double, plainly), so that no compiler's contraction changes a
+// bit and cuda::keydiff_scores gives the same ones.
 
 #include <algorithm>
 #include <cmath>
@@ -36,10 +38,9 @@ class keydiff : public scoring_policy<keydiff<T, Q>, T, Q> {
   using query_type = Q;
   using config_type = keydiff_config;
 
-  /// PyTorch's floors: F.normalize divides by max(||k||, 1e-12); F.cosine_similarity by
-  /// max(||k|| ||a||, 1e-8). A zero key thus scores 0 rather than NaN.
-  static constexpr double normalize_eps = 1e-12;
-  static constexpr double cosine_eps = 1e-8;
+  static constexpr double normalize_eps = keydiff_arithmetic::normalize_eps;
+  static constexpr double cosine_eps = keydiff_arithmetic::cosine_eps;
+  static constexpr std::int64_t anchor_chunk = keydiff_arithmetic::anchor_chunk;
 
   explicit keydiff(const keydiff_config& config = {}) noexcept : config_(config) {}
   const keydiff_config& config() const noexcept { return config_; }
@@ -47,6 +48,7 @@ class keydiff : public scoring_policy<keydiff<T, Q>, T, Q> {
   std::size_t workspace_size(const layer_shape& shape, const executor& = {}) const noexcept {
     detail::arena a;
     (void)a.take<float>(shape.head_dim);
+    (void)a.take<double>(shape.head_dim);
     (void)a.take<double>(shape.head_dim);
     return a.used();
   }
@@ -64,6 +66,7 @@ class keydiff : public scoring_policy<keydiff<T, Q>, T, Q> {
     detail::arena a(ws);
     float* row_buf = a.take<float>(in.keys.head_dim);
     double* anchor = a.take<double>(in.keys.head_dim);
+    double* chunk_sum = a.take<double>(in.keys.head_dim);
     if (a.overflowed())
       return status::error(errc::workspace_too_small, fn, "ws", "expected at least %zu bytes, got %zu", a.used(),
                            ws.size);
@@ -72,22 +75,27 @@ class keydiff : public scoring_policy<keydiff<T, Q>, T, Q> {
     const std::int64_t candidates = tokens > config_.protected_tail ? tokens - config_.protected_tail : 0;
     for (std::int64_t h = 0; h < in.keys.num_heads; ++h) {
       std::fill(anchor, anchor + dim, 0.0);
-      for (std::int64_t j = 0; j < tokens; ++j) {
-        detail::widen_row(in.keys.row(h, j), in.keys.dim_stride, row_buf, dim);
-        const double inv = 1.0 / std::max(norm(row_buf, dim), normalize_eps);
-        for (std::int64_t c = 0; c < dim; ++c) anchor[c] += static_cast<double>(row_buf[c]) * inv;
+      for (std::int64_t first = 0; first < tokens; first += anchor_chunk) {
+        std::fill(chunk_sum, chunk_sum + dim, 0.0);
+        for (std::int64_t j = first; j < std::min(tokens, first + anchor_chunk); ++j) {
+          detail::widen_row(in.keys.row(h, j), in.keys.dim_stride, row_buf, dim);
+          const double inv = 1.0 / std::max(norm(row_buf, dim), normalize_eps);
+          for (std::int64_t c = 0; c < dim; ++c)
+            chunk_sum[c] = std::fma(static_cast<double>(row_buf[c]), inv, chunk_sum[c]);
+        }
+        for (std::int64_t c = 0; c < dim; ++c) anchor[c] += chunk_sum[c];
       }
       double anchor_sq = 0.0;
       for (std::int64_t c = 0; c < dim; ++c) {
         anchor[c] /= static_cast<double>(tokens);
-        anchor_sq += anchor[c] * anchor[c];
+        anchor_sq = std::fma(anchor[c], anchor[c], anchor_sq);
       }
       const double anchor_norm = std::sqrt(anchor_sq);
       float* out = scores.row(h);
       for (std::int64_t j = 0; j < candidates; ++j) {
         detail::widen_row(in.keys.row(h, j), in.keys.dim_stride, row_buf, dim);
         double dot = 0.0;
-        for (std::int64_t c = 0; c < dim; ++c) dot += static_cast<double>(row_buf[c]) * anchor[c];
+        for (std::int64_t c = 0; c < dim; ++c) dot = std::fma(static_cast<double>(row_buf[c]), anchor[c], dot);
         out[j] = static_cast<float>(-dot / std::max(norm(row_buf, dim) * anchor_norm, cosine_eps));
       }
       for (std::int64_t j = candidates; j < tokens; ++j) out[j] = std::numeric_limits<float>::infinity();

@@ -15,6 +15,17 @@
 
 KVEVICT_NAMESPACE_BEGIN
 
+/// KeyDiff's fixed arithmetic, shared by kvevict::keydiff and cuda::keydiff_scores so that both
+/// give the same bits. The floors are PyTorch's: F.normalize divides by max(||k||, 1e-12),
+/// F.cosine_similarity by max(||k|| ||a||, 1e-8), so a zero key scores 0 rather than NaN. The
+/// anchor sums each channel over chunks of anchor_chunk tokens, then the chunks' sums in order:
+/// one fixed order, which a GPU runs chunk-parallel.
+struct keydiff_arithmetic {
+  static constexpr double normalize_eps = 1e-12;
+  static constexpr double cosine_eps = 1e-8;
+  static constexpr std::int64_t anchor_chunk = 256;
+};
+
 struct keydiff_config {
   std::int64_t protected_tail = 0;  ///< last tokens always kept (scored +inf)
   protected_mode protect = protected_mode::inside_budget;
@@ -30,6 +41,7 @@ struct keydiff_traits : policy_traits_base {
   using policy = keydiff<T, Q>;
   static constexpr bool chunkable = true;
   static constexpr bool reads_queries = false;  // scores compare keys with their own mean
+  static constexpr bool on_gpu = true;          // cuda/detail/key_scorers.cuh
 
   static constexpr policy_kind kind = static_cast<policy_kind>(7);  // its index in default_policies
   static const config_type& config(const policy_config& p) noexcept { return p.config<keydiff_traits>(); }

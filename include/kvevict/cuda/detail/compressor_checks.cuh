@@ -79,17 +79,17 @@ class compressor_checks : protected compressor_layout {
     }
     if (p.observe == detail::sequence_step::none && !p.evict) return status();
 
-    // Fields the GPU path does not implement.
-    if (io.block_refcounts != nullptr || io.shared_blocks != nullptr)
-      return status::error(errc::unsupported, fn,
-                           io_name(s, io.block_refcounts != nullptr ? "block_refcounts" : "shared_blocks"),
-                           "the GPU compressor does not read block reference counts: compact sequences with "
-                           "prefix-shared blocks out of place (compaction::out_of_place); its batch refuses a "
-                           "destination any source uses");
-    if (io.changed_blocks != nullptr || io.head_freed_blocks != nullptr)
+    // Prefix-shared blocks are read by the in-place compaction on the device (out of place and
+    // keep-lists only, the caches are only read: the marks change nothing, as on the CPU); the
+    // block outputs are written by it.
+    KVEVICT_RETURN_IF_ERROR(check_device_pointer(io.block_refcounts, opt, fn, io_name(s, "block_refcounts")));
+    KVEVICT_RETURN_IF_ERROR(check_device_pointer(io.shared_blocks, opt, fn, io_name(s, "shared_blocks")));
+    if ((io.changed_blocks != nullptr || io.head_freed_blocks != nullptr) && options_.compact != compaction::in_place)
       return status::error(errc::unsupported, fn,
                            io_name(s, io.changed_blocks != nullptr ? "changed_blocks" : "head_freed_blocks"),
-                           "not written on the GPU path: pass null");
+                           "written by the in-place compaction only on the GPU path: pass null");
+    KVEVICT_RETURN_IF_ERROR(check_device_pointer(io.changed_blocks, opt, fn, io_name(s, "changed_blocks")));
+    KVEVICT_RETURN_IF_ERROR(check_device_pointer(io.head_freed_blocks, opt, fn, io_name(s, "head_freed_blocks")));
     if (io.layers != nullptr)
       return status::error(errc::unsupported, fn, io_name(s, "layers"),
                            "only the per-sequence scope reads them, which the GPU compressor does not implement");
@@ -176,17 +176,21 @@ class compressor_checks : protected compressor_layout {
                                static_cast<long long>(window_), static_cast<long long>(L));
       }
     }
-    // Blocks shared with sequences outside the call are invisible to the device, which reads no
-    // block refcounts yet: a paged in-place compaction needs the engine's word that it shares
-    // none (the CPU compressor also accepts block_sharing::marked with refcounts).
-    if (p.evict && options_.compact == compaction::in_place && (io.keys.is_paged() || io.values.is_paged()) &&
-        options_.sharing != block_sharing::none)
-      return status::error(options_.sharing == block_sharing::marked ? errc::unsupported : errc::invalid_argument, fn,
-                           "sharing",
-                           "%s is paged, compacted in place on the device: expected block_sharing::none, got "
-                           "block_sharing::%s",
-                           static_cast<const char*>(io_name(s, "keys")),
-                           options_.sharing == block_sharing::marked ? "marked" : "undeclared");
+    // Blocks shared with sequences outside the call are invisible here: the engine says how it
+    // shares them (compressor_options::sharing), and marks them on every call if it does; the
+    // compaction refuses on the device (flag_shared_block) a sequence using a marked block, as
+    // the CPU compressor refuses it.
+    if (p.evict && options_.compact == compaction::in_place && (io.keys.is_paged() || io.values.is_paged())) {
+      if (options_.sharing == block_sharing::undeclared)
+        return status::error(errc::invalid_argument, fn, "sharing",
+                             "%s is paged, compacted in place: expected block_sharing::marked (refcounts at every "
+                             "call) or block_sharing::none (no block shared), got block_sharing::undeclared",
+                             static_cast<const char*>(io_name(s, "keys")));
+      if (options_.sharing == block_sharing::marked && io.block_refcounts == nullptr && io.shared_blocks == nullptr)
+        return status::error(errc::null_pointer, fn, io_name(s, "block_refcounts"),
+                             "block_sharing::marked: expected the pool's block references (or shared_blocks) at "
+                             "every in-place call");
+    }
     if (p.evict)
       p.budget = kvevict::detail::layer_budget_for(options_, base_budget(), layer, p.tokens, p.sel, host.layer_budgets);
     return status();

@@ -26,6 +26,7 @@
 #include "kvevict/cuda/common.cuh"
 #include "kvevict/cuda/compact_batch.cuh"
 #include "kvevict/cuda/decode_observation.cuh"
+#include "kvevict/cuda/detail/key_scorers.cuh"
 #include "kvevict/cuda/detail/launch.cuh"
 #include "kvevict/cuda/detail/observation_scorers.cuh"
 #include "kvevict/cuda/finalize.cuh"
@@ -199,6 +200,17 @@ class compressor_layout {
       }
     });
   }
+  /// The device workspace of the key_scorer of a policy that reads no queries, for `shape`.
+  std::size_t key_scorer_workspace_size(const layer_shape& shape) const noexcept {
+    return kvevict::detail::with_policy_traits(options_.policy.kind(), std::size_t{0}, [&](auto traits) {
+      using Tr = decltype(traits);
+      if constexpr (detail::key_scorer<Tr>::exists) {
+        return detail::key_scorer<Tr>::workspace_size(shape);
+      } else {
+        return std::size_t{0};
+      }
+    });
+  }
   /// The policy's step after the batched scoring (observation_scorer::finish), on one sequence's
   /// scores.
   status finish_scores(score_view scores, std::int64_t protected_tail, const launch_options& opt) const {
@@ -331,6 +343,8 @@ class compressor_layout {
       const std::size_t one =
           cuda::observation_scores_batch_workspace_size<Q, T>(seqs, shape, scoring_params_of(), true);
       scoring = two > one ? two : one;
+    } else {  // one sequence at a time on the stream: they share the scorer's workspace
+      scoring = key_scorer_workspace_size(shape);
     }
     out->scoring = kvevict::detail::take_bytes(a, scoring, true);
     if (rerotates()) {

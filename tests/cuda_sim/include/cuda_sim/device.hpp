@@ -419,6 +419,9 @@ inline double __dmul_rn(double a, double b) noexcept {
   const volatile double r = a * b;
   return r;
 }
+inline double __fma_rn(double a, double b, double c) noexcept {
+  return std::fma(a, b, c);  // one rounding, as the instruction
+}
 inline float __frcp_rn(float x) noexcept {
   return 1.0f / x;  // IEEE division: correctly rounded, as the instruction
 }
