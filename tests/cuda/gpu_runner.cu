@@ -628,7 +628,7 @@ template <class KT, class VT>
 compact_into_result compact_into(const side<KT>& src_k, const side<VT>& src_v, const side<KT>& dst_k,
                                  const side<VT>& dst_v, const std::vector<std::int64_t>& offsets,
                                  const std::vector<std::int64_t>& indices, std::int64_t capacity,
-                                 const std::vector<std::int64_t>& key_positions) {
+                                 const std::vector<std::int64_t>& key_positions, const compact_blocks& blocks) {
   compact_into_result r;
   mirror m;
   static const std::vector<std::int32_t> no_table;
@@ -651,6 +651,19 @@ compact_into_result compact_into(const side<KT>& src_k, const side<VT>& src_v, c
   out.head_lengths = lengths;
   out.positions = positions;
   out.key_positions = m.put_vector(key_positions);
+  out.block_refcounts = m.put_vector(blocks.refcounts);
+  out.shared_blocks = m.put_vector(blocks.shared_bits);
+  out.shared_check =
+      blocks.every_used_block ? kvevict::cuda::shared_block_check::used : kvevict::cuda::shared_block_check::written;
+  const auto changed_n = static_cast<std::size_t>(blocks.changed_entries);
+  if (blocks.changed) {
+    out.changed_blocks = m.alloc<std::int32_t>(changed_n + 1);
+    m.fill(out.changed_blocks, changed_n + 1, std::int32_t{77});
+  }
+  if (blocks.freed) {
+    out.head_freed_blocks = m.alloc<std::int64_t>(static_cast<std::size_t>(src_k.view.num_heads));
+    m.fill(out.head_freed_blocks, static_cast<std::size_t>(src_k.view.num_heads), std::int64_t{-7});
+  }
   const std::size_t bytes = kvevict::cuda::compact_into_workspace_size(sk, sv, dk, dv);
   void* ws = m.alloc_bytes(bytes);
   const kvevict::const_keep_list_view keep{src_k.view.num_heads, doff, didx, capacity};
@@ -660,6 +673,8 @@ compact_into_result compact_into(const side<KT>& src_k, const side<VT>& src_v, c
   for (int i = 0; i < 4; ++i) *outs[i] = m.get(static_cast<const unsigned char*>(m.put(bufs[i])), bufs[i].bytes);
   r.head_lengths = m.get(lengths, static_cast<std::size_t>(src_k.view.num_heads));
   r.positions = m.get(positions, idx.size());
+  if (blocks.changed) r.changed_blocks = m.get(out.changed_blocks, changed_n + 1);
+  if (blocks.freed) r.head_freed_blocks = m.get(out.head_freed_blocks, static_cast<std::size_t>(src_k.view.num_heads));
   r.flags = m.read_flags();
   return r;
 }
@@ -773,7 +788,7 @@ template scores_result key_scores<kvevict::fp8_e5m2>(const kvevict::cache_view<c
 #define KVEVICT_GPU_COMPACT(KT, VT)                                                                                  \
   template compact_into_result compact_into<KT, VT>(                                                                 \
       const side<KT>&, const side<VT>&, const side<KT>&, const side<VT>&, const std::vector<std::int64_t>&,          \
-      const std::vector<std::int64_t>&, std::int64_t, const std::vector<std::int64_t>&);                             \
+      const std::vector<std::int64_t>&, std::int64_t, const std::vector<std::int64_t>&, const compact_blocks&);      \
   template compact_result compact<KT, VT>(                                                                           \
       const kvevict::cache_view<KT>&, host_buffer, const std::vector<std::int32_t>&, const kvevict::cache_view<VT>&, \
       host_buffer, const std::vector<std::int32_t>&, const std::vector<std::int64_t>&,                               \

@@ -243,13 +243,15 @@ struct compact_blocks {
   std::vector<std::uint32_t> shared_bits;  ///< bitmap words, or empty
   bool every_used_block = false;           ///< shared_block_check::used (else written)
   bool changed = false, freed = false;     ///< ask for changed_blocks / head_freed_blocks
-  std::int64_t changed_entries = 0;        ///< changed_blocks' length (the runner fills it with 77)
+  std::int64_t changed_entries = 0;        ///< changed_blocks' length but its end (the runner fills it with 77)
 };
 
 struct compact_into_result {
   kvevict::status st;
   std::vector<unsigned char> src_keys, src_values, dst_keys, dst_values;  ///< the buffers afterwards
   std::vector<std::int64_t> head_lengths, positions;
+  std::vector<std::int32_t> changed_blocks;     ///< when asked for (compact_blocks::changed)
+  std::vector<std::int64_t> head_freed_blocks;  ///< when asked for (compact_blocks::freed)
   std::uint32_t flags = 0;
 };
 
@@ -267,7 +269,7 @@ template <class KT, class VT>
 compact_into_result compact_into(const side<KT>& src_k, const side<VT>& src_v, const side<KT>& dst_k,
                                  const side<VT>& dst_v, const std::vector<std::int64_t>& offsets,
                                  const std::vector<std::int64_t>& indices, std::int64_t capacity,
-                                 const std::vector<std::int64_t>& key_positions);
+                                 const std::vector<std::int64_t>& key_positions, const compact_blocks& blocks = {});
 
 /// kvevict::cuda::compact on device copies. K and V buffers (and tables) given by the same
 /// host pointer become one device buffer (shared pools, shared tables).

@@ -1917,12 +1917,13 @@ void check_shared_compaction(test::layout lay, marked mark, bool bitmap, bool ev
   require_bytes(g.keys, k.buffer);
   require_bytes(g.values, v.buffer);
   REQUIRE(res.num_changed_blocks > 0);
-  for (std::int64_t i = 0; i < blocks.changed_entries; ++i) {
+  for (std::int64_t i = 0; i <= blocks.changed_entries; ++i) {  // the list, one -1, then untouched
     INFO("changed block " << i << " of " << res.num_changed_blocks);
-    REQUIRE(g.changed_blocks[static_cast<std::size_t>(i)] ==
-            (i < res.num_changed_blocks ? changed[static_cast<std::size_t>(i)] : -1));
+    REQUIRE(g.changed_blocks[static_cast<std::size_t>(i)] == (i < res.num_changed_blocks
+                                                                  ? changed[static_cast<std::size_t>(i)]
+                                                              : i == res.num_changed_blocks ? -1
+                                                                                            : 77));
   }
-  REQUIRE(g.changed_blocks[static_cast<std::size_t>(blocks.changed_entries)] == 77);
   REQUIRE(g.head_freed_blocks == freed);
 }
 }  // namespace
@@ -1936,6 +1937,116 @@ TEST_CASE("GPU compaction: prefix-shared blocks, changed blocks and freed blocks
       for (bool every_used_block : {false, true}) {
         check_shared_compaction<kvevict::bf16>(lay, mark, false, every_used_block, seed++);
         check_shared_compaction<float>(lay, mark, true, every_used_block, seed++);
+      }
+}
+
+namespace {
+/// cuda::compact_into with marks on the destination, changed_blocks and head_freed_blocks
+/// against kvevict::evict_into: no mark, a mark on a destination block it writes (table 0's
+/// first), a mark on a destination block past the longest head (accepted by the written rule,
+/// refused under shared_block_check::used).
+template <class T>
+void check_shared_compaction_into(test::layout lay, marked mark, bool bitmap, bool every_used_block,
+                                  std::uint64_t seed) {
+  const std::int64_t heads = 3, tokens = 70, dim = 24;
+  auto k = test::make_cache<T>(lay, heads, tokens, dim,
+                               test::normal(static_cast<std::size_t>(heads * tokens * dim), seed), 16, seed + 1);
+  auto v = test::make_cache<T>(lay, heads, tokens, dim,
+                               test::normal(static_cast<std::size_t>(heads * tokens * dim), seed + 2), 16, seed + 3);
+  std::vector<std::int64_t> offsets, indices;
+  random_keep(heads, tokens, seed + 4, &offsets, &indices);
+  std::int64_t longest = 0;
+  for (std::int64_t h = 0; h < heads; ++h)
+    longest = std::max(longest, offsets[static_cast<std::size_t>(h + 1)] - offsets[static_cast<std::size_t>(h)]);
+  const std::int64_t room = longest + 40;  // destination blocks past every head's rows
+  auto fk = test::make_cache<T>(lay, heads, room, dim,
+                                test::normal(static_cast<std::size_t>(heads * room * dim), seed + 5), 16, seed + 6);
+  auto fv = test::make_cache<T>(lay, heads, room, dim,
+                                test::normal(static_cast<std::size_t>(heads * room * dim), seed + 7), 16, seed + 8);
+  const std::int64_t pool = std::max(fk.view.num_pool_blocks, fv.view.num_pool_blocks);
+  std::vector<std::int32_t> refs(static_cast<std::size_t>(pool), 1);
+  std::vector<std::uint32_t> bits(static_cast<std::size_t>((pool + 31) / 32), 0u);
+  const auto mark_block = [&](std::int64_t id) {
+    refs[static_cast<std::size_t>(id)] = 2;
+    bits[static_cast<std::size_t>(id / 32)] |= 1u << (id % 32);
+  };
+  if (mark == marked::written) mark_block(fk.view.block_table[0]);
+  if (mark == marked::kept_in_place) mark_block(fk.view.block_table[fk.view.num_used_blocks() - 1]);  // past the rows
+  gpu::compact_blocks blocks;
+  if (bitmap) {
+    blocks.shared_bits = bits;
+  } else {
+    blocks.refcounts = refs;
+  }
+  blocks.every_used_block = every_used_block;
+  blocks.changed = blocks.freed = true;
+  blocks.changed_entries =
+      fk.view.num_used_blocks() * fk.view.num_tables() + fv.view.num_used_blocks() * fv.view.num_tables();
+  const auto g = gpu::compact_into(side_of(k), side_of(v), side_of(fk), side_of(fv), offsets, indices,
+                                   static_cast<std::int64_t>(indices.size()), {}, blocks);
+  INFO(test::name(lay) << (bitmap ? " bitmap" : " refcounts") << " mark " << static_cast<int>(mark)
+                       << (every_used_block ? " every used block" : " written blocks") << " status " << g.st.message());
+  REQUIRE(g.st.ok());
+  const std::vector<T> fk_before = fk.buffer, fv_before = fv.buffer;
+  kvevict::eviction_options opt;
+  opt.block_refcounts = bitmap ? nullptr : refs.data();
+  opt.shared_blocks = bitmap ? bits.data() : nullptr;
+  std::vector<std::int64_t> lengths(static_cast<std::size_t>(heads)), freed(static_cast<std::size_t>(heads));
+  std::vector<std::int32_t> changed(static_cast<std::size_t>(blocks.changed_entries));
+  kvevict::eviction_result res;
+  res.head_lengths = lengths.data();
+  res.head_freed_blocks = freed.data();
+  res.changed_blocks = changed.data();
+  kvevict::workspace ws(kvevict::evict_into_workspace_size(k.view, v.view, fk.view, fv.view));
+  const kvevict::status cpu = kvevict::evict_into(
+      k.view, v.view, fk.view, fv.view,
+      kvevict::const_keep_list_view{heads, offsets.data(), indices.data(), static_cast<std::int64_t>(indices.size())},
+      res, ws, opt);
+  bool any_used_marked = false;
+  for (const auto* c : {&fk.view, &fv.view})
+    for (std::int64_t t = 0; t < c->num_tables(); ++t)
+      for (std::int64_t b = 0; b < c->num_used_blocks(); ++b) {
+        const std::int64_t id = c->block_table[t * c->head_table_stride + b];
+        any_used_marked =
+            any_used_marked || (bitmap ? ((bits[static_cast<std::size_t>(id / 32)] >> (id % 32)) & 1u) != 0
+                                       : refs[static_cast<std::size_t>(id)] > 1);
+      }
+  INFO("cpu " << cpu.message());
+  if (mark == marked::none) REQUIRE(cpu.ok());
+  if (mark == marked::written) REQUIRE(!cpu.ok());
+  const bool refused = every_used_block ? any_used_marked : !cpu.ok();
+  if (refused) {
+    REQUIRE(g.flags == kvevict::cuda::flag_shared_block);
+    require_bytes(g.dst_keys, fk_before);
+    require_bytes(g.dst_values, fv_before);
+    REQUIRE(g.changed_blocks[0] == 77);
+    REQUIRE(g.head_freed_blocks[0] == -7);
+    return;
+  }
+  REQUIRE(cpu.ok());
+  REQUIRE(g.flags == 0);
+  require_bytes(g.dst_keys, fk.buffer);
+  require_bytes(g.dst_values, fv.buffer);
+  for (std::int64_t i = 0; i <= blocks.changed_entries; ++i) {  // the list, one -1, then untouched
+    INFO("changed block " << i << " of " << res.num_changed_blocks);
+    REQUIRE(g.changed_blocks[static_cast<std::size_t>(i)] == (i < res.num_changed_blocks
+                                                                  ? changed[static_cast<std::size_t>(i)]
+                                                              : i == res.num_changed_blocks ? -1
+                                                                                            : 77));
+  }
+  REQUIRE(g.head_freed_blocks == freed);
+}
+}  // namespace
+
+TEST_CASE("GPU compaction into fresh blocks: shared marks, changed blocks and freed blocks as kvevict::evict_into",
+          "[gpu][gpu_compact]") {
+  std::uint64_t seed = 2700;
+  for (test::layout lay : {test::layout::paged_nhd, test::layout::paged_hnd, test::layout::flashinfer_kv,
+                           test::layout::paged_per_head, test::layout::paged_int64})
+    for (marked mark : {marked::none, marked::kept_in_place, marked::written})
+      for (bool every_used_block : {false, true}) {
+        check_shared_compaction_into<kvevict::bf16>(lay, mark, false, every_used_block, seed++);
+        check_shared_compaction_into<float>(lay, mark, true, every_used_block, seed++);
       }
 }
 

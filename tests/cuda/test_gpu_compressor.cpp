@@ -352,7 +352,8 @@ void mark_blocks(scenario<T, Q>& sc) {
     for (std::size_t s = 0; s < c.seqs.size(); ++s) {
       auto& q = c.seqs[s];
       if (q.k.buf.data == nullptr) continue;
-      const std::int64_t pool = std::max(q.k.view.num_pool_blocks, q.v.view.num_pool_blocks);
+      const std::int64_t pool = std::max(std::max(q.k.view.num_pool_blocks, q.v.view.num_pool_blocks),
+                                         std::max(q.dst_k.view.num_pool_blocks, q.dst_v.view.num_pool_blocks));
       if (s == 2) {
         q.shared_blocks.assign(static_cast<std::size_t>((pool + 31) / 32), 0u);
       } else {
@@ -378,6 +379,16 @@ TEST_CASE("GPU compressor: prefix-shared block marks, changed blocks and freed b
     o.heads = kvevict::head_allocation::adakv;
     o.sharing = kvevict::block_sharing::marked;
     scenario<float, float> sc(o, true, 1, 44);
+    mark_blocks(sc);
+    check_against_cpu(sc);
+  }
+  SECTION("SnapKV, bf16, shared paged pools, PyramidKV, block_sharing::marked, into fresh paged blocks") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    o.per_head = kvevict::budget::ratio(0.4);
+    o.layers = kvevict::layer_allocation::pyramidkv;
+    o.sharing = kvevict::block_sharing::marked;
+    o.compact = kvevict::compaction::out_of_place;
+    scenario<bf16, bf16> sc(o, true, 0, 46);
     mark_blocks(sc);
     check_against_cpu(sc);
   }

@@ -62,9 +62,10 @@ struct compact_outputs {
   const std::int32_t* block_refcounts = nullptr;
   const std::uint32_t* shared_blocks = nullptr;
   shared_block_check shared_check = shared_block_check::written;
-  /// [used blocks of K + used blocks of V with a table of its own] out: the physical blocks
-  /// the compaction writes (K's tables, then V's), ascending by logical block per table, as
-  /// the CPU's eviction_result::changed_blocks lists them; -1 after the last one.
+  /// [used blocks of K + used blocks of V with a table of its own + 1] out: the physical
+  /// blocks the compaction writes (K's tables, then V's), ascending by logical block per
+  /// table, as the CPU's eviction_result::changed_blocks lists them, then one -1 (the count
+  /// is device data).
   std::int32_t* changed_blocks = nullptr;
   /// [Hkv] out: head h's trailing block-table entries it no longer uses (per-head tables: its
   /// own; one table: those beyond the longest head), as eviction_result::head_freed_blocks.
@@ -85,7 +86,6 @@ struct compact_args {
   bool v_same_table = false;  // V's block ids are K's: checking K covers V
   bool shared_pool = false;   // K and V in one pool: their ids share one bitmap
   compact_outputs out;
-  std::int64_t changed_capacity = 0;  // entries of out.changed_blocks: used blocks of K and of V's own tables
   std::uint32_t* flags = nullptr;
 };
 
@@ -254,8 +254,7 @@ __device__ __forceinline__ void write_changed_blocks(const compact_args& a, std:
     for (std::int64_t b = r.first; b < r.end; ++b)
       *out++ = static_cast<std::int32_t>(v.block_table[t * v.head_table_stride + b]);
   }
-  const std::int64_t total = changed_blocks_before(a, true, v_tables);
-  for (std::int64_t x = total + gtid; x < a.changed_capacity; x += nthreads) a.out.changed_blocks[x] = -1;
+  if (gtid == 0) a.out.changed_blocks[changed_blocks_before(a, true, v_tables)] = -1;  // the list's end
 }
 
 /// eviction_result::head_freed_blocks: K's table is the one an engine reclaims from; V's when
@@ -480,8 +479,6 @@ status prepare_compact(const cache_view<KT>& keys, const cache_view<VT>& values,
   a->v_same_table = rel.same_table;
   a->shared_pool = rel.shared_pool;
   a->out = out;
-  a->changed_capacity = keys.num_used_blocks() * keys.num_tables() +
-                        (rel.same_table ? 0 : values.num_used_blocks() * values.num_tables());
   a->flags = opt.device_flags;
   return status();
 }

@@ -56,6 +56,7 @@ struct compact_into_args {
   std::int64_t capacity = 0;
   std::uint32_t* status = nullptr;
   compact_outputs out;
+  bool v_same_table = false;  // the destination's V reads K's tables: K's blocks cover it
   std::uint32_t* flags = nullptr;
 };
 
@@ -63,23 +64,97 @@ __device__ __forceinline__ void compact_into_fail(const compact_into_args& a, st
   fail_call(a.status, a.flags, bits);
 }
 
+/// The destination blocks written through table t of v: head t's rows [0, keep.size(t)) with
+/// per-head tables, [0, longest) with one table (evict_into's rule), in logical blocks.
+__device__ __forceinline__ written_range destination_blocks_written(const compact_into_args& a, const byte_view& v,
+                                                                    std::int64_t t) {
+  std::int64_t n = 0;
+  for (std::int64_t h = v.head_table_stride != 0 ? t : 0; h < (v.head_table_stride != 0 ? t + 1 : a.num_heads); ++h) {
+    const std::int64_t kept = a.offsets[h + 1] - a.offsets[h];
+    n = kept > n ? kept : n;
+  }
+  return written_range{0, ceil_div(n, v.block_size)};
+}
+
+__device__ __forceinline__ bool block_marked_shared(const compact_outputs& out, std::int64_t id) {
+  return out.block_refcounts != nullptr
+             ? out.block_refcounts[id] > 1
+             : out.shared_blocks != nullptr && ((out.shared_blocks[id >> 5] >> (id & 31)) & 1u);
+}
+
+/// The longest head's kept count: evict_into checks the shared marks of every destination
+/// table's first `longest` rows.
+__device__ __forceinline__ std::int64_t longest_kept(const compact_into_args& a) {
+  std::int64_t n = 0;
+  for (std::int64_t h = 0; h < a.num_heads; ++h) {
+    const std::int64_t kept = a.offsets[h + 1] - a.offsets[h];
+    n = kept > n ? kept : n;
+  }
+  return n;
+}
+
 /// Ids of the table entries covering v's num_tokens (every head's table), each in range, and
 /// recorded in `bitmap` when given; for the destination (source == false) an id already
-/// recorded is a block the source uses or that another destination entry reaches.
+/// recorded is a block the source uses or that another destination entry reaches, and one
+/// marked shared (out.block_refcounts / shared_blocks) among every table's blocks of the
+/// longest head's rows (evict_into's rule; all of the view's under shared_block_check::used)
+/// cancels the copy.
 __device__ __forceinline__ void check_ids(const compact_into_args& a, const byte_view& v, std::uint32_t* bitmap,
                                           bool source, std::int64_t gtid, std::int64_t nthreads) {
   if (v.block_table == nullptr || v.num_tokens == 0) return;
   const std::int64_t used = ceil_div(v.num_tokens, v.block_size);
+  const bool marks = !source && (a.out.block_refcounts != nullptr || a.out.shared_blocks != nullptr);
+  const std::int64_t checked =
+      a.out.shared_check == shared_block_check::used ? used : (marks ? ceil_div(longest_kept(a), v.block_size) : 0);
   for (std::int64_t e = gtid; e < v.num_tables * used; e += nthreads) {
     const std::int64_t id = v.block_table[(e / used) * v.head_table_stride + e % used];
     if (id < 0 || id >= v.num_pool_blocks) {
       compact_into_fail(a, flag_block_id_out_of_range);
       continue;
     }
+    if (marks && e % used < checked && block_marked_shared(a.out, id)) compact_into_fail(a, flag_shared_block);
     if (bitmap == nullptr) continue;
     const std::uint32_t bit = bitmap_bit(id);
     const std::uint32_t before = atomicOr(bitmap + bitmap_word(id), bit);
     if (!source && (before & bit)) compact_into_fail(a, flag_duplicate_block);
+  }
+}
+
+/// out.changed_blocks (the destination blocks written, K's tables then V's own, as
+/// evict_into lists them, then one -1) and out.head_freed_blocks (as evict_into reports them: the
+/// destination cut to the longest head), after the copy.
+__device__ __forceinline__ void write_destination_blocks(const compact_into_args& a, std::int64_t gtid,
+                                                         std::int64_t nthreads) {
+  const byte_view& kd = a.k.dst;
+  const byte_view& vd = a.v.dst;
+  const std::int64_t k_tables = kd.block_table != nullptr ? kd.num_tables : 0;
+  const std::int64_t v_tables = vd.block_table != nullptr && !a.v_same_table ? vd.num_tables : 0;
+  if (a.out.changed_blocks != nullptr) {
+    const auto before = [&](std::int64_t x) {  // entries of the tables before table x (K's, then V's)
+      std::int64_t n = 0;
+      for (std::int64_t u = 0; u < x; ++u)
+        n += u < k_tables ? destination_blocks_written(a, kd, u).end
+                          : destination_blocks_written(a, vd, u - k_tables).end;
+      return n;
+    };
+    for (std::int64_t x = gtid; x < k_tables + v_tables; x += nthreads) {
+      const bool is_values = x >= k_tables;
+      const byte_view& v = is_values ? vd : kd;
+      const std::int64_t t = is_values ? x - k_tables : x;
+      std::int32_t* out = a.out.changed_blocks + before(x);
+      for (std::int64_t b = 0; b < destination_blocks_written(a, v, t).end; ++b)
+        *out++ = static_cast<std::int32_t>(v.block_table[t * v.head_table_stride + b]);
+    }
+    if (gtid == 0) a.out.changed_blocks[before(k_tables + v_tables)] = -1;  // the list's end
+  }
+  if (a.out.head_freed_blocks != nullptr) {
+    const byte_view& v = kd.block_table != nullptr ? kd : vd;
+    const std::int64_t longest = longest_kept(a);
+    for (std::int64_t h = gtid; h < a.num_heads; h += nthreads) {
+      const std::int64_t n = v.head_table_stride != 0 ? a.offsets[h + 1] - a.offsets[h] : longest;
+      a.out.head_freed_blocks[h] =
+          v.block_table == nullptr ? 0 : ceil_div(longest, v.block_size) - ceil_div(n, v.block_size);
+    }
   }
 }
 
@@ -146,6 +221,8 @@ __device__ __forceinline__ void compact_into_copy(const compact_into_args& a) {
   copy_pair_rows(a, a.k, total);
   copy_pair_rows(a, a.v, total);
   write_outputs(a.out, a.offsets, a.indices, a.num_heads, total);
+  const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  write_destination_blocks(a, gtid, static_cast<std::int64_t>(gridDim.x) * blockDim.x);
 }
 
 template <int Unused = 0>
@@ -236,16 +313,6 @@ status prepare_compact_into(const cache_view<SK>& src_keys, const cache_view<SV>
        static_cast<const void*>(dst_values.data) == static_cast<const void*>(src_values.data)))
     return status::error(errc::invalid_argument, fn, "dst_keys.data",
                          "expected fresh memory, got the source's base pointer (use compact for in place)");
-  // The in-place compaction's block inputs and outputs: a fresh destination is written whole
-  // and shares nothing, so they have no meaning here.
-  if (out.block_refcounts != nullptr || out.shared_blocks != nullptr || out.changed_blocks != nullptr ||
-      out.head_freed_blocks != nullptr)
-    return status::error(errc::unsupported, fn,
-                         out.block_refcounts != nullptr  ? "out.block_refcounts"
-                         : out.shared_blocks != nullptr  ? "out.shared_blocks"
-                         : out.changed_blocks != nullptr ? "out.changed_blocks"
-                                                         : "out.head_freed_blocks",
-                         "in-place compaction's (compact, compact_batch) only: expected null");
   const std::int64_t widest = src_keys.head_dim > src_values.head_dim ? src_keys.head_dim : src_values.head_dim;
   KVEVICT_RETURN_IF_ERROR(
       validate_keep_and_outputs(keep, src_keys.num_heads, src_keys.num_tokens, widest, out, opt, fn));
@@ -263,6 +330,7 @@ status prepare_compact_into(const cache_view<SK>& src_keys, const cache_view<SV>
   a.num_heads = keep.num_heads;
   a.capacity = keep.capacity;
   a.out = out;
+  a.v_same_table = relate_tables(dst_keys, dst_values).same_table;
   a.flags = opt.device_flags;
 
   *plan_out = plan;
@@ -297,9 +365,10 @@ std::size_t compact_into_workspace_size(const cache_view<SK>& src_keys, const ca
 ///   out:                  optional device head lengths [Hkv], positions [capacity]
 ///
 /// Enqueues up to three memsets and three kernels on opt.stream. A bad keep-list, a block id
-/// out of range, a destination block the source uses or that two destination rows reach, or a
-/// head keeping more rows than the destination holds sets the matching device flag and writes
-/// nothing (destination and outputs untouched); the source is never written.
+/// out of range, a destination block the source uses or that two destination rows reach, a
+/// destination block marked shared by out.block_refcounts / shared_blocks (evict_into's rule),
+/// or a head keeping more rows than the destination holds sets the matching device flag and
+/// writes nothing (destination and outputs untouched); the source is never written.
 template <class SK, class SV, class DK, class DV>
 status compact_into(cache_view<SK> src_keys, cache_view<SV> src_values, cache_view<DK> dst_keys,
                     cache_view<DV> dst_values, const_keep_list_view keep, workspace_span ws,

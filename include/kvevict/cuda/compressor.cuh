@@ -178,12 +178,14 @@ class compressor : private detail::compressor_checks {
   std::int64_t keep_capacity() const noexcept { return keep_capacity_; }
   /// Columns of sequence_io::padded_indices: the most tokens one head may keep.
   std::int64_t keep_capacity_per_head() const noexcept { return head_capacity_; }
-  /// Entries of sequence_io::changed_blocks (in place): K and V, one block per token at most,
-  /// per head with per-head block tables (the CPU compressor's bound). The device's list ends
-  /// at its first -1.
+  /// Entries of sequence_io::changed_blocks: K and V, one block per token at most, per head
+  /// with per-head block tables (the CPU compressor's bound), and the -1 that ends the
+  /// device's list.
   std::int64_t changed_blocks_capacity() const noexcept {
-    return kvevict::detail::saturating_mul(
-        kvevict::detail::saturating_mul(std::int64_t{2}, options_.model.num_kv_heads), options_.limits.max_tokens);
+    return kvevict::detail::saturating_add(
+        kvevict::detail::saturating_mul(kvevict::detail::saturating_mul(std::int64_t{2}, options_.model.num_kv_heads),
+                                        options_.limits.max_tokens),
+        std::int64_t{1});
   }
   /// How many of its last queries a sequence hands in at prefill_end.
   std::int64_t observation_window() const noexcept { return window_; }
@@ -294,20 +296,24 @@ class compressor : private detail::compressor_checks {
       if (options_.compact == compaction::keep_list_only) continue;
       const const_keep_list_view keep = keep_of(dev, s);
       compact_outputs out{io.head_lengths, io.kept_positions, io.key_positions};
+      out.block_refcounts = io.block_refcounts;
+      out.shared_blocks = io.shared_blocks;
+      out.shared_check = shared_block_check::used;  // the CPU compressor's rule (below for out of place)
+      out.changed_blocks = io.changed_blocks;
+      out.head_freed_blocks = io.head_freed_blocks;
       if (options_.compact == compaction::in_place) {
-        out.block_refcounts = io.block_refcounts;
-        out.shared_blocks = io.shared_blocks;
-        out.shared_check = shared_block_check::used;  // the CPU compressor's rule
-        out.changed_blocks = io.changed_blocks;
-        out.head_freed_blocks = io.head_freed_blocks;
         host.in_place[compacted] = compaction_sequence<T, T>{io.keys, io.values, keep, out};
       } else {
+        // The CPU compressor checks the marks of the destination rows a head of this length may
+        // keep at most: the destination cut there (no head writes past it) is checked whole.
+        const std::int64_t most = kvevict::detail::head_keep_bound(options_, base_budget(), io.keys.num_tokens);
+        const std::int64_t rows = most < head_capacity_ ? most : head_capacity_;
         compaction_into_sequence<T, T>& c = host.into[compacted];
         c = compaction_into_sequence<T, T>{};
         c.src_keys = io.keys;
         c.src_values = io.values;
-        c.dst_keys = io.dst_keys;
-        c.dst_values = io.dst_values;
+        c.dst_keys = io.dst_keys.first_tokens(rows);
+        c.dst_values = io.dst_values.first_tokens(rows);
         c.keep = keep;
         c.out = out;
       }
@@ -513,7 +519,7 @@ class compressor : private detail::compressor_checks {
     r.dropped = per_head >= 0 ? io.keys.num_tokens - per_head : -1;                      // DapQ's pseudo rows too
     if (kvevict::detail::reuses_positions(options_.policy.kind())) r.next_position = L;  // DapQ: Lp, known here
     // The changed blocks depend on which rows move: the device's list ends at its first -1.
-    if (options_.compact == compaction::in_place && io.changed_blocks != nullptr) r.num_changed_blocks = -1;
+    if (options_.compact != compaction::keep_list_only && io.changed_blocks != nullptr) r.num_changed_blocks = -1;
     if (options_.compact == compaction::out_of_place) {
       r.freed_blocks = io.keys.is_paged() ? io.keys.num_used_blocks() : io.values.num_used_blocks();
     } else {

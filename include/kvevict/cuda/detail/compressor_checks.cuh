@@ -84,10 +84,12 @@ class compressor_checks : protected compressor_layout {
     // block outputs are written by it.
     KVEVICT_RETURN_IF_ERROR(check_device_pointer(io.block_refcounts, opt, fn, io_name(s, "block_refcounts")));
     KVEVICT_RETURN_IF_ERROR(check_device_pointer(io.shared_blocks, opt, fn, io_name(s, "shared_blocks")));
-    if ((io.changed_blocks != nullptr || io.head_freed_blocks != nullptr) && options_.compact != compaction::in_place)
+    if ((io.changed_blocks != nullptr || io.head_freed_blocks != nullptr) &&
+        options_.compact == compaction::keep_list_only)
       return status::error(errc::unsupported, fn,
                            io_name(s, io.changed_blocks != nullptr ? "changed_blocks" : "head_freed_blocks"),
-                           "written by the in-place compaction only on the GPU path: pass null");
+                           "written by the compaction, which compaction::keep_list_only does not run on the GPU "
+                           "path: pass null");
     KVEVICT_RETURN_IF_ERROR(check_device_pointer(io.changed_blocks, opt, fn, io_name(s, "changed_blocks")));
     KVEVICT_RETURN_IF_ERROR(check_device_pointer(io.head_freed_blocks, opt, fn, io_name(s, "head_freed_blocks")));
     if (io.layers != nullptr)
