@@ -470,6 +470,35 @@ rows_result select_rows(const std::vector<row_spec>& rows, std::int64_t max_leng
   return r;
 }
 
+namespace {
+/// compact_blocks' inputs attached to `out` as device copies, and its outputs allocated and
+/// filled (changed blocks 77, freed blocks -7) so that unwritten entries show.
+void attach_blocks(mirror& m, const compact_blocks& blocks, std::int64_t heads, kvevict::cuda::compact_outputs* out) {
+  out->block_refcounts = m.put_vector(blocks.refcounts);
+  out->shared_blocks = m.put_vector(blocks.shared_bits);
+  out->shared_check =
+      blocks.every_used_block ? kvevict::cuda::shared_block_check::used : kvevict::cuda::shared_block_check::written;
+  const auto n = static_cast<std::size_t>(blocks.changed_entries) + 1;
+  if (blocks.changed) {
+    out->changed_blocks = m.alloc<std::int32_t>(n);
+    m.fill(out->changed_blocks, n, std::int32_t{77});
+  }
+  if (blocks.freed) {
+    out->head_freed_blocks = m.alloc<std::int64_t>(static_cast<std::size_t>(heads));
+    m.fill(out->head_freed_blocks, static_cast<std::size_t>(heads), std::int64_t{-7});
+  }
+}
+
+/// The block outputs attach_blocks allocated, copied back.
+template <class R>
+void read_blocks(mirror& m, const compact_blocks& blocks, std::int64_t heads, const kvevict::cuda::compact_outputs& out,
+                 R* r) {
+  if (blocks.changed)
+    r->changed_blocks = m.get(out.changed_blocks, static_cast<std::size_t>(blocks.changed_entries) + 1);
+  if (blocks.freed) r->head_freed_blocks = m.get(out.head_freed_blocks, static_cast<std::size_t>(heads));
+}
+}  // namespace
+
 template <class KT, class VT>
 compact_result compact(const kvevict::cache_view<KT>& k, host_buffer kbuf, const std::vector<std::int32_t>& ktable,
                        const kvevict::cache_view<VT>& v, host_buffer vbuf, const std::vector<std::int32_t>& vtable,
@@ -492,19 +521,7 @@ compact_result compact(const kvevict::cache_view<KT>& k, host_buffer kbuf, const
   out.head_lengths = lengths;
   out.positions = positions;
   out.key_positions = m.put_vector(key_positions);
-  out.block_refcounts = m.put_vector(blocks.refcounts);
-  out.shared_blocks = m.put_vector(blocks.shared_bits);
-  out.shared_check =
-      blocks.every_used_block ? kvevict::cuda::shared_block_check::used : kvevict::cuda::shared_block_check::written;
-  const auto changed_n = static_cast<std::size_t>(blocks.changed_entries);
-  if (blocks.changed) {
-    out.changed_blocks = m.alloc<std::int32_t>(changed_n + 1);
-    m.fill(out.changed_blocks, changed_n + 1, std::int32_t{77});  // entries past the list show up
-  }
-  if (blocks.freed) {
-    out.head_freed_blocks = m.alloc<std::int64_t>(static_cast<std::size_t>(k.num_heads));
-    m.fill(out.head_freed_blocks, static_cast<std::size_t>(k.num_heads), std::int64_t{-7});
-  }
+  attach_blocks(m, blocks, k.num_heads, &out);
   const std::size_t bytes = kvevict::cuda::compact_workspace_size(dk, dv, capacity);
   void* ws = m.alloc_bytes(bytes);
   const kvevict::const_keep_list_view keep{k.num_heads, doff, didx, capacity};
@@ -515,8 +532,7 @@ compact_result compact(const kvevict::cache_view<KT>& k, host_buffer kbuf, const
   r.values = m.get(vd, vbuf.bytes);
   r.head_lengths = m.get(lengths, static_cast<std::size_t>(k.num_heads));
   r.positions = m.get(positions, idx.size());
-  if (blocks.changed) r.changed_blocks = m.get(out.changed_blocks, changed_n + 1);
-  if (blocks.freed) r.head_freed_blocks = m.get(out.head_freed_blocks, static_cast<std::size_t>(k.num_heads));
+  read_blocks(m, blocks, k.num_heads, out, &r);
   r.flags = m.read_flags();
   return r;
 }
@@ -651,19 +667,7 @@ compact_into_result compact_into(const side<KT>& src_k, const side<VT>& src_v, c
   out.head_lengths = lengths;
   out.positions = positions;
   out.key_positions = m.put_vector(key_positions);
-  out.block_refcounts = m.put_vector(blocks.refcounts);
-  out.shared_blocks = m.put_vector(blocks.shared_bits);
-  out.shared_check =
-      blocks.every_used_block ? kvevict::cuda::shared_block_check::used : kvevict::cuda::shared_block_check::written;
-  const auto changed_n = static_cast<std::size_t>(blocks.changed_entries);
-  if (blocks.changed) {
-    out.changed_blocks = m.alloc<std::int32_t>(changed_n + 1);
-    m.fill(out.changed_blocks, changed_n + 1, std::int32_t{77});
-  }
-  if (blocks.freed) {
-    out.head_freed_blocks = m.alloc<std::int64_t>(static_cast<std::size_t>(src_k.view.num_heads));
-    m.fill(out.head_freed_blocks, static_cast<std::size_t>(src_k.view.num_heads), std::int64_t{-7});
-  }
+  attach_blocks(m, blocks, src_k.view.num_heads, &out);
   const std::size_t bytes = kvevict::cuda::compact_into_workspace_size(sk, sv, dk, dv);
   void* ws = m.alloc_bytes(bytes);
   const kvevict::const_keep_list_view keep{src_k.view.num_heads, doff, didx, capacity};
@@ -673,8 +677,7 @@ compact_into_result compact_into(const side<KT>& src_k, const side<VT>& src_v, c
   for (int i = 0; i < 4; ++i) *outs[i] = m.get(static_cast<const unsigned char*>(m.put(bufs[i])), bufs[i].bytes);
   r.head_lengths = m.get(lengths, static_cast<std::size_t>(src_k.view.num_heads));
   r.positions = m.get(positions, idx.size());
-  if (blocks.changed) r.changed_blocks = m.get(out.changed_blocks, changed_n + 1);
-  if (blocks.freed) r.head_freed_blocks = m.get(out.head_freed_blocks, static_cast<std::size_t>(src_k.view.num_heads));
+  read_blocks(m, blocks, src_k.view.num_heads, out, &r);
   r.flags = m.read_flags();
   return r;
 }

@@ -1822,8 +1822,93 @@ TEST_CASE("GPU compaction: every layout pair against the definition", "[gpu][gpu
 namespace {
 /// Marks for the shared-block cases: none, a block every head keeps in place (the first of
 /// each table: every head's kept prefix covers it), or a block the compaction writes (table
-/// 0's second: every head's rows from 20 on move).
+/// 0's second: every head's rows from 20 on move). Into fresh blocks: a destination block past
+/// the longest head, or the first destination block.
 enum class marked { none, kept_in_place, written };
+
+/// One case's shared-block marks, as reference counts or as a bitmap (the same blocks), and
+/// the block inputs and outputs handed to the device and to the CPU.
+struct block_marks {
+  bool bitmap = false;
+  std::vector<std::int32_t> refs;
+  std::vector<std::uint32_t> bits;
+  block_marks(std::int64_t pool, bool use_bitmap)
+      : bitmap(use_bitmap),
+        refs(static_cast<std::size_t>(pool), 1),
+        bits(static_cast<std::size_t>((pool + 31) / 32), 0u) {}
+  void mark(std::int64_t id) {
+    refs[static_cast<std::size_t>(id)] = 3;
+    bits[static_cast<std::size_t>(id / 32)] |= 1u << (id % 32);
+  }
+  bool marked_id(std::int64_t id) const {
+    return bitmap ? ((bits[static_cast<std::size_t>(id / 32)] >> (id % 32)) & 1u) != 0
+                  : refs[static_cast<std::size_t>(id)] > 1;
+  }
+  /// Whether a block either view uses is marked (K's and V's ids index one array, so a mark
+  /// meant for one may fall on a block of the other).
+  template <class T>
+  bool any_used(const kvevict::cache_view<T>& a, const kvevict::cache_view<T>& b) const {
+    bool any = false;
+    for (const auto* c : {&a, &b})
+      for (std::int64_t t = 0; t < c->num_tables(); ++t)
+        for (std::int64_t i = 0; i < c->num_used_blocks(); ++i)
+          any = any || marked_id(c->block_table[t * c->head_table_stride + i]);
+    return any;
+  }
+  gpu::compact_blocks request(bool every_used_block, std::int64_t changed_entries) const {
+    gpu::compact_blocks b;
+    if (bitmap) {
+      b.shared_bits = bits;
+    } else {
+      b.refcounts = refs;
+    }
+    b.every_used_block = every_used_block;
+    b.changed = b.freed = true;
+    b.changed_entries = changed_entries;
+    return b;
+  }
+  kvevict::eviction_options options() const {
+    kvevict::eviction_options o;
+    o.block_refcounts = bitmap ? nullptr : refs.data();
+    o.shared_blocks = bitmap ? bits.data() : nullptr;
+    return o;
+  }
+};
+
+/// The CPU's block outputs for one call.
+struct cpu_blocks {
+  std::vector<std::int64_t> lengths, freed;
+  std::vector<std::int32_t> changed;
+  kvevict::eviction_result res;
+  cpu_blocks(std::int64_t heads, std::int64_t entries)
+      : lengths(static_cast<std::size_t>(heads)),
+        freed(static_cast<std::size_t>(heads)),
+        changed(static_cast<std::size_t>(entries)) {
+    res.head_lengths = lengths.data();
+    res.head_freed_blocks = freed.data();
+    res.changed_blocks = changed.data();
+  }
+};
+
+/// The device's block outputs against the CPU's: when refused, none written; else the CPU's
+/// changed-block list, one -1, the rest untouched (77), and the same freed blocks.
+void require_block_outputs(bool refused, const std::vector<std::int32_t>& changed,
+                           const std::vector<std::int64_t>& freed, const cpu_blocks& cpu, std::int64_t entries) {
+  if (refused) {
+    REQUIRE(changed[0] == 77);
+    REQUIRE(freed[0] == -7);
+    return;
+  }
+  const std::int64_t n = cpu.res.num_changed_blocks;
+  REQUIRE(n > 0);
+  for (std::int64_t i = 0; i <= entries; ++i) {
+    INFO("changed block " << i << " of " << n);
+    REQUIRE(changed[static_cast<std::size_t>(i)] == (i < n    ? cpu.changed[static_cast<std::size_t>(i)]
+                                                     : i == n ? -1
+                                                              : 77));
+  }
+  REQUIRE(freed == cpu.freed);
+}
 
 /// cuda::compact with block_refcounts (or the shared-block bitmap), changed_blocks and
 /// head_freed_blocks against kvevict::evict with the same eviction_options: the same refusals
@@ -1844,87 +1929,38 @@ void check_shared_compaction(test::layout lay, marked mark, bool bitmap, bool ev
     offsets.push_back(static_cast<std::int64_t>(indices.size()));
   }
   const std::int64_t capacity = static_cast<std::int64_t>(indices.size());
-  gpu::compact_blocks blocks;
-  const std::int64_t pool = std::max(k.view.num_pool_blocks, v.view.num_pool_blocks);
-  std::vector<std::int32_t> refs(static_cast<std::size_t>(pool), 1);
-  std::vector<std::uint32_t> bits(static_cast<std::size_t>((pool + 31) / 32), 0u);
-  const auto mark_block = [&](std::int64_t id) {
-    refs[static_cast<std::size_t>(id)] = 3;
-    bits[static_cast<std::size_t>(id / 32)] |= 1u << (id % 32);
-  };
+  block_marks marks(std::max(k.view.num_pool_blocks, v.view.num_pool_blocks), bitmap);
   for (std::int64_t t = 0; t < k.view.num_tables(); ++t) {
-    if (mark == marked::kept_in_place) mark_block(k.view.block_table[t * k.view.head_table_stride]);
-    if (mark == marked::written && t == 0) mark_block(k.view.block_table[1]);  // rows 16-31: row 20 on moves
+    if (mark == marked::kept_in_place) marks.mark(k.view.block_table[t * k.view.head_table_stride]);
+    if (mark == marked::written && t == 0) marks.mark(k.view.block_table[1]);  // rows 16-31: row 20 on moves
   }
-  if (bitmap) {
-    blocks.shared_bits = bits;
-  } else {
-    blocks.refcounts = refs;
-  }
-  blocks.every_used_block = every_used_block;
-  blocks.changed = blocks.freed = true;
-  blocks.changed_entries =
+  const std::int64_t entries =
       k.view.num_used_blocks() * k.view.num_tables() + v.view.num_used_blocks() * v.view.num_tables();
   const auto g = gpu::compact(k.view, gpu::buffer_of(k.buffer), k.table, v.view, gpu::buffer_of(v.buffer), v.table,
-                              offsets, indices, capacity, {}, blocks);
+                              offsets, indices, capacity, {}, marks.request(every_used_block, entries));
   INFO(test::name(lay) << (bitmap ? " bitmap" : " refcounts") << " mark " << static_cast<int>(mark)
                        << (every_used_block ? " every used block" : " written blocks") << " status " << g.st.message());
   REQUIRE(g.st.ok());
 
   const std::vector<T> k_before = k.buffer, v_before = v.buffer;
-  kvevict::eviction_options opt;
-  opt.block_refcounts = bitmap ? nullptr : refs.data();
-  opt.shared_blocks = bitmap ? bits.data() : nullptr;
-  std::vector<std::int64_t> lengths(static_cast<std::size_t>(heads)), freed(static_cast<std::size_t>(heads));
-  std::vector<std::int32_t> changed(static_cast<std::size_t>(blocks.changed_entries));
-  kvevict::eviction_result res;
-  res.head_lengths = lengths.data();
-  res.head_freed_blocks = freed.data();
-  res.changed_blocks = changed.data();
+  cpu_blocks cpu(heads, entries);
   kvevict::workspace ws(kvevict::evict_workspace_size(k.view, v.view));
-  const kvevict::status cpu = kvevict::evict(
-      k.view, v.view, kvevict::const_keep_list_view{heads, offsets.data(), indices.data(), capacity}, res, ws, opt);
-  // evict refuses a written block that is marked; the compressor's rule any used block (K's
-  // and V's ids index one array, so a mark on K's first block may fall on a block V writes).
-  const auto is_marked = [&](std::int64_t id) {
-    return bitmap ? ((bits[static_cast<std::size_t>(id / 32)] >> (id % 32)) & 1u) != 0
-                  : refs[static_cast<std::size_t>(id)] > 1;
-  };
-  bool any_used_marked = false;
-  for (const auto* c : {&k.view, &v.view})
-    for (std::int64_t t = 0; t < c->num_tables(); ++t)
-      for (std::int64_t b = 0; b < c->num_used_blocks(); ++b)
-        any_used_marked = any_used_marked || is_marked(c->block_table[t * c->head_table_stride + b]);
-  INFO("cpu " << cpu.message());
-  if (mark == marked::none) REQUIRE(cpu.ok());
-  if (mark == marked::written) REQUIRE(!cpu.ok());
-  const bool refused = every_used_block ? any_used_marked : !cpu.ok();
-  if (refused) {
-    REQUIRE(g.flags == kvevict::cuda::flag_shared_block);
-    REQUIRE(std::string(kvevict::cuda::device_flags_status(g.flags).argument()) == "block_refcounts");
-    require_bytes(g.keys, k_before);  // nothing moved
-    require_bytes(g.values, v_before);
-    REQUIRE(g.changed_blocks[0] == 77);  // no output written
-    REQUIRE(g.head_freed_blocks[0] == -7);
-    if (mark == marked::written) {
-      REQUIRE(cpu.code() == kvevict::errc::invalid_argument);
-      REQUIRE(std::string(cpu.argument()).rfind("keys.block_table[", 0) == 0);
-    }
-    return;
+  const kvevict::status st =
+      kvevict::evict(k.view, v.view, kvevict::const_keep_list_view{heads, offsets.data(), indices.data(), capacity},
+                     cpu.res, ws, marks.options());
+  INFO("cpu " << st.message());
+  if (mark == marked::none) REQUIRE(st.ok());
+  if (mark == marked::written) {
+    REQUIRE(st.code() == kvevict::errc::invalid_argument);
+    REQUIRE(std::string(st.argument()).rfind("keys.block_table[", 0) == 0);
   }
-  REQUIRE(cpu.ok());
-  REQUIRE(g.flags == 0);
-  require_bytes(g.keys, k.buffer);
-  require_bytes(g.values, v.buffer);
-  REQUIRE(res.num_changed_blocks > 0);
-  for (std::int64_t i = 0; i <= blocks.changed_entries; ++i) {  // the list, one -1, then untouched
-    INFO("changed block " << i << " of " << res.num_changed_blocks);
-    REQUIRE(g.changed_blocks[static_cast<std::size_t>(i)] == (i < res.num_changed_blocks
-                                                                  ? changed[static_cast<std::size_t>(i)]
-                                                              : i == res.num_changed_blocks ? -1
-                                                                                            : 77));
-  }
-  REQUIRE(g.head_freed_blocks == freed);
+  // evict refuses a written block that is marked; the compressor's rule any used block.
+  const bool refused = every_used_block ? marks.any_used(k.view, v.view) : !st.ok();
+  REQUIRE(g.flags == (refused ? kvevict::cuda::flag_shared_block : 0u));
+  if (refused) REQUIRE(std::string(kvevict::cuda::device_flags_status(g.flags).argument()) == "block_refcounts");
+  require_bytes(g.keys, refused ? k_before : k.buffer);  // refused: nothing moved
+  require_bytes(g.values, refused ? v_before : v.buffer);
+  require_block_outputs(refused, g.changed_blocks, g.head_freed_blocks, cpu, entries);
 }
 }  // namespace
 
@@ -1963,78 +1999,32 @@ void check_shared_compaction_into(test::layout lay, marked mark, bool bitmap, bo
                                 test::normal(static_cast<std::size_t>(heads * room * dim), seed + 5), 16, seed + 6);
   auto fv = test::make_cache<T>(lay, heads, room, dim,
                                 test::normal(static_cast<std::size_t>(heads * room * dim), seed + 7), 16, seed + 8);
-  const std::int64_t pool = std::max(fk.view.num_pool_blocks, fv.view.num_pool_blocks);
-  std::vector<std::int32_t> refs(static_cast<std::size_t>(pool), 1);
-  std::vector<std::uint32_t> bits(static_cast<std::size_t>((pool + 31) / 32), 0u);
-  const auto mark_block = [&](std::int64_t id) {
-    refs[static_cast<std::size_t>(id)] = 2;
-    bits[static_cast<std::size_t>(id / 32)] |= 1u << (id % 32);
-  };
-  if (mark == marked::written) mark_block(fk.view.block_table[0]);
-  if (mark == marked::kept_in_place) mark_block(fk.view.block_table[fk.view.num_used_blocks() - 1]);  // past the rows
-  gpu::compact_blocks blocks;
-  if (bitmap) {
-    blocks.shared_bits = bits;
-  } else {
-    blocks.refcounts = refs;
-  }
-  blocks.every_used_block = every_used_block;
-  blocks.changed = blocks.freed = true;
-  blocks.changed_entries =
+  block_marks marks(std::max(fk.view.num_pool_blocks, fv.view.num_pool_blocks), bitmap);
+  if (mark == marked::written) marks.mark(fk.view.block_table[0]);
+  if (mark == marked::kept_in_place) marks.mark(fk.view.block_table[fk.view.num_used_blocks() - 1]);  // past the rows
+  const std::int64_t entries =
       fk.view.num_used_blocks() * fk.view.num_tables() + fv.view.num_used_blocks() * fv.view.num_tables();
-  const auto g = gpu::compact_into(side_of(k), side_of(v), side_of(fk), side_of(fv), offsets, indices,
-                                   static_cast<std::int64_t>(indices.size()), {}, blocks);
+  const auto g =
+      gpu::compact_into(side_of(k), side_of(v), side_of(fk), side_of(fv), offsets, indices,
+                        static_cast<std::int64_t>(indices.size()), {}, marks.request(every_used_block, entries));
   INFO(test::name(lay) << (bitmap ? " bitmap" : " refcounts") << " mark " << static_cast<int>(mark)
                        << (every_used_block ? " every used block" : " written blocks") << " status " << g.st.message());
   REQUIRE(g.st.ok());
   const std::vector<T> fk_before = fk.buffer, fv_before = fv.buffer;
-  kvevict::eviction_options opt;
-  opt.block_refcounts = bitmap ? nullptr : refs.data();
-  opt.shared_blocks = bitmap ? bits.data() : nullptr;
-  std::vector<std::int64_t> lengths(static_cast<std::size_t>(heads)), freed(static_cast<std::size_t>(heads));
-  std::vector<std::int32_t> changed(static_cast<std::size_t>(blocks.changed_entries));
-  kvevict::eviction_result res;
-  res.head_lengths = lengths.data();
-  res.head_freed_blocks = freed.data();
-  res.changed_blocks = changed.data();
+  cpu_blocks cpu(heads, entries);
   kvevict::workspace ws(kvevict::evict_into_workspace_size(k.view, v.view, fk.view, fv.view));
-  const kvevict::status cpu = kvevict::evict_into(
+  const kvevict::status st = kvevict::evict_into(
       k.view, v.view, fk.view, fv.view,
       kvevict::const_keep_list_view{heads, offsets.data(), indices.data(), static_cast<std::int64_t>(indices.size())},
-      res, ws, opt);
-  bool any_used_marked = false;
-  for (const auto* c : {&fk.view, &fv.view})
-    for (std::int64_t t = 0; t < c->num_tables(); ++t)
-      for (std::int64_t b = 0; b < c->num_used_blocks(); ++b) {
-        const std::int64_t id = c->block_table[t * c->head_table_stride + b];
-        any_used_marked =
-            any_used_marked || (bitmap ? ((bits[static_cast<std::size_t>(id / 32)] >> (id % 32)) & 1u) != 0
-                                       : refs[static_cast<std::size_t>(id)] > 1);
-      }
-  INFO("cpu " << cpu.message());
-  if (mark == marked::none) REQUIRE(cpu.ok());
-  if (mark == marked::written) REQUIRE(!cpu.ok());
-  const bool refused = every_used_block ? any_used_marked : !cpu.ok();
-  if (refused) {
-    REQUIRE(g.flags == kvevict::cuda::flag_shared_block);
-    require_bytes(g.dst_keys, fk_before);
-    require_bytes(g.dst_values, fv_before);
-    REQUIRE(g.changed_blocks[0] == 77);
-    REQUIRE(g.head_freed_blocks[0] == -7);
-    return;
-  }
-  REQUIRE(cpu.ok());
-  REQUIRE(g.flags == 0);
-  require_bytes(g.dst_keys, fk.buffer);
-  require_bytes(g.dst_values, fv.buffer);
-  for (std::int64_t i = 0; i <= blocks.changed_entries; ++i) {  // the list, one -1, then untouched
-    INFO("changed block " << i << " of " << res.num_changed_blocks);
-    REQUIRE(g.changed_blocks[static_cast<std::size_t>(i)] == (i < res.num_changed_blocks
-                                                                  ? changed[static_cast<std::size_t>(i)]
-                                                              : i == res.num_changed_blocks ? -1
-                                                                                            : 77));
-  }
-  REQUIRE(g.head_freed_blocks == freed);
+      cpu.res, ws, marks.options());
+  INFO("cpu " << st.message());
+  if (mark == marked::none) REQUIRE(st.ok());
+  if (mark == marked::written) REQUIRE(!st.ok());
+  const bool refused = every_used_block ? marks.any_used(fk.view, fv.view) : !st.ok();
+  REQUIRE(g.flags == (refused ? kvevict::cuda::flag_shared_block : 0u));
+  require_bytes(g.dst_keys, refused ? fk_before : fk.buffer);
+  require_bytes(g.dst_values, refused ? fv_before : fv.buffer);
+  require_block_outputs(refused, g.changed_blocks, g.head_freed_blocks, cpu, entries);
 }
 }  // namespace
 
