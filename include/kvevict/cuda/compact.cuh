@@ -11,9 +11,9 @@
 // can be another kept entry's source row, so the copy is staged. Kernels, in stream order:
 //   1. validate: keep-list structure (CSR offsets, indices strictly ascending in [0, L)),
 //      block ids in range, no physical block reached twice (a bitmap per pool in the
-//      workspace). Problems go to a private status word and to launch_options::device_flags.
-//   2. gather: if the status word is clear, the blocks it will write checked against the
-//      engine's shared-block marks (optional), every moving entry's source row -> workspace.
+//      workspace), no block it will write marked shared by the engine (optional). Problems go
+//      to a private status word and to launch_options::device_flags.
+//   2. gather: if the status word is clear, every moving entry's source row -> workspace.
 //   3. scatter: if clear, staged rows -> destination rows; head lengths, positions, changed
 //      blocks and freed blocks out.
 // So on any device-detected problem nothing in the cache changes. Kernels of one stream run
@@ -136,33 +136,15 @@ __device__ __forceinline__ void check_table(const compact_args& a, const byte_vi
   }
 }
 
-__device__ __forceinline__ void compact_validate(const compact_args& a) {
-  const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  check_keep_list(a.offsets, a.indices, a.num_heads, a.capacity, a.k.num_tokens, a.ws.status, a.flags, gtid, nthreads);
-  check_table(a, a.k, a.ws.key_bitmap, gtid, nthreads);
-  // V through K's table (vLLM) repeats K's ids, whose duplicates K's pass has caught; the ids
-  // must still lie in V's pool, which may be smaller than K's.
-  std::uint32_t* v_bitmap = a.v_same_table ? nullptr : (a.shared_pool ? a.ws.key_bitmap : a.ws.value_bitmap);
-  check_table(a, a.v, v_bitmap, gtid, nthreads);
-}
-
-template <int Unused = 0>
-__global__ void __launch_bounds__(compact_threads) compact_validate_kernel(compact_args a) {
-  compact_validate(a);
-}
-
-/// The batch: sequence blockIdx.y's descriptor (compact_batch).
-template <int Unused = 0>
-__global__ void __launch_bounds__(compact_threads) compact_validate_batch_kernel(const compact_args* seqs) {
-  compact_validate(seqs[blockIdx.y]);
-}
-
 /// Head h's first row the compaction writes: the kept prefix with keep[i] == i stays in
-/// place. Kept indices ascend strictly, so keep[i] - i never decreases: a binary search.
+/// place. Kept indices ascend strictly, so keep[i] - i never decreases: a binary search. The
+/// validation runs it while the keep-list is still being checked, so its reads stay within
+/// [0, capacity) whatever the offsets say (a bad keep-list is refused anyway).
 __device__ __forceinline__ std::int64_t first_written_row(const compact_args& a, std::int64_t h) {
-  const std::int64_t* kept = a.indices + a.offsets[h];
-  std::int64_t lo = 0, hi = a.offsets[h + 1] - a.offsets[h];
+  const auto clamp = [&a](std::int64_t x) { return x < 0 ? std::int64_t{0} : (x > a.capacity ? a.capacity : x); };
+  const std::int64_t begin = clamp(a.offsets[h]), end = clamp(a.offsets[h + 1]);
+  const std::int64_t* kept = a.indices + begin;
+  std::int64_t lo = 0, hi = end > begin ? end - begin : 0;
   while (lo < hi) {
     const std::int64_t mid = lo + (hi - lo) / 2;
     if (kept[mid] == mid) {
@@ -206,8 +188,10 @@ __device__ __forceinline__ bool writes_own_table(const compact_args& a, const by
   return v.block_table != nullptr && v.num_tokens > 0 && !(is_values && a.v_same_table);
 }
 
-/// Raises flag_shared_block (cancelling the moves) for a written block marked shared.
-/// Runs after validation (the keep-list and block ids are sound), before any cache write.
+/// Raises flag_shared_block (cancelling the moves) for a written block marked shared. Part of
+/// the validation (no kernel that reads the status word may write it): ids outside the pool
+/// are skipped (check_table flags them), and the rows come from first_written_row's bounded
+/// reads.
 __device__ __forceinline__ void check_shared_writes(const compact_args& a, const byte_view& v, bool is_values,
                                                     std::int64_t gtid, std::int64_t nthreads) {
   if ((a.out.block_refcounts == nullptr && a.out.shared_blocks == nullptr) || !writes_own_table(a, v, is_values))
@@ -220,10 +204,35 @@ __device__ __forceinline__ void check_shared_writes(const compact_args& a, const
       if (b < blocks.first || b >= blocks.end) continue;
     }
     const std::int64_t id = v.block_table[t * v.head_table_stride + b];
+    if (id < 0 || id >= v.num_pool_blocks) continue;
     const bool shared = a.out.block_refcounts != nullptr ? a.out.block_refcounts[id] > 1
                                                          : ((a.out.shared_blocks[id >> 5] >> (id & 31)) & 1u) != 0;
     if (shared) compact_fail(a, flag_shared_block);
   }
+}
+
+__device__ __forceinline__ void compact_validate(const compact_args& a) {
+  const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  check_keep_list(a.offsets, a.indices, a.num_heads, a.capacity, a.k.num_tokens, a.ws.status, a.flags, gtid, nthreads);
+  check_table(a, a.k, a.ws.key_bitmap, gtid, nthreads);
+  // V through K's table (vLLM) repeats K's ids, whose duplicates K's pass has caught; the ids
+  // must still lie in V's pool, which may be smaller than K's.
+  std::uint32_t* v_bitmap = a.v_same_table ? nullptr : (a.shared_pool ? a.ws.key_bitmap : a.ws.value_bitmap);
+  check_table(a, a.v, v_bitmap, gtid, nthreads);
+  check_shared_writes(a, a.k, false, gtid, nthreads);
+  check_shared_writes(a, a.v, true, gtid, nthreads);
+}
+
+template <int Unused = 0>
+__global__ void __launch_bounds__(compact_threads) compact_validate_kernel(compact_args a) {
+  compact_validate(a);
+}
+
+/// The batch: sequence blockIdx.y's descriptor (compact_batch).
+template <int Unused = 0>
+__global__ void __launch_bounds__(compact_threads) compact_validate_batch_kernel(const compact_args* seqs) {
+  compact_validate(seqs[blockIdx.y]);
 }
 
 /// The written blocks of table t of v (the tables of K, then V's own, in order) go to
@@ -363,16 +372,12 @@ __device__ __forceinline__ void write_outputs(const compact_outputs& out, const 
       out.positions[e] = out.key_positions != nullptr ? out.key_positions[indices[e]] : indices[e];
 }
 
-/// Gather (after validation): shared blocks are checked, then sources staged; scatter, when
-/// nothing was flagged: the staged rows written and the outputs with them.
+/// Gather, when validation flagged nothing: the sources staged; scatter: the staged rows
+/// written and the outputs with them.
 __device__ __forceinline__ void compact_move(const compact_args& a, bool gather) {
   if (*a.ws.status != 0) return;
   const std::int64_t gtid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const std::int64_t nthreads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  if (gather) {  // staging only: a shared block found here stops the scatter that follows
-    check_shared_writes(a, a.k, false, gtid, nthreads);
-    check_shared_writes(a, a.v, true, gtid, nthreads);
-  }
   const std::int64_t total = a.offsets[a.num_heads];
   move_view(a, a.k, a.ws.staged_keys, total, gather);
   move_view(a, a.v, a.ws.staged_values, total, gather);

@@ -62,14 +62,14 @@ inline status device_flags_status(std::uint32_t flags, const char* fn = "kvevict
     return status::error(errc::invalid_argument, fn, "block_table",
                          "a physical block reached twice (repeated id, or K and V sharing a block) (flags 0x%x)",
                          static_cast<unsigned>(flags));
+  if (flags & flag_invalid_keep_list)
+    return status::error(errc::invalid_keep_list, fn, "keep",
+                         "expected CSR offsets and strictly ascending indices in [0, L) (flags 0x%x)",
+                         static_cast<unsigned>(flags));
   if (flags & flag_shared_block)
     return status::error(errc::invalid_argument, fn, "block_refcounts",
                          "in-place compaction would write a block shared with another sequence: compact out of "
                          "place into fresh blocks (flags 0x%x)",
-                         static_cast<unsigned>(flags));
-  if (flags & flag_invalid_keep_list)
-    return status::error(errc::invalid_keep_list, fn, "keep",
-                         "expected CSR offsets and strictly ascending indices in [0, L) (flags 0x%x)",
                          static_cast<unsigned>(flags));
   if (flags & flag_capacity_exceeded)
     return status::error(errc::invalid_keep_list, fn, "out.capacity",
