@@ -136,6 +136,38 @@ __device__ __forceinline__ void check_table(const compact_args& a, const byte_vi
   }
 }
 
+/// Whether pool block `id` is marked shared by the engine (out.block_refcounts above 1, or its
+/// bit in out.shared_blocks), as kvevict::evict reads the marks.
+__device__ __forceinline__ bool block_marked_shared(const compact_outputs& out, std::int64_t id) {
+  return out.block_refcounts != nullptr
+             ? out.block_refcounts[id] > 1
+             : out.shared_blocks != nullptr && ((out.shared_blocks[id >> 5] >> (id & 31)) & 1u);
+}
+
+/// The most tokens a head of the keep-list keeps.
+__device__ __forceinline__ std::int64_t longest_kept(const std::int64_t* offsets, std::int64_t num_heads) {
+  std::int64_t n = 0;
+  for (std::int64_t h = 0; h < num_heads; ++h) {
+    const std::int64_t kept = offsets[h + 1] - offsets[h];
+    n = kept > n ? kept : n;
+  }
+  return n;
+}
+
+/// eviction_result::head_freed_blocks of `v` (the view an engine reclaims from) holding
+/// `tokens` rows before: head h's trailing entries beyond its kept rows (per-head tables) or
+/// beyond the longest head's (one table); 0 for a strided view.
+__device__ __forceinline__ void write_head_freed_blocks(std::int64_t* out, const std::int64_t* offsets,
+                                                        std::int64_t num_heads, const byte_view& v, std::int64_t tokens,
+                                                        std::int64_t gtid, std::int64_t nthreads) {
+  if (out == nullptr) return;
+  const std::int64_t longest = longest_kept(offsets, num_heads);
+  for (std::int64_t h = gtid; h < num_heads; h += nthreads) {
+    const std::int64_t n = v.head_table_stride != 0 ? offsets[h + 1] - offsets[h] : longest;
+    out[h] = v.block_table == nullptr ? 0 : ceil_div(tokens, v.block_size) - ceil_div(n, v.block_size);
+  }
+}
+
 /// Head h's first row the compaction writes: the kept prefix with keep[i] == i stays in
 /// place. Kept indices ascend strictly, so keep[i] - i never decreases: a binary search. The
 /// validation runs it while the keep-list is still being checked, so its reads stay within
@@ -205,9 +237,7 @@ __device__ __forceinline__ void check_shared_writes(const compact_args& a, const
     }
     const std::int64_t id = v.block_table[t * v.head_table_stride + b];
     if (id < 0 || id >= v.num_pool_blocks) continue;
-    const bool shared = a.out.block_refcounts != nullptr ? a.out.block_refcounts[id] > 1
-                                                         : ((a.out.shared_blocks[id >> 5] >> (id & 31)) & 1u) != 0;
-    if (shared) compact_fail(a, flag_shared_block);
+    if (block_marked_shared(a.out, id)) compact_fail(a, flag_shared_block);
   }
 }
 
@@ -264,24 +294,6 @@ __device__ __forceinline__ void write_changed_blocks(const compact_args& a, std:
       *out++ = static_cast<std::int32_t>(v.block_table[t * v.head_table_stride + b]);
   }
   if (gtid == 0) a.out.changed_blocks[changed_blocks_before(a, true, v_tables)] = -1;  // the list's end
-}
-
-/// eviction_result::head_freed_blocks: K's table is the one an engine reclaims from; V's when
-/// K is strided (0 when both are).
-__device__ __forceinline__ void write_head_freed_blocks(const compact_args& a, std::int64_t gtid,
-                                                        std::int64_t nthreads) {
-  if (a.out.head_freed_blocks == nullptr) return;
-  const byte_view& v = a.k.block_table != nullptr ? a.k : a.v;
-  std::int64_t longest = 0;
-  for (std::int64_t h = 0; h < a.num_heads; ++h) {
-    const std::int64_t n = a.offsets[h + 1] - a.offsets[h];
-    longest = n > longest ? n : longest;
-  }
-  for (std::int64_t h = gtid; h < a.num_heads; h += nthreads) {
-    const std::int64_t n = v.head_table_stride != 0 ? a.offsets[h + 1] - a.offsets[h] : longest;
-    a.out.head_freed_blocks[h] =
-        v.block_table == nullptr ? 0 : ceil_div(v.num_tokens, v.block_size) - ceil_div(n, v.block_size);
-  }
 }
 
 /// Copies row_bytes bytes from src to dst with one warp, `unit` bytes per lane and copy.
@@ -384,7 +396,10 @@ __device__ __forceinline__ void compact_move(const compact_args& a, bool gather)
   if (gather) return;
   write_outputs(a.out, a.offsets, a.indices, a.num_heads, total);
   write_changed_blocks(a, gtid, nthreads);
-  write_head_freed_blocks(a, gtid, nthreads);
+  // K's table is the one an engine reclaims from; V's when K is strided.
+  const byte_view& reclaimed = a.k.block_table != nullptr ? a.k : a.v;
+  write_head_freed_blocks(a.out.head_freed_blocks, a.offsets, a.num_heads, reclaimed, reclaimed.num_tokens, gtid,
+                          nthreads);
 }
 
 template <int Unused = 0>

@@ -76,23 +76,6 @@ __device__ __forceinline__ written_range destination_blocks_written(const compac
   return written_range{0, ceil_div(n, v.block_size)};
 }
 
-__device__ __forceinline__ bool block_marked_shared(const compact_outputs& out, std::int64_t id) {
-  return out.block_refcounts != nullptr
-             ? out.block_refcounts[id] > 1
-             : out.shared_blocks != nullptr && ((out.shared_blocks[id >> 5] >> (id & 31)) & 1u);
-}
-
-/// The longest head's kept count: evict_into checks the shared marks of every destination
-/// table's first `longest` rows.
-__device__ __forceinline__ std::int64_t longest_kept(const compact_into_args& a) {
-  std::int64_t n = 0;
-  for (std::int64_t h = 0; h < a.num_heads; ++h) {
-    const std::int64_t kept = a.offsets[h + 1] - a.offsets[h];
-    n = kept > n ? kept : n;
-  }
-  return n;
-}
-
 /// Ids of the table entries covering v's num_tokens (every head's table), each in range, and
 /// recorded in `bitmap` when given; for the destination (source == false) an id already
 /// recorded is a block the source uses or that another destination entry reaches, and one
@@ -104,8 +87,9 @@ __device__ __forceinline__ void check_ids(const compact_into_args& a, const byte
   if (v.block_table == nullptr || v.num_tokens == 0) return;
   const std::int64_t used = ceil_div(v.num_tokens, v.block_size);
   const bool marks = !source && (a.out.block_refcounts != nullptr || a.out.shared_blocks != nullptr);
-  const std::int64_t checked =
-      a.out.shared_check == shared_block_check::used ? used : (marks ? ceil_div(longest_kept(a), v.block_size) : 0);
+  const std::int64_t checked = a.out.shared_check == shared_block_check::used
+                                   ? used
+                                   : (marks ? ceil_div(longest_kept(a.offsets, a.num_heads), v.block_size) : 0);
   for (std::int64_t e = gtid; e < v.num_tables * used; e += nthreads) {
     const std::int64_t id = v.block_table[(e / used) * v.head_table_stride + e % used];
     if (id < 0 || id >= v.num_pool_blocks) {
@@ -147,15 +131,9 @@ __device__ __forceinline__ void write_destination_blocks(const compact_into_args
     }
     if (gtid == 0) a.out.changed_blocks[before(k_tables + v_tables)] = -1;  // the list's end
   }
-  if (a.out.head_freed_blocks != nullptr) {
-    const byte_view& v = kd.block_table != nullptr ? kd : vd;
-    const std::int64_t longest = longest_kept(a);
-    for (std::int64_t h = gtid; h < a.num_heads; h += nthreads) {
-      const std::int64_t n = v.head_table_stride != 0 ? a.offsets[h + 1] - a.offsets[h] : longest;
-      a.out.head_freed_blocks[h] =
-          v.block_table == nullptr ? 0 : ceil_div(longest, v.block_size) - ceil_div(n, v.block_size);
-    }
-  }
+  // The destination cut to the longest head, as evict_into reports it.
+  write_head_freed_blocks(a.out.head_freed_blocks, a.offsets, a.num_heads, kd.block_table != nullptr ? kd : vd,
+                          longest_kept(a.offsets, a.num_heads), gtid, nthreads);
 }
 
 __device__ __forceinline__ void compact_into_validate(const compact_into_args& a, bool source) {
