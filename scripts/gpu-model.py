@@ -628,6 +628,24 @@ def compressor_kernels(s: Shape, g: Gpu, n):
     return obs_batch_kernels(s, g, n) + [copy, rows] + compact_batch_kernels(s, g, n)
 
 
+def sequence_scope_kernels(s: Shape, g: Gpu, n, last):
+    """cuda::compressor under the per-sequence scope (one keep set for every layer), one SnapKV
+    layer of n sequences of L/n tokens: the batched scoring, then per sequence
+    combine_head_scores (normalised max) and fold_layer_kernel into its row; at the last layer
+    also select_shared per sequence and the compaction of every layer's caches (one batch per
+    layer: the status word cleared, each layer's bitmaps cleared, descriptors copied and
+    validated, then each layer's descriptors copied again and its rows moved)."""
+    one = replace(s, tokens=s.tokens // n, budget=s.budget // n)
+    fold = Kernel("fold_layer_kernel", "the layer's row into the sequence's", ceil_div(one.tokens, 256), 256,
+                  hbm_bytes=one.tokens * 12, chain_cycles=g.hbm_latency_cycles)
+    kernels = obs_batch_kernels(s, g, n) + (scope_kernels(one, g, one.hkv) + [fold]) * n
+    if not last:
+        return kernels
+    memset, copy, validate, gather, scatter = compact_batch_kernels(s, g, n)
+    return (kernels + select_shared_kernels(one, g) * n + [memset] + [memset, copy, validate] * s.layers +
+            [copy, gather, scatter] * s.layers)
+
+
 def calls(s: Shape, g: Gpu):
     """The API calls scripts/gpu-check times, each with its kernels in stream order. Keys match
     the benchmark's (bench/cuda/bench_gpu.cu)."""
@@ -674,6 +692,10 @@ def calls(s: Shape, g: Gpu):
                         scope_kernels(s, g, s.hkv) + select_shared_kernels(s, g)),
         "compressor_layer": (f"cuda::compressor run, {BATCH} sequences x {s.tokens // BATCH} tokens (SnapKV, in place)",
                              compressor_kernels(s, g, BATCH)),
+        "sequence_scope_fold": (f"per-sequence scope, a layer before the last: {BATCH} sequences folded",
+                                sequence_scope_kernels(s, g, BATCH, False)),
+        "sequence_scope_last": (f"per-sequence scope, the last layer: {BATCH} sequences, {s.layers} layers compacted",
+                                sequence_scope_kernels(s, g, BATCH, True)),
     }
 
 
@@ -763,11 +785,18 @@ def table(s: Shape, g: Gpu, out):
     for key, (title, ks) in calls(s, g).items():
         total = call_time(ks, g)
         out.append(f"| **{title}** (`{key}`), {len(ks)} launches | | | | | | | | **{fmt_us(total)}** |")
+        # A kernel launched several times (per sequence, per layer) is one row: its count and
+        # the launches' total time.
+        counts = {}
         for k in ks:
+            counts.setdefault(id(k), [k, 0])[1] += 1
+        for k, count in counts.values():
             t, res = k.bound(g)
+            t *= count
             tt = k.times
             mio_total = k.mio_per_block * k.blocks
-            out.append(f"| &nbsp; {k.name}: {k.label} | {k.blocks} x {k.threads} | {fmt_bytes(k.hbm_bytes)} | "
+            times = f" (x {count})" if count > 1 else ""
+            out.append(f"| &nbsp; {k.name}{times}: {k.label} | {k.blocks} x {k.threads} | {fmt_bytes(k.hbm_bytes)} | "
                        f"{fmt_bytes(k.l2_bytes)} | {k.fp32_flops / 1e9:.2f} / {k.tensor_flops / 1e9:.2f} G | "
                        f"{mio_total / 1e6:.2f} M | {fmt_us(tt['HBM'])} / {fmt_us(tt['FP32'])} / {fmt_us(tt['tensor'])} / "
                        f"{fmt_us(tt['SMEM'])} / {fmt_us(tt['latency'])} "

@@ -57,6 +57,7 @@ compressor_session_result compressor_session(const kvevict::compressor_options& 
     std::vector<kvevict::cuda::sequence_io<T, Q>> ios(n);
     std::vector<std::int64_t*> lengths(n, nullptr), kept(n, nullptr), padded(n, nullptr), freed(n, nullptr);
     std::vector<std::int32_t*> changed(n, nullptr);
+    std::vector<std::vector<kvevict::layer_cache<T>>> layer_caches(n);
     const auto changed_size = static_cast<std::size_t>(c.changed_blocks_capacity());
     const auto cap = static_cast<std::size_t>(std::max<std::int64_t>(c.keep_capacity(), 1));
     const auto padded_size = static_cast<std::size_t>(heads * std::max<std::int64_t>(c.keep_capacity_per_head(), 1));
@@ -86,6 +87,18 @@ compressor_session_result compressor_session(const kvevict::compressor_options& 
         io.changed_blocks = changed[s];
         io.head_freed_blocks = freed[s];
       }
+      for (const layer_sides<T>& l : q.layers) {
+        kvevict::layer_cache<T> lc(device_view(session, l.k.view, l.k.buf, table(l.k)),
+                                   device_view(session, l.v.view, l.v.buf, table(l.v)));
+        if (l.dst_k.view.data != nullptr) {
+          lc.dst_keys = device_view(session, l.dst_k.view, l.dst_k.buf, table(l.dst_k));
+          lc.dst_values = device_view(session, l.dst_v.view, l.dst_v.buf, table(l.dst_v));
+        }
+        lc.block_refcounts = l.block_refcounts.empty() ? io.block_refcounts : m.fresh_copy(l.block_refcounts);
+        lc.shared_blocks = io.shared_blocks;
+        layer_caches[s].push_back(lc);
+      }
+      if (!q.layers.empty()) io.layers = layer_caches[s].data();
       if (q.state >= 0) {
         io.state = states[static_cast<std::size_t>(q.state)];
         io.host_state = host_states[static_cast<std::size_t>(q.state)].data();
@@ -117,6 +130,12 @@ compressor_session_result compressor_session(const kvevict::compressor_options& 
       out.values = back(q.v.buf);
       out.dst_keys = back(q.dst_k.buf);
       out.dst_values = back(q.dst_v.buf);
+      for (const layer_sides<T>& l : q.layers) {
+        out.layer_keys.push_back(back(l.k.buf));
+        out.layer_values.push_back(back(l.v.buf));
+        out.layer_dst_keys.push_back(back(l.dst_k.buf));
+        out.layer_dst_values.push_back(back(l.dst_v.buf));
+      }
       if (q.outputs) {
         out.head_lengths = m.get(lengths[s], static_cast<std::size_t>(heads));
         out.kept_positions = m.get(kept[s], cap);

@@ -16,6 +16,14 @@ namespace gpu {
 /// One sequence of a call: host views into host buffers. A buffer is copied to the device the
 /// first time a call of the session names it and stays there (buffers given by one host
 /// pointer are one device buffer), so later calls see what earlier ones did to it.
+/// One layer's caches of a sequence (selection_scope::per_sequence: io.layers).
+template <class T>
+struct layer_sides {
+  side<T> k, v;
+  side<T> dst_k, dst_v;                       ///< compaction::out_of_place
+  std::vector<std::int32_t> block_refcounts;  ///< empty: the sequence's marks
+};
+
 template <class T, class Q>
 struct compressor_sequence {
   kvevict::sequence_event event = kvevict::sequence_event::idle;
@@ -32,6 +40,9 @@ struct compressor_sequence {
   int state = -1;                                    ///< the session's state slot (DeferKV), -1: none
   bool outputs = true;                               ///< pass head_lengths, kept_positions and padded_indices
   bool block_outputs = false;                        ///< pass changed_blocks and head_freed_blocks
+  /// The per-sequence scope: every layer's caches (io.layers, each with this sequence's marks);
+  /// empty: none.
+  std::vector<layer_sides<T>> layers;
 };
 
 template <class T, class Q>
@@ -45,6 +56,8 @@ struct compressor_sequence_result {
   std::vector<std::int64_t> head_lengths, kept_positions, padded;  ///< -7 where untouched
   std::vector<std::int32_t> changed_blocks;                        ///< 77 where untouched
   std::vector<std::int64_t> head_freed_blocks;                     ///< -7 where untouched
+  /// The buffers of every entry of `layers` afterwards.
+  std::vector<std::vector<unsigned char>> layer_keys, layer_values, layer_dst_keys, layer_dst_values;
 };
 
 struct compressor_call_result {

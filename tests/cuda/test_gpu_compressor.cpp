@@ -127,6 +127,15 @@ struct scenario {
               q.dst_k = dside(l, s, true);
               q.dst_v = dside(l, s, false);
             }
+            if (options.scope == kvevict::selection_scope::per_sequence)  // every layer's caches
+              for (std::int64_t l2 = 0; l2 < kLayers; ++l2) {
+                gpu::layer_sides<T> ls{kside(l2, s, n), vside(l2, s, n), {}, {}, {}};
+                if (out_of_place()) {
+                  ls.dst_k = dside(l2, s, true);
+                  ls.dst_v = dside(l2, s, false);
+                }
+                q.layers.push_back(ls);
+              }
             const test::test_queries<Q>& tq =
                 queries[at(l, s) * static_cast<std::size_t>(1 + steps) + static_cast<std::size_t>(k)];
             q.queries = tq.view;
@@ -141,7 +150,7 @@ struct scenario {
               q.lse_head_stride = stride;
             }
           }
-          q.state = defer ? static_cast<int>(s) : -1;
+          q.state = defer || options.scope == kvevict::selection_scope::per_sequence ? static_cast<int>(s) : -1;
           call.seqs.push_back(q);
         }
         calls.push_back(call);
@@ -176,6 +185,38 @@ void require_bytes(const std::vector<unsigned char>& got, const gpu::host_buffer
   REQUIRE(std::memcmp(got.data(), want.data, want.bytes) == 0);
 }
 
+/// The CPU compressor's inputs for a call of the GPU session: the host views, the sequences'
+/// states (`states`, by slot) and, for the per-sequence scope, their layers' caches (held in
+/// `layers`); no outputs.
+template <class T, class Q>
+void cpu_inputs(const gpu::compressor_call<T, Q>& call, std::vector<std::vector<std::uint64_t>>* states,
+                std::vector<std::vector<kvevict::layer_cache<T>>>* layers, kvevict::sequence_io<T, Q>* io) {
+  for (std::size_t s = 0; s < call.seqs.size(); ++s) {
+    const gpu::compressor_sequence<T, Q>& q = call.seqs[s];
+    io[s].event = q.event;
+    io[s].keys = q.k.view;
+    io[s].values = q.v.view;
+    io[s].dst_keys = q.dst_k.view;
+    io[s].dst_values = q.dst_v.view;
+    io[s].queries = q.queries;
+    io[s].key_positions = q.key_positions.empty() ? kvevict::index_ptr(nullptr) : q.key_positions.data();
+    io[s].lse = q.lse.empty() ? nullptr : q.lse.data();
+    io[s].lse_head_stride = q.lse_head_stride;
+    io[s].state = q.state >= 0 ? (*states)[static_cast<std::size_t>(q.state)].data() : nullptr;
+    io[s].block_refcounts = q.block_refcounts.empty() ? nullptr : q.block_refcounts.data();
+    io[s].shared_blocks = q.shared_blocks.empty() ? nullptr : q.shared_blocks.data();
+    for (const gpu::layer_sides<T>& l : q.layers) {
+      kvevict::layer_cache<T> c(l.k.view, l.v.view);
+      c.dst_keys = l.dst_k.view;
+      c.dst_values = l.dst_v.view;
+      c.block_refcounts = l.block_refcounts.empty() ? io[s].block_refcounts : l.block_refcounts.data();
+      c.shared_blocks = io[s].shared_blocks;
+      (*layers)[s].push_back(c);
+    }
+    if (!q.layers.empty()) io[s].layers = (*layers)[s].data();
+  }
+}
+
 /// Runs the scenario on the GPU (device copies), then on the CPU over the host caches, call
 /// by call, and compares.
 template <class T, class Q>
@@ -196,6 +237,7 @@ void check_against_cpu(scenario<T, Q>& sc) {
     REQUIRE(cpu.reset_sequence(st.data(), st.size() * 8).ok());
   }
   const std::int64_t cap = cpu.keep_capacity(), head_cap = cpu.keep_capacity_per_head();
+  const bool one_set = sc.options.scope == kvevict::selection_scope::per_sequence;
   std::int64_t evictions = 0;
   for (std::size_t i = 0; i < sc.calls.size(); ++i) {
     const gpu::compressor_call<T, Q>& call = sc.calls[i];
@@ -211,24 +253,13 @@ void check_against_cpu(scenario<T, Q>& sc) {
         freed(n, std::vector<std::int64_t>(kHkv, -7));
     std::vector<std::vector<std::int32_t>> changed(
         n, std::vector<std::int32_t>(static_cast<std::size_t>(cpu.changed_blocks_capacity()), 77));
+    std::vector<std::vector<kvevict::layer_cache<T>>> layers(n);
+    cpu_inputs(call, &states, &layers, io.data());
     for (std::size_t s = 0; s < n; ++s) {
-      const gpu::compressor_sequence<T, Q>& q = call.seqs[s];
-      io[s].event = q.event;
-      io[s].keys = q.k.view;
-      io[s].values = q.v.view;
-      io[s].dst_keys = q.dst_k.view;
-      io[s].dst_values = q.dst_v.view;
-      io[s].queries = q.queries;
-      io[s].key_positions = q.key_positions.empty() ? kvevict::index_ptr(nullptr) : q.key_positions.data();
-      io[s].lse = q.lse.empty() ? nullptr : q.lse.data();
-      io[s].lse_head_stride = q.lse_head_stride;
-      io[s].state = q.state >= 0 ? states[static_cast<std::size_t>(q.state)].data() : nullptr;
       io[s].head_lengths = lengths[s].data();
       io[s].kept_positions = kept[s].data();
       io[s].padded_indices = padded[s].data();
-      io[s].block_refcounts = q.block_refcounts.empty() ? nullptr : q.block_refcounts.data();
-      io[s].shared_blocks = q.shared_blocks.empty() ? nullptr : q.shared_blocks.data();
-      if (q.block_outputs) {
+      if (call.seqs[s].block_outputs) {
         io[s].changed_blocks = changed[s].data();
         io[s].head_freed_blocks = freed[s].data();
       }
@@ -253,7 +284,7 @@ void check_against_cpu(scenario<T, Q>& sc) {
         continue;
       }
       ++evictions;
-      if (sc.options.heads == kvevict::head_allocation::adakv) {  // on the device only
+      if (sc.options.heads == kvevict::head_allocation::adakv && !one_set) {  // on the device only
         REQUIRE(r.length == -1);
         REQUIRE(r.kept == -1);
         REQUIRE(*std::max_element(out.head_lengths.begin(), out.head_lengths.end()) == c.length);
@@ -288,9 +319,18 @@ void check_against_cpu(scenario<T, Q>& sc) {
         require_bytes<T>(gc.seqs[s].dst_keys, q.dst_k.buf);
         require_bytes<T>(gc.seqs[s].dst_values, q.dst_v.buf);
       }
+      for (std::size_t l = 0; l < q.layers.size(); ++l) {  // the per-sequence scope: every layer
+        require_bytes<T>(gc.seqs[s].layer_keys[l], q.layers[l].k.buf);
+        require_bytes<T>(gc.seqs[s].layer_values[l], q.layers[l].v.buf);
+        if (q.layers[l].dst_k.buf.data != nullptr) {
+          require_bytes<T>(gc.seqs[s].layer_dst_keys[l], q.layers[l].dst_k.buf);
+          require_bytes<T>(gc.seqs[s].layer_dst_values[l], q.layers[l].dst_v.buf);
+        }
+      }
     }
   }
-  REQUIRE(evictions == kLayers * 3);  // every layer of the three active sequences, once
+  // Every layer of the three active sequences, once; one keep set per sequence: at its last layer.
+  REQUIRE(evictions == (one_set ? 1 : kLayers) * 3);
 }
 
 kvevict::compressor_options deferkv_options(kvevict::dtype storage, kvevict::dtype queries, std::int64_t delay) {
@@ -678,6 +718,193 @@ TEST_CASE("GPU compressor: DeferKV observes prefill and decode steps, then evict
   }
 }
 
+// One keep set for every layer (llama.cpp-style cells): each layer's call folds its scores
+// into the sequence's row on the device, the last layer's selects the set and compacts every
+// layer's cache with it (each layer's pools its own batch, all or nothing across layers).
+TEST_CASE("GPU compressor: one keep set for every layer (the per-sequence scope) equals the CPU's, call for call",
+          "[gpu][gpu_compressor]") {
+  using kvevict::dtype;
+  const auto one_set = [](kvevict::compressor_options o, kvevict::scope_combine rule) {
+    o.scope = kvevict::selection_scope::per_sequence;
+    o.combine = rule;
+    return o;
+  };
+  SECTION("SnapKV, bf16, shared paged pools, normalised mean, in place") {
+    scenario<bf16, bf16> sc(one_set(base_options(dtype::bf16, dtype::bf16), kvevict::scope_combine::normalized_mean),
+                            true, 0, 71);
+    check_against_cpu(sc);
+  }
+  SECTION("DeferKV delay 2, float, own strided caches, raw max, AdaKV heads, into fresh memory") {
+    kvevict::compressor_options o = one_set(deferkv_options(dtype::f32, dtype::f32, 2), kvevict::scope_combine::max);
+    o.heads = kvevict::head_allocation::adakv;
+    o.compact = kvevict::compaction::out_of_place;
+    scenario<float, float> sc(o, false, 3, 72);
+    check_against_cpu(sc);
+  }
+  SECTION("ChunkKV on KNorm, fp16, own strided caches, chunks of 4, ratio budget, raw mean, keep-lists only") {
+    kvevict::compressor_options o = one_set(base_options(dtype::f16, dtype::f16), kvevict::scope_combine::mean);
+    o.policy = kvevict::policy::knorm().chunked(4);
+    o.per_head = kvevict::budget::ratio(0.35);
+    o.compact = kvevict::compaction::keep_list_only;
+    scenario<kvevict::fp16, kvevict::fp16> sc(o, false, 0, 73);
+    check_against_cpu(sc);
+  }
+  SECTION("DapQ pseudo tokens, bf16, shared paged pools, normalised max, block_sharing::marked, in place") {
+    kvevict::compressor_options o =
+        one_set(base_options(dtype::bf16, dtype::bf16), kvevict::scope_combine::normalized_max);
+    kvevict::dapq_config d;
+    d.pseudo_tokens = 6;
+    o.policy = kvevict::policy::dapq(d);
+    o.sharing = kvevict::block_sharing::marked;
+    scenario<bf16, bf16> sc(o, true, 0, 74);
+    mark_blocks(sc);
+    check_against_cpu(sc);
+  }
+  SECTION("TOVA, fp8 e4m3 keys and values, bf16 queries, shared paged pools, into fresh paged blocks") {
+    kvevict::compressor_options o =
+        one_set(base_options(dtype::f8_e4m3, dtype::bf16), kvevict::scope_combine::normalized_mean);
+    o.policy = kvevict::policy::tova();
+    o.compact = kvevict::compaction::out_of_place;
+    scenario<fp8_e4m3, bf16> sc(o, true, 0, 75);
+    check_against_cpu(sc);
+  }
+}
+
+TEST_CASE("GPU compressor: the per-sequence scope refuses as the CPU does; a layer refused on the device moves none",
+          "[gpu][gpu_errors][gpu_compressor]") {
+  using kvevict::dtype;
+  kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+  o.scope = kvevict::selection_scope::per_sequence;
+  o.sharing = kvevict::block_sharing::marked;
+  // Calls: layer 0 (folds sequences 0 and 2), layer 1 (selects their keep set and compacts
+  // both layers), then step 1's (sequence 3's prefill_end).
+  scenario<bf16, bf16> sc(o, true, 0, 81);
+  mark_blocks(sc);
+  const gpu::compressor_session_result ref = gpu::compressor_session<bf16, bf16>(o, sc.calls, 4);
+  REQUIRE(ref.plan.ok());
+  const auto unchanged = [&sc](const gpu::compressor_call_result& r, const gpu::compressor_call<bf16, bf16>& c) {
+    for (std::size_t s = 0; s < c.seqs.size(); ++s) {  // every layer's pools as the prompt left them
+      for (std::size_t l = 0; l < c.seqs[s].layers.size(); ++l) {
+        require_bytes<bf16>(r.seqs[s].layer_keys[l], sc.calls[1].seqs[s].layers[l].k.buf);
+        require_bytes<bf16>(r.seqs[s].layer_values[l], sc.calls[1].seqs[s].layers[l].v.buf);
+      }
+      for (std::int64_t x : r.seqs[s].head_lengths) REQUIRE(x == -7);
+      for (std::int32_t x : r.seqs[s].changed_blocks) REQUIRE(x == 77);
+    }
+  };
+  SECTION("refused on the host by name: nothing changes, and the session goes on") {
+    struct bad_call {
+      const char* what;
+      std::function<void(gpu::compressor_call<bf16, bf16>*)> spoil;
+      kvevict::errc code;
+      std::string arg;
+    };
+    const std::vector<bad_call> cases = {
+        {"no layer caches", [](gpu::compressor_call<bf16, bf16>* c) { c->seqs[2].layers.clear(); },
+         kvevict::errc::null_pointer, "seqs[2].layers"},
+        {"a layer cache holding another token count",
+         [](gpu::compressor_call<bf16, bf16>* c) { c->seqs[2].layers[0].k.view.num_tokens -= 1; },
+         kvevict::errc::invalid_shape, "seqs[2].layers[0].keys.num_tokens"},
+        {"a layer's pool larger than limits.max_pool_blocks",
+         [](gpu::compressor_call<bf16, bf16>* c) { c->seqs[0].layers[0].v.view.num_pool_blocks = 65; },
+         kvevict::errc::invalid_shape, "seqs[0].layers[0].values.num_pool_blocks"},
+        {"a layer's values aliasing its keys (found by the layer's compaction batch)",
+         [](gpu::compressor_call<bf16, bf16>* c) {
+           c->seqs[2].layers[0].v.view.data = c->seqs[2].layers[0].k.view.data;
+           c->seqs[2].layers[0].v.buf = c->seqs[2].layers[0].k.buf;
+         },
+         kvevict::errc::invalid_argument, "seqs[2].layers[0].values.data"},
+        {"no host state", [](gpu::compressor_call<bf16, bf16>* c) { c->seqs[0].state = -1; },
+         kvevict::errc::null_pointer, "seqs[0].host_state"},
+    };
+    for (const bad_call& b : cases) {
+      INFO(b.what);
+      std::vector<gpu::compressor_call<bf16, bf16>> calls = sc.calls;
+      gpu::compressor_call<bf16, bf16> spoiled = sc.calls[1];
+      b.spoil(&spoiled);
+      calls.insert(calls.begin() + 1, spoiled);
+      const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(o, calls, 4);
+      REQUIRE(g.plan.ok());
+      const gpu::compressor_call_result& bad = g.calls[1];
+      INFO(bad.st.message());
+      REQUIRE(bad.st.code() == b.code);
+      REQUIRE(std::string(bad.st.argument()).rfind(b.arg, 0) == 0);
+      REQUIRE(bad.states == g.calls[0].states);  // no folded row moved
+      for (std::size_t s = 0; s < spoiled.seqs.size(); ++s) REQUIRE(bad.reports[s].length == -9);
+      if (b.code != kvevict::errc::invalid_argument) unchanged(bad, spoiled);
+      REQUIRE(g.calls.size() == ref.calls.size() + 1);
+      for (std::size_t i = 1; i < ref.calls.size(); ++i) {
+        INFO("call " << i);
+        const gpu::compressor_call_result &x = g.calls[i + 1], &y = ref.calls[i];
+        REQUIRE(x.st.ok());
+        REQUIRE(x.states == y.states);
+        for (std::size_t s = 0; s < y.seqs.size(); ++s) {
+          REQUIRE(x.reports[s].action == y.reports[s].action);
+          REQUIRE(x.seqs[s].layer_keys == y.seqs[s].layer_keys);
+          REQUIRE(x.seqs[s].layer_values == y.seqs[s].layer_values);
+          REQUIRE(x.seqs[s].padded == y.seqs[s].padded);
+        }
+      }
+    }
+  }
+  SECTION("the layers fold in order, and not again once the keep set was applied") {
+    std::vector<gpu::compressor_call<bf16, bf16>> calls{sc.calls[1]};  // layer 1 before layer 0
+    const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(o, calls, 4);
+    INFO(g.calls[0].st.message());
+    REQUIRE(g.calls[0].st.code() == kvevict::errc::invalid_state);
+    REQUIRE(std::string(g.calls[0].st.argument()) == "seqs[0].state");
+    calls = {sc.calls[0], sc.calls[1], sc.calls[0], sc.calls[1]};  // a second prefill_end: nothing
+    const gpu::compressor_session_result again = gpu::compressor_session<bf16, bf16>(o, calls, 4);
+    for (std::size_t i = 2; i < 4; ++i) {
+      REQUIRE(again.calls[i].st.ok());
+      REQUIRE(again.calls[i].states == again.calls[1].states);
+      for (std::size_t s : {0u, 2u}) {
+        REQUIRE(again.calls[i].reports[s].action == kvevict::sequence_action::none);
+        REQUIRE(again.calls[i].seqs[s].keys ==
+                again.calls[1].seqs[s].layer_keys[static_cast<std::size_t>(calls[i].layer)]);
+      }
+    }
+  }
+  SECTION("a block marked shared in one layer's pool: the device refuses, no layer moves; the CPU refuses by name") {
+    std::vector<gpu::compressor_call<bf16, bf16>> calls{sc.calls[0], sc.calls[1]};
+    gpu::compressor_sequence<bf16, bf16>& q = calls[1].seqs[0];
+    REQUIRE(q.event == kvevict::sequence_event::prefill_end);
+    // Layer 0's pool only (layer 1's marks stay the sequence's own): its validation passes.
+    q.layers[0].block_refcounts = q.block_refcounts;
+    q.layers[0].block_refcounts[static_cast<std::size_t>(q.layers[0].k.view.block_table[1])] = 2;
+    const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(o, calls, 4);
+    REQUIRE(g.plan.ok());
+    INFO(g.calls[1].st.message());
+    REQUIRE(g.calls[1].st.ok());  // the host cannot read the block tables: the device refuses
+    REQUIRE(g.calls[1].flags == kvevict::cuda::flag_shared_block);
+    unchanged(g.calls[1], calls[1]);
+    // The CPU compressor refuses the same call by name.
+    kvevict::compressor cpu;
+    REQUIRE(kvevict::compressor::plan(o, &cpu).ok());
+    kvevict::workspace ws(cpu.workspace_size());
+    std::vector<std::vector<std::uint64_t>> states(4);
+    for (auto& st : states) {
+      st.assign(cpu.sequence_state_size() / 8 + 1, 0);
+      REQUIRE(cpu.reset_sequence(st.data(), st.size() * 8).ok());
+    }
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+      std::vector<kvevict::sequence_io<bf16, bf16>> io(calls[i].seqs.size());
+      std::vector<std::vector<kvevict::layer_cache<bf16>>> layers(io.size());
+      cpu_inputs(calls[i], &states, &layers, io.data());
+      std::vector<kvevict::sequence_report> reports(io.size());
+      const kvevict::status st =
+          cpu.run(calls[i].layer, io.data(), static_cast<std::int64_t>(io.size()), reports.data(), ws);
+      INFO(st.message());
+      if (i == 0) {
+        REQUIRE(st.ok());
+        continue;
+      }
+      REQUIRE(st.code() == kvevict::errc::invalid_argument);
+      REQUIRE(std::string(st.argument()).rfind("seqs[0].layers[0].keys.block_table[", 0) == 0);
+    }
+  }
+}
+
 TEST_CASE("GPU compressor: idle, late and observing sequences before, between and after the evicting ones",
           "[gpu][gpu_compressor]") {
   using kvevict::dtype;
@@ -731,8 +958,9 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
   }
   cases.push_back({base, kvevict::errc::unsupported, "chunked_prefill"});
   cases.back().o.chunked_prefill = true;
-  cases.push_back({base, kvevict::errc::unsupported, "scope"});
+  cases.push_back({base, kvevict::errc::unsupported, "layers"});  // the CPU plan's: one count per sequence
   cases.back().o.scope = kvevict::selection_scope::per_sequence;
+  cases.back().o.layers = kvevict::layer_allocation::pyramidkv;
   cases.push_back({base, kvevict::errc::invalid_shape, "limits.max_pool_blocks"});
   cases.back().o.limits.max_pool_blocks = -1;
   cases.push_back({base, kvevict::errc::invalid_shape, "model.num_kv_heads"});  // the CPU plan's checks first

@@ -178,6 +178,41 @@ inline launch_config batch_config(const batch_launch& l, const launch_options& o
   return {dim3(static_cast<unsigned>(l.blocks), static_cast<unsigned>(l.n)), dim3(compact_threads), 0, opt.stream};
 }
 
+/// Several prepared batches of the same sequences over one workspace (a layer's pools each:
+/// the per-sequence scope compacts every layer with one keep set) as one all-or-nothing
+/// compaction. They share the status word (same workspace, same sequence count: the same
+/// address), cleared once; each batch's bitmaps are cleared, its descriptors copied and its
+/// validation run before any batch moves a row; then each batch's descriptors are copied
+/// again (the last one's are still there) and its rows moved. A problem the device finds in
+/// any layer moves nothing in any layer.
+template <class Validate, class Move>
+status enqueue_batches(const batch_launch* l, std::int64_t count, const launch_options& opt, const char* fn,
+                       Validate validate, Move move) {
+  if (count < 1 || l[0].n == 0) return status();
+  for (std::int64_t i = 1; i < count; ++i)
+    if (l[i].words != l[0].words || l[i].n != l[0].n)
+      return status::error(errc::invalid_state, fn, "ws", "the layers' batches do not share one status word");
+  KVEVICT_RETURN_IF_ERROR(
+      cuda_status(cudaMemsetAsync(l[0].words, 0, sizeof(std::uint32_t), opt.stream), fn, "cudaMemsetAsync"));
+  const auto copy = [&](const batch_launch& b) {
+    return cuda_status(cudaMemcpyAsync(b.base, b.staging, b.desc_bytes, cudaMemcpyHostToDevice, opt.stream), fn,
+                       "cudaMemcpyAsync");
+  };
+  for (std::int64_t i = 0; i < count; ++i) {
+    const batch_launch& b = l[i];
+    if (b.word_bytes > sizeof(std::uint32_t))
+      KVEVICT_RETURN_IF_ERROR(cuda_status(
+          cudaMemsetAsync(b.words + 1, 0, b.word_bytes - sizeof(std::uint32_t), opt.stream), fn, "cudaMemsetAsync"));
+    KVEVICT_RETURN_IF_ERROR(copy(b));
+    KVEVICT_RETURN_IF_ERROR(validate(b));
+  }
+  for (std::int64_t i = count - 1; i >= 0; --i) {
+    if (i != count - 1) KVEVICT_RETURN_IF_ERROR(copy(l[i]));
+    KVEVICT_RETURN_IF_ERROR(move(l[i]));
+  }
+  return status();
+}
+
 }  // namespace detail
 
 /// Host staging bytes `compact_batch` needs for n sequences (the descriptors it copies).
@@ -287,15 +322,32 @@ status prepare_compact_batch(const compaction_sequence<KT, VT>* seqs, std::int64
   return status();
 }
 
+inline status validate_compact_batch(const batch_launch& l, const launch_options& opt, const char* fn) {
+  return launch(fn, "compact_validate_batch_kernel", batch_config(l, opt), compact_validate_batch_kernel<>,
+                reinterpret_cast<const compact_args*>(l.base));
+}
+inline status move_compact_batch(const batch_launch& l, const launch_options& opt, const char* fn) {
+  const auto* dev = reinterpret_cast<const compact_args*>(l.base);
+  const launch_config cfg = batch_config(l, opt);
+  KVEVICT_RETURN_IF_ERROR(launch(fn, "compact_move_batch_kernel<gather>", cfg, compact_move_batch_kernel<>, dev, true));
+  return launch(fn, "compact_move_batch_kernel<scatter>", cfg, compact_move_batch_kernel<>, dev, false);
+}
+
 /// compact_batch's device half: a memset, the descriptor copy and three kernels.
 inline status enqueue_compact_batch(const batch_launch& l, const launch_options& opt, const char* fn) {
   if (l.n == 0) return status();
   KVEVICT_RETURN_IF_ERROR(enqueue_batch_words(l, opt, fn));
-  const auto* dev = reinterpret_cast<const compact_args*>(l.base);
-  const launch_config cfg = batch_config(l, opt);
-  KVEVICT_RETURN_IF_ERROR(launch(fn, "compact_validate_batch_kernel", cfg, compact_validate_batch_kernel<>, dev));
-  KVEVICT_RETURN_IF_ERROR(launch(fn, "compact_move_batch_kernel<gather>", cfg, compact_move_batch_kernel<>, dev, true));
-  return launch(fn, "compact_move_batch_kernel<scatter>", cfg, compact_move_batch_kernel<>, dev, false);
+  KVEVICT_RETURN_IF_ERROR(validate_compact_batch(l, opt, fn));
+  return move_compact_batch(l, opt, fn);
+}
+
+/// Prepared in-place batches of every layer as one all-or-nothing compaction (enqueue_batches).
+inline status enqueue_compact_batches(const batch_launch* l, std::int64_t count, const launch_options& opt,
+                                      const char* fn) {
+  if (count == 1) return enqueue_compact_batch(l[0], opt, fn);
+  return enqueue_batches(
+      l, count, opt, fn, [&](const batch_launch& b) { return validate_compact_batch(b, opt, fn); },
+      [&](const batch_launch& b) { return move_compact_batch(b, opt, fn); });
 }
 
 }  // namespace detail
@@ -435,17 +487,35 @@ status prepare_compact_into_batch(const compaction_into_sequence<KT, VT>* seqs, 
   return status();
 }
 
-/// compact_into_batch's device half: a memset, the descriptor copy and three kernels.
-inline status enqueue_compact_into_batch(const batch_launch& l, const launch_options& opt, const char* fn) {
-  if (l.n == 0) return status();
-  KVEVICT_RETURN_IF_ERROR(enqueue_batch_words(l, opt, fn));
+inline status validate_compact_into_batch(const batch_launch& l, const launch_options& opt, const char* fn) {
   const auto* dev = reinterpret_cast<const compact_into_args*>(l.base);
   const launch_config cfg = batch_config(l, opt);
   KVEVICT_RETURN_IF_ERROR(
       launch(fn, "compact_into_validate_batch_kernel<source>", cfg, compact_into_validate_batch_kernel<>, dev, true));
-  KVEVICT_RETURN_IF_ERROR(launch(fn, "compact_into_validate_batch_kernel<destination>", cfg,
-                                 compact_into_validate_batch_kernel<>, dev, false));
-  return launch(fn, "compact_into_copy_batch_kernel", cfg, compact_into_copy_batch_kernel<>, dev);
+  return launch(fn, "compact_into_validate_batch_kernel<destination>", cfg, compact_into_validate_batch_kernel<>, dev,
+                false);
+}
+inline status copy_compact_into_batch(const batch_launch& l, const launch_options& opt, const char* fn) {
+  return launch(fn, "compact_into_copy_batch_kernel", batch_config(l, opt), compact_into_copy_batch_kernel<>,
+                reinterpret_cast<const compact_into_args*>(l.base));
+}
+
+/// compact_into_batch's device half: a memset, the descriptor copy and three kernels.
+inline status enqueue_compact_into_batch(const batch_launch& l, const launch_options& opt, const char* fn) {
+  if (l.n == 0) return status();
+  KVEVICT_RETURN_IF_ERROR(enqueue_batch_words(l, opt, fn));
+  KVEVICT_RETURN_IF_ERROR(validate_compact_into_batch(l, opt, fn));
+  return copy_compact_into_batch(l, opt, fn);
+}
+
+/// Prepared batches into fresh blocks of every layer as one all-or-nothing compaction
+/// (enqueue_batches).
+inline status enqueue_compact_into_batches(const batch_launch* l, std::int64_t count, const launch_options& opt,
+                                           const char* fn) {
+  if (count == 1) return enqueue_compact_into_batch(l[0], opt, fn);
+  return enqueue_batches(
+      l, count, opt, fn, [&](const batch_launch& b) { return validate_compact_into_batch(b, opt, fn); },
+      [&](const batch_launch& b) { return copy_compact_into_batch(b, opt, fn); });
 }
 
 }  // namespace detail

@@ -31,6 +31,10 @@
 //   one batched compaction of
 //   the layer (compact_batch in place, compact_into_batch into fresh blocks; none for
 //   keep_list_only). No synchronisation, no allocation, no host read of device memory.
+//   The per-sequence scope (one keep set for every layer) folds each layer's combined row
+//   into a row in the sequence's device state (combine_head_scores, fold_layer_scores); the
+//   last layer selects from it (select_shared) and compacts every layer's caches
+//   (sequence_io::layers): one batch per layer, every one validated before any moves.
 //
 // The keep-lists equal kvevict::compressor's for the same scores; the scores are the GPU
 // scoring's (equal to the CPU's to float32 rounding, docs/cuda.md), so keep sets agree
@@ -42,8 +46,8 @@
 // block reached twice or a block marked shared by block_refcounts / shared_blocks moves
 // nothing and raises its flag in launch_options::device_flags).
 //
-// Not on the GPU yet (refused by plan() or run(), by name): the per-sequence scope, chunked
-// prefill, tensor parallelism, and the changed_blocks / head_freed_blocks outputs out of place.
+// Not on the GPU yet (refused by plan() or run(), by name): chunked prefill, tensor
+// parallelism, and the changed_blocks / head_freed_blocks outputs under keep_list_only.
 
 #include <cuda_runtime.h>
 
@@ -129,10 +133,6 @@ class compressor : private detail::compressor_checks {
       return status::error(errc::unsupported, fn, "chunked_prefill",
                            "prefill_chunk is not implemented on the GPU (hand the earlier chunks as idle and the whole "
                            "window at prefill_end)");
-    if (o.scope == selection_scope::per_sequence)
-      return status::error(errc::unsupported, fn, "scope",
-                           "the per-sequence keep set is not implemented on the GPU compressor (per_head and "
-                           "per_layer are; fold_layer_scores and select_shared are its blocks)");
     KVEVICT_RETURN_IF_ERROR(detail::check_pooling_fits(c.scoring_params_of().pool, fn));
     // The kernels' 32-bit limits, refused here so that no run() stops half-way through its
     // enqueues (selection tiles rows of L keys; AdaKV ranks a layer's Hkv * L candidates in
@@ -170,9 +170,11 @@ class compressor : private detail::compressor_checks {
   /// (one staging buffer per run in flight).
   std::size_t staging_size() const noexcept { return staging_bytes_; }
   /// Device bytes of state per sequence: DeferKV's running sums [layers, Hkv, max_tokens]
-  /// floats; 0 for SnapKV (sequence_io::state may be null then). Needs no initialisation.
+  /// floats, then the per-sequence scope's folded row [max_tokens]; 0 for SnapKV with another
+  /// scope (sequence_io::state may be null then). Needs no initialisation.
   std::size_t sequence_state_size() const noexcept { return state_bytes_; }
-  /// Host bytes of bookkeeping per sequence (sequence_io::host_state); 0 for SnapKV.
+  /// Host bytes of bookkeeping per sequence (sequence_io::host_state: DeferKV's layers, the
+  /// per-sequence scope's record); 0 for SnapKV with another scope.
   std::size_t host_state_size() const noexcept { return host_state_bytes_; }
   /// Entries of sequence_io::kept_positions one eviction may write.
   std::int64_t keep_capacity() const noexcept { return keep_capacity_; }
@@ -202,6 +204,7 @@ class compressor : private detail::compressor_checks {
     h.layers = options_.model.num_layers;
     std::memcpy(host_state, &h, sizeof(h));
     for (std::int64_t l = 0; l < options_.model.num_layers; ++l) *layer_record(host_state, l) = {};
+    *scope_record(host_state) = {};
     return status();
   }
 
@@ -271,7 +274,7 @@ class compressor : private detail::compressor_checks {
       } else if (p.observe == detail::sequence_step::decode) {
         KVEVICT_RETURN_IF_ERROR(prepare_decode(io, p, s, layer, dev, host, opt, fn));
       }
-      if (!p.evict) continue;
+      if (!p.scores()) continue;
       if (scores_in_batch()) {
         scoring_sequence<Q, T>& q = host.scoring[scored];
         q = scoring_sequence<Q, T>{};
@@ -293,43 +296,10 @@ class compressor : private detail::compressor_checks {
         }
         host.scored_seq[scored++] = s;
       }
-      if (options_.compact == compaction::keep_list_only) continue;
-      const const_keep_list_view keep = keep_of(dev, s);
-      compact_outputs out{io.head_lengths, io.kept_positions, io.key_positions};
-      out.block_refcounts = io.block_refcounts;
-      out.shared_blocks = io.shared_blocks;
-      out.shared_check = shared_block_check::used;  // the CPU compressor's rule (below for out of place)
-      out.changed_blocks = io.changed_blocks;
-      out.head_freed_blocks = io.head_freed_blocks;
-      if (options_.compact == compaction::in_place) {
-        host.in_place[compacted] = compaction_sequence<T, T>{io.keys, io.values, keep, out};
-      } else {
-        // The CPU compressor checks the marks of the destination rows a head of this length may
-        // keep at most: the destination cut there (no head writes past it) is checked whole.
-        const std::int64_t most = kvevict::detail::head_keep_bound(options_, base_budget(), io.keys.num_tokens);
-        const std::int64_t rows = most < head_capacity_ ? most : head_capacity_;
-        compaction_into_sequence<T, T>& c = host.into[compacted];
-        c = compaction_into_sequence<T, T>{};
-        c.src_keys = io.keys;
-        c.src_values = io.values;
-        c.dst_keys = io.dst_keys.first_tokens(rows);
-        c.dst_values = io.dst_values.first_tokens(rows);
-        c.keep = keep;
-        c.out = out;
-      }
-      host.compacted_seq[compacted++] = s;
+      if (p.evict && options_.compact != compaction::keep_list_only) host.compacted_seq[compacted++] = s;
     }
-    detail::batch_launch compaction;
-    if (options_.compact == compaction::in_place)
-      KVEVICT_RETURN_IF_ERROR(
-          detail::renumbered(detail::prepare_compact_batch(host.in_place, compacted, dev.compact, host.compact_staging,
-                                                           host.compact_staging_bytes, opt, fn, &compaction),
-                             host.compacted_seq, compacted, fn));
-    else if (options_.compact == compaction::out_of_place)
-      KVEVICT_RETURN_IF_ERROR(
-          detail::renumbered(detail::prepare_compact_into_batch(host.into, compacted, dev.compact, host.compact_staging,
-                                                                host.compact_staging_bytes, opt, fn, &compaction),
-                             host.compacted_seq, compacted, fn));
+    std::int64_t batches = 0;
+    KVEVICT_RETURN_IF_ERROR(prepare_compactions(seqs, layer, compacted, dev, host, &batches, opt, fn));
 
     // 3. Enqueue. The scoring batch checks and enqueues in one call: first (after DapQ's
     //    rotations, which write only the workspace), so that its refusal still leaves every
@@ -356,7 +326,7 @@ class compressor : private detail::compressor_checks {
                              host.scored_seq, scored, fn));
     if (!defer && !scores_in_batch())  // the policies that read no queries: a launch per sequence
       for (std::int64_t s = 0; s < n; ++s)
-        if (host.steps[s].evict)
+        if (host.steps[s].scores())
           KVEVICT_RETURN_IF_ERROR(
               enqueue_key_scores(seqs[s].keys, scores_of(dev, s, host.steps[s].tokens), dev.scoring, opt, fn));
     if (weights_used)
@@ -371,7 +341,7 @@ class compressor : private detail::compressor_checks {
         KVEVICT_RETURN_IF_ERROR(detail::enqueue_observation_state(host.prefill[s], opt, fn));
       if (p.observe == detail::sequence_step::decode)
         KVEVICT_RETURN_IF_ERROR(detail::launch_step(host.decode[s], opt.stream, fn));
-      if (!p.evict) continue;
+      if (!p.scores()) continue;
       if (defer) {
         scoring_params params = options_.policy.config<deferkv_traits>().params();
         params.protected_tail = p.tokens - p.candidates;
@@ -384,6 +354,10 @@ class compressor : private detail::compressor_checks {
       if (options_.policy.chunk_length > 0)  // ChunkKV on top of the policy's scores
         KVEVICT_RETURN_IF_ERROR(
             cuda::chunk_scores(scores_of(dev, s, p.tokens), p.sel.protected_tail, options_.policy.chunk_length, opt));
+      if (p.fold) {  // the per-sequence scope: into the sequence's row; its keep set at the last layer
+        KVEVICT_RETURN_IF_ERROR(enqueue_fold(seqs[s], s, p, layer, dev, opt));
+        continue;
+      }
       if (batched) {
         rows += describe_rows(dev, host, s, p, rows);
         continue;
@@ -402,9 +376,9 @@ class compressor : private detail::compressor_checks {
     for (std::int64_t s = 0; s < n; ++s)
       if (host.steps[s].evict) KVEVICT_RETURN_IF_ERROR(enqueue_keep_outputs(seqs[s], keep_of(dev, s), opt, fn));
     if (options_.compact == compaction::in_place)
-      KVEVICT_RETURN_IF_ERROR(detail::enqueue_compact_batch(compaction, opt, fn));
+      KVEVICT_RETURN_IF_ERROR(detail::enqueue_compact_batches(host.batches, batches, opt, fn));
     else if (options_.compact == compaction::out_of_place)
-      KVEVICT_RETURN_IF_ERROR(detail::enqueue_compact_into_batch(compaction, opt, fn));
+      KVEVICT_RETURN_IF_ERROR(detail::enqueue_compact_into_batches(host.batches, batches, opt, fn));
 
     // 4. Commit the bookkeeping and report.
     run_trace trace;
@@ -412,9 +386,10 @@ class compressor : private detail::compressor_checks {
     trace.sequences = n;
     for (std::int64_t s = 0; s < n; ++s) {
       const detail::sequence_step& p = host.steps[s];
-      reports[s] = report_of(seqs[s], p);
-      if (defer && (p.observe != detail::sequence_step::none || p.evict))
+      reports[s] = report_of(seqs[s], layer, p);
+      if (defer && (p.observe != detail::sequence_step::none || p.scores()))
         *layer_record(seqs[s].host_state, layer) = p.after;
+      if (p.fold) commit_fold(seqs[s].host_state, layer, p);
       trace.observed += reports[s].action == sequence_action::observed ? 1 : 0;
       trace.evicted += reports[s].action == sequence_action::evicted ? 1 : 0;
     }
@@ -496,12 +471,13 @@ class compressor : private detail::compressor_checks {
   }
 
   template <class T, class Q>
-  sequence_report report_of(const sequence_io<T, Q>& io, const detail::sequence_step& p) const noexcept {
+  sequence_report report_of(const sequence_io<T, Q>& io, std::int64_t layer,
+                            const detail::sequence_step& p) const noexcept {
     sequence_report r;
     r.length = io.keys.num_tokens;
     r.next_slot = io.keys.num_tokens;
     r.next_position = -1;  // the positions are device data; the engine's own counter applies
-    if (p.observe != detail::sequence_step::none) r.action = sequence_action::observed;
+    if (p.observe != detail::sequence_step::none || p.fold) r.action = sequence_action::observed;
     if (!p.evict) return r;
     r.action = sequence_action::evicted;
     const std::int64_t heads = options_.model.num_kv_heads, L = p.tokens;
@@ -509,8 +485,9 @@ class compressor : private detail::compressor_checks {
     const layer_budget& b = p.budget;
     const bool allocates = kvevict::detail::allocates(b);
     const std::int64_t mean = allocates ? kvevict::detail::mean_candidates(b, L, p.sel) : 0;
-    // AdaKV's per-head counts (and their sum: each head's share is rounded) are the device's.
-    const std::int64_t per_head = b.heads == head_allocation::adakv
+    // AdaKV's per-head counts (and their sum: each head's share is rounded) are the device's;
+    // one keep set for every layer gives every head the same count.
+    const std::int64_t per_head = b.heads == head_allocation::adakv && !p.fold
                                       ? -1
                                       : (allocates ? mean + protect : tokens_kept(b.per_head.resolve(L), L, p.sel));
     r.kept = per_head >= 0 ? heads * per_head : -1;
@@ -520,14 +497,104 @@ class compressor : private detail::compressor_checks {
     if (kvevict::detail::reuses_positions(options_.policy.kind())) r.next_position = L;  // DapQ: Lp, known here
     // The changed blocks depend on which rows move: the device's list ends at its first -1.
     if (options_.compact != compaction::keep_list_only && io.changed_blocks != nullptr) r.num_changed_blocks = -1;
+    // The per-sequence scope compacts this layer through its entry of io.layers (as the CPU's).
+    const layer_cache<T> c = p.fold && options_.compact != compaction::keep_list_only ? io.layers[layer] : io.cache();
     if (options_.compact == compaction::out_of_place) {
-      r.freed_blocks = io.keys.is_paged() ? io.keys.num_used_blocks() : io.values.num_used_blocks();
+      r.freed_blocks = c.keys.is_paged() ? c.keys.num_used_blocks() : c.values.num_used_blocks();
     } else {
-      r.freed_blocks = per_head < 0
-                           ? -1
-                           : (io.keys.is_paged() ? io.keys.blocks_beyond(per_head) : io.values.blocks_beyond(per_head));
+      r.freed_blocks =
+          per_head < 0 ? -1 : (c.keys.is_paged() ? c.keys.blocks_beyond(per_head) : c.values.blocks_beyond(per_head));
     }
     return r;
+  }
+
+  /// The per-sequence scope's bookkeeping once the call succeeded: the layer folded; at the
+  /// last, the keep set applied and (DeferKV) every layer's record evicted.
+  void commit_fold(void* host_state, std::int64_t layer, const detail::sequence_step& p) const noexcept {
+    detail::host_scope_state* sc = scope_record(host_state);
+    sc->folded = layer + 1;
+    sc->tokens = p.tokens;
+    if (!p.evict) return;
+    sc->done = 1;
+    if (defers())
+      for (std::int64_t l = 0; l < options_.model.num_layers; ++l)
+        layer_record(host_state, l)->phase = detail::phase_evicted;
+  }
+
+  /// The per-sequence scope at one layer of one sequence: its scores combined across heads and
+  /// folded into the sequence's row (kvevict::compressor's fold); at the last layer, the keep
+  /// set for every head (and layer) selected from the row, under the base budget.
+  template <class T, class Q>
+  status enqueue_fold(const sequence_io<T, Q>& io, std::int64_t s, const detail::sequence_step& p, std::int64_t layer,
+                      const device_layout& dev, const launch_options& opt) const {
+    const score_view sc = scores_of(dev, s, p.tokens);
+    KVEVICT_RETURN_IF_ERROR(cuda::combine_head_scores(const_score_view{sc.data, sc.rows, sc.cols, sc.row_stride},
+                                                      p.sel.protected_tail, options_.combine, dev.layer_row, dev.scope,
+                                                      opt));
+    float* row = scope_row_of(io);
+    KVEVICT_RETURN_IF_ERROR(cuda::fold_layer_scores(dev.layer_row, row, p.tokens, p.sel.protected_tail,
+                                                    options_.combine, layer, options_.model.num_layers, opt));
+    if (!p.evict) return status();
+    const const_score_view folded{row, 1, p.tokens, p.tokens};
+    if (!kvevict::detail::allocates(p.budget))
+      return cuda::select_shared(folded, p.budget.per_head, p.sel, keep_of(dev, s), dev.scope, opt);
+    const selection_params on_top{p.sel.protected_tail, protected_mode::on_top_of_budget};
+    return cuda::select_shared(folded, budget::tokens(kvevict::detail::mean_candidates(p.budget, p.tokens, p.sel)),
+                               on_top, keep_of(dev, s), dev.scope, opt);
+  }
+
+  /// The compaction batches of the call's evicting sequences (host.compacted_seq), prepared:
+  /// the layer's own, or under the per-sequence scope every layer's (io.layers), each in its
+  /// own staging region, outputs written by this layer's only (as the CPU compressor).
+  template <class T, class Q, class H>
+  status prepare_compactions(const sequence_io<T, Q>* seqs, std::int64_t layer, std::int64_t compacted,
+                             const device_layout& dev, H& host, std::int64_t* batches, const launch_options& opt,
+                             const char* fn) const {
+    *batches = 0;
+    if (compacted == 0 || options_.compact == compaction::keep_list_only) return status();
+    const std::int64_t count = compaction_batches();
+    for (std::int64_t b = 0; b < count; ++b) {
+      const bool own = !folds_layers() || b == layer;
+      for (std::int64_t i = 0; i < compacted; ++i) {
+        const sequence_io<T, Q>& io = seqs[host.compacted_seq[i]];
+        const layer_cache<T> c = folds_layers() ? io.layers[b] : io.cache();
+        const const_keep_list_view keep = keep_of(dev, host.compacted_seq[i]);
+        compact_outputs out{own ? io.head_lengths : nullptr, own ? io.kept_positions : nullptr, io.key_positions};
+        out.block_refcounts = c.block_refcounts;
+        out.shared_blocks = c.shared_blocks;
+        out.shared_check = shared_block_check::used;  // the CPU compressor's rule (below for out of place)
+        out.changed_blocks = own ? io.changed_blocks : nullptr;
+        out.head_freed_blocks = own ? io.head_freed_blocks : nullptr;
+        if (options_.compact == compaction::in_place) {
+          host.in_place[i] = compaction_sequence<T, T>{c.keys, c.values, keep, out};
+          continue;
+        }
+        // The CPU compressor checks the marks of the destination rows a head of this length may
+        // keep at most: the destination cut there (no head writes past it) is checked whole.
+        const std::int64_t most = kvevict::detail::head_keep_bound(options_, base_budget(), c.keys.num_tokens);
+        const std::int64_t rows = most < head_capacity_ ? most : head_capacity_;
+        compaction_into_sequence<T, T>& into = host.into[i];
+        into = compaction_into_sequence<T, T>{};
+        into.src_keys = c.keys;
+        into.src_values = c.values;
+        into.dst_keys = c.dst_keys.first_tokens(rows);
+        into.dst_values = c.dst_values.first_tokens(rows);
+        into.keep = keep;
+        into.out = out;
+      }
+      void* staging = static_cast<unsigned char*>(host.compact_staging) + b * host.compact_staging_bytes;
+      detail::batch_launch* l = new (&host.batches[b]) detail::batch_launch();
+      char inserted[40] = "";
+      if (folds_layers()) std::snprintf(inserted, sizeof(inserted), ".layers[%lld]", static_cast<long long>(b));
+      const status prepared = options_.compact == compaction::in_place
+                                  ? detail::prepare_compact_batch(host.in_place, compacted, dev.compact, staging,
+                                                                  host.compact_staging_bytes, opt, fn, l)
+                                  : detail::prepare_compact_into_batch(host.into, compacted, dev.compact, staging,
+                                                                       host.compact_staging_bytes, opt, fn, l);
+      KVEVICT_RETURN_IF_ERROR(detail::renumbered(prepared, host.compacted_seq, compacted, fn, inserted));
+    }
+    *batches = count;
+    return status();
   }
 };
 

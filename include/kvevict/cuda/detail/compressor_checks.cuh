@@ -67,23 +67,19 @@ class compressor_checks : protected compressor_layout {
       return status::error(errc::invalid_argument, fn, io_name(s, "event"), "expected a sequence_event value, got %d",
                            static_cast<int>(io.event));
     if (io.event == sequence_event::idle) return status();
-    const model_shape& m = options_.model;
     const std::int64_t L = io.keys.num_tokens;
     detail::sequence_step& p = *out;
     p.tokens = L;
+    if (keeps_host_state()) KVEVICT_RETURN_IF_ERROR(check_states(io, s));
     if (defers()) {
       KVEVICT_RETURN_IF_ERROR(decide_deferkv(layer, io, s, &p));
     } else {
       p.evict = io.event == sequence_event::prefill_end;
       p.sel = kvevict::detail::largest_selection(options_);  // a policy without state: its own
     }
-    if (p.observe == detail::sequence_step::none && !p.evict) return status();
+    if (folds_layers() && p.evict) KVEVICT_RETURN_IF_ERROR(decide_fold(layer, io, s, &p));
+    if (p.observe == detail::sequence_step::none && !p.scores()) return status();
 
-    // Prefix-shared blocks are read by the in-place compaction on the device (out of place and
-    // keep-lists only, the caches are only read: the marks change nothing, as on the CPU); the
-    // block outputs are written by it.
-    KVEVICT_RETURN_IF_ERROR(check_device_pointer(io.block_refcounts, opt, fn, io_name(s, "block_refcounts")));
-    KVEVICT_RETURN_IF_ERROR(check_device_pointer(io.shared_blocks, opt, fn, io_name(s, "shared_blocks")));
     if ((io.changed_blocks != nullptr || io.head_freed_blocks != nullptr) &&
         options_.compact == compaction::keep_list_only)
       return status::error(errc::unsupported, fn,
@@ -92,58 +88,19 @@ class compressor_checks : protected compressor_layout {
                            "path: pass null");
     KVEVICT_RETURN_IF_ERROR(check_device_pointer(io.changed_blocks, opt, fn, io_name(s, "changed_blocks")));
     KVEVICT_RETURN_IF_ERROR(check_device_pointer(io.head_freed_blocks, opt, fn, io_name(s, "head_freed_blocks")));
-    if (io.layers != nullptr)
+    if (io.layers != nullptr && !folds_layers())
       return status::error(errc::unsupported, fn, io_name(s, "layers"),
-                           "only the per-sequence scope reads them, which the GPU compressor does not implement");
-
+                           "only the per-sequence scope reads them (compressor_options::scope)");
     // Both views, whatever the call does with them (as the CPU compressor: a keep-list-only
     // call still refuses a null or malformed values view).
-    KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(io.keys, opt, fn, io_name(s, "keys")));
-    KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(io.values, opt, fn, io_name(s, "values")));
-    // The views against the plan.
-    if (io.keys.num_heads != m.num_kv_heads || io.keys.head_dim != m.head_dim)
-      return status::error(errc::invalid_shape, fn, io_name(s, "keys"),
-                           "expected the model's [%lld heads, d = %lld], got [%lld, %lld]",
-                           static_cast<long long>(m.num_kv_heads), static_cast<long long>(m.head_dim),
-                           static_cast<long long>(io.keys.num_heads), static_cast<long long>(io.keys.head_dim));
-    if (io.values.num_heads != m.num_kv_heads || io.values.head_dim != m.value_head_dim || io.values.num_tokens != L)
-      return status::error(errc::invalid_shape, fn, io_name(s, "values"),
-                           "expected [%lld heads, %lld tokens, dv = %lld], got [%lld, %lld, %lld]",
-                           static_cast<long long>(m.num_kv_heads), static_cast<long long>(L),
-                           static_cast<long long>(m.value_head_dim), static_cast<long long>(io.values.num_heads),
-                           static_cast<long long>(io.values.num_tokens), static_cast<long long>(io.values.head_dim));
+    KVEVICT_RETURN_IF_ERROR(check_views(io.cache(), L, s, "", p.evict, opt));
     if (L < 0 || L > options_.limits.max_tokens)
       return status::error(errc::invalid_shape, fn, io_name(s, "keys.num_tokens"),
                            "expected 0 .. limits.max_tokens = %lld, got %lld",
                            static_cast<long long>(options_.limits.max_tokens), static_cast<long long>(L));
-    if (p.evict && options_.compact == compaction::in_place) {  // the bitmaps' bound
-      KVEVICT_RETURN_IF_ERROR(check_pool(io.keys, s, "keys.num_pool_blocks"));
-      KVEVICT_RETURN_IF_ERROR(check_pool(io.values, s, "values.num_pool_blocks"));
-    }
-    if (p.evict && options_.compact == compaction::out_of_place) {
-      if (io.dst_keys.data == nullptr || io.dst_values.data == nullptr)
-        return status::error(errc::null_pointer, fn,
-                             io_name(s, io.dst_keys.data == nullptr ? "dst_keys" : "dst_values"),
-                             "compaction::out_of_place: expected destination views (fresh blocks)");
-      if (io.dst_keys.num_heads != m.num_kv_heads || io.dst_keys.head_dim != m.head_dim ||
-          io.dst_values.num_heads != m.num_kv_heads || io.dst_values.head_dim != m.value_head_dim)
-        return status::error(errc::invalid_shape, fn, io_name(s, "dst_keys"),
-                             "expected the source's heads and head dims");
-      const std::int64_t most = L < head_capacity_ ? L : head_capacity_;
-      if (io.dst_keys.num_tokens < most || io.dst_values.num_tokens < most)
-        return status::error(
-            errc::invalid_shape, fn, io_name(s, "dst_keys.num_tokens"),
-            "expected room for %lld rows (the most a head may keep), got %lld", static_cast<long long>(most),
-            static_cast<long long>(io.dst_keys.num_tokens < io.dst_values.num_tokens ? io.dst_keys.num_tokens
-                                                                                     : io.dst_values.num_tokens));
-      KVEVICT_RETURN_IF_ERROR(check_pool(io.keys, s, "keys.num_pool_blocks"));  // sources are marked too
-      KVEVICT_RETURN_IF_ERROR(check_pool(io.values, s, "values.num_pool_blocks"));
-      KVEVICT_RETURN_IF_ERROR(check_pool(io.dst_keys, s, "dst_keys.num_pool_blocks"));
-      KVEVICT_RETURN_IF_ERROR(check_pool(io.dst_values, s, "dst_values.num_pool_blocks"));
-    }
 
     // The queries the call reads (none for KNorm and StreamingLLM).
-    const bool reads_queries = defers() ? p.observe != detail::sequence_step::none : p.evict && scores_in_batch();
+    const bool reads_queries = defers() ? p.observe != detail::sequence_step::none : p.scores() && scores_in_batch();
     if (reads_queries) {
       const bool decode = io.event == sequence_event::decode;
       KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_sequence_queries(options_, scoring_params_of().domain, io.queries,
@@ -178,30 +135,115 @@ class compressor_checks : protected compressor_layout {
                                static_cast<long long>(window_), static_cast<long long>(L));
       }
     }
-    // Blocks shared with sequences outside the call are invisible here: the engine says how it
-    // shares them (compressor_options::sharing), and marks them on every call if it does; the
-    // compaction refuses on the device (flag_shared_block) a sequence using a marked block, as
-    // the CPU compressor refuses it.
-    if (p.evict && options_.compact == compaction::in_place && (io.keys.is_paged() || io.values.is_paged())) {
-      if (options_.sharing == block_sharing::undeclared)
-        return status::error(errc::invalid_argument, fn, "sharing",
-                             "%s is paged, compacted in place: expected block_sharing::marked (refcounts at every "
-                             "call) or block_sharing::none (no block shared), got block_sharing::undeclared",
-                             static_cast<const char*>(io_name(s, "keys")));
-      if (options_.sharing == block_sharing::marked && io.block_refcounts == nullptr && io.shared_blocks == nullptr)
-        return status::error(errc::null_pointer, fn, io_name(s, "block_refcounts"),
-                             "block_sharing::marked: expected the pool's block references (or shared_blocks) at "
-                             "every in-place call");
+    KVEVICT_RETURN_IF_ERROR(check_marks(io.cache(), s, "", p.evict, opt));
+    // The per-sequence scope's last layer compacts every layer's cache with the keep set.
+    if (p.evict && p.fold && options_.compact != compaction::keep_list_only) {
+      if (io.layers == nullptr)
+        return status::error(errc::null_pointer, fn, io_name(s, "layers"),
+                             "a keep set shared by every layer compacts every layer at the last one: expected "
+                             "[num_layers] layer caches (host memory, device views)");
+      for (std::int64_t l = 0; l < options_.model.num_layers; ++l) {
+        char prefix[40];
+        std::snprintf(prefix, sizeof(prefix), "layers[%lld].", static_cast<long long>(l));
+        KVEVICT_RETURN_IF_ERROR(check_views(io.layers[l], L, s, prefix, true, opt));
+        KVEVICT_RETURN_IF_ERROR(check_marks(io.layers[l], s, prefix, true, opt));
+      }
     }
-    if (p.evict)
+    if (p.scores())
       p.budget = kvevict::detail::layer_budget_for(options_, base_budget(), layer, p.tokens, p.sel, host.layer_budgets);
     return status();
   }
 
-  /// DeferKV's lifecycle at this layer (kvevict::compressor's decide), from the host state.
+  /// A layer cache's views against the plan (`prefix`: "" for the call's own, "layers[l]."),
+  /// and, when it is compacted, its pools and out-of-place destination.
+  template <class T>
+  status check_views(const layer_cache<T>& c, std::int64_t L, std::int64_t s, const char* prefix, bool compacted,
+                     const launch_options& opt) const {
+    static constexpr const char* fn = "kvevict::cuda::compressor::run";
+    using kvevict::detail::io_name;
+    const model_shape& m = options_.model;
+    KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(c.keys, opt, fn, io_name(s, field(prefix, "keys"))));
+    KVEVICT_RETURN_IF_ERROR(detail::validate_device_cache_view(c.values, opt, fn, io_name(s, field(prefix, "values"))));
+    if (c.keys.num_tokens != L)
+      return status::error(errc::invalid_shape, fn, io_name(s, field(prefix, "keys.num_tokens")),
+                           "expected every layer to hold this layer's %lld tokens, got %lld", static_cast<long long>(L),
+                           static_cast<long long>(c.keys.num_tokens));
+    if (c.keys.num_heads != m.num_kv_heads || c.keys.head_dim != m.head_dim)
+      return status::error(errc::invalid_shape, fn, io_name(s, field(prefix, "keys")),
+                           "expected the model's [%lld heads, d = %lld], got [%lld, %lld]",
+                           static_cast<long long>(m.num_kv_heads), static_cast<long long>(m.head_dim),
+                           static_cast<long long>(c.keys.num_heads), static_cast<long long>(c.keys.head_dim));
+    if (c.values.num_heads != m.num_kv_heads || c.values.head_dim != m.value_head_dim || c.values.num_tokens != L)
+      return status::error(errc::invalid_shape, fn, io_name(s, field(prefix, "values")),
+                           "expected [%lld heads, %lld tokens, dv = %lld], got [%lld, %lld, %lld]",
+                           static_cast<long long>(m.num_kv_heads), static_cast<long long>(L),
+                           static_cast<long long>(m.value_head_dim), static_cast<long long>(c.values.num_heads),
+                           static_cast<long long>(c.values.num_tokens), static_cast<long long>(c.values.head_dim));
+    if (!compacted || options_.compact == compaction::keep_list_only) return status();
+    // The pools' blocks are the bitmaps' bound (sources of an out-of-place compaction are marked too).
+    KVEVICT_RETURN_IF_ERROR(check_pool(c.keys, s, field(prefix, "keys.num_pool_blocks")));
+    KVEVICT_RETURN_IF_ERROR(check_pool(c.values, s, field(prefix, "values.num_pool_blocks")));
+    if (options_.compact != compaction::out_of_place) return status();
+    if (c.dst_keys.data == nullptr || c.dst_values.data == nullptr)
+      return status::error(errc::null_pointer, fn,
+                           io_name(s, field(prefix, c.dst_keys.data == nullptr ? "dst_keys" : "dst_values")),
+                           "compaction::out_of_place: expected destination views (fresh blocks)");
+    if (c.dst_keys.num_heads != m.num_kv_heads || c.dst_keys.head_dim != m.head_dim ||
+        c.dst_values.num_heads != m.num_kv_heads || c.dst_values.head_dim != m.value_head_dim)
+      return status::error(errc::invalid_shape, fn, io_name(s, field(prefix, "dst_keys")),
+                           "expected the source's heads and head dims");
+    const std::int64_t most = L < head_capacity_ ? L : head_capacity_;
+    if (c.dst_keys.num_tokens < most || c.dst_values.num_tokens < most)
+      return status::error(
+          errc::invalid_shape, fn, io_name(s, field(prefix, "dst_keys.num_tokens")),
+          "expected room for %lld rows (the most a head may keep), got %lld", static_cast<long long>(most),
+          static_cast<long long>(c.dst_keys.num_tokens < c.dst_values.num_tokens ? c.dst_keys.num_tokens
+                                                                                 : c.dst_values.num_tokens));
+    KVEVICT_RETURN_IF_ERROR(check_pool(c.dst_keys, s, field(prefix, "dst_keys.num_pool_blocks")));
+    return check_pool(c.dst_values, s, field(prefix, "dst_values.num_pool_blocks"));
+  }
+
+  /// A layer cache's prefix-shared block marks: in device memory, and given where the engine
+  /// said it shares blocks. Prefix-shared blocks are read by the in-place compaction on the
+  /// device (out of place and keep-lists only, the caches are only read: the marks change
+  /// nothing, as on the CPU).
+  template <class T>
+  status check_marks(const layer_cache<T>& c, std::int64_t s, const char* prefix, bool compacted,
+                     const launch_options& opt) const {
+    static constexpr const char* fn = "kvevict::cuda::compressor::run";
+    using kvevict::detail::io_name;
+    KVEVICT_RETURN_IF_ERROR(
+        check_device_pointer(c.block_refcounts, opt, fn, io_name(s, field(prefix, "block_refcounts"))));
+    KVEVICT_RETURN_IF_ERROR(check_device_pointer(c.shared_blocks, opt, fn, io_name(s, field(prefix, "shared_blocks"))));
+    // Blocks shared with sequences outside the call are invisible here: the engine says how it
+    // shares them (compressor_options::sharing), and marks them on every call if it does; the
+    // compaction refuses on the device (flag_shared_block) a sequence using a marked block, as
+    // the CPU compressor refuses it.
+    if (!compacted || options_.compact != compaction::in_place || !(c.keys.is_paged() || c.values.is_paged()))
+      return status();
+    if (options_.sharing == block_sharing::undeclared)
+      return status::error(errc::invalid_argument, fn, "sharing",
+                           "%s is paged, compacted in place: expected block_sharing::marked (refcounts at every "
+                           "call) or block_sharing::none (no block shared), got block_sharing::undeclared",
+                           static_cast<const char*>(io_name(s, field(prefix, "keys"))));
+    if (options_.sharing == block_sharing::marked && c.block_refcounts == nullptr && c.shared_blocks == nullptr)
+      return status::error(errc::null_pointer, fn, io_name(s, field(prefix, "block_refcounts")),
+                           "block_sharing::marked: expected the pool's block references (or shared_blocks) at "
+                           "every in-place call");
+    return status();
+  }
+
+  /// "layers[2].keys" and the like: a field of a layer cache under `prefix`.
+  struct field {
+    char text[2 * status::max_argument];
+    field(const char* prefix, const char* name) noexcept { std::snprintf(text, sizeof(text), "%s%s", prefix, name); }
+    operator const char*() const noexcept { return text; }
+  };
+
+  /// The host bookkeeping (and, when the plan has one, the device state) of a sequence whose
+  /// plan keeps them: DeferKV's layers, the per-sequence scope.
   template <class T, class Q>
-  status decide_deferkv(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s,
-                        detail::sequence_step* p) const {
+  status check_states(const sequence_io<T, Q>& io, std::int64_t s) const {
     static constexpr const char* fn = "kvevict::cuda::compressor::run";
     using kvevict::detail::io_name;
     if (io.host_state == nullptr)
@@ -217,6 +259,57 @@ class compressor_checks : protected compressor_layout {
     if (io.state == nullptr)
       return status::error(errc::null_pointer, fn, io_name(s, "state"),
                            "expected sequence_state_size() = %zu bytes of device memory", state_bytes_);
+    return status();
+  }
+
+  /// The per-sequence scope's part of the decision (kvevict::compressor's): a layer that would
+  /// evict folds its scores instead, the last one evicts every layer; nothing once the keep
+  /// set was applied; the layers fold in order.
+  template <class T, class Q>
+  status decide_fold(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, detail::sequence_step* p) const {
+    static constexpr const char* fn = "kvevict::cuda::compressor::run";
+    using kvevict::detail::io_name;
+    const std::int64_t layers = options_.model.num_layers;
+    const detail::host_scope_state sc = *scope_record(io.host_state);
+    if (sc.folded < 0 || sc.folded > layers || sc.tokens < 0 || sc.tokens > options_.limits.max_tokens ||
+        (sc.done != 0 && sc.done != 1))
+      return status::error(errc::invalid_state, fn, io_name(s, "host_state"),
+                           "the per-sequence scope's record was overwritten: reset_sequence() when the sequence "
+                           "starts");
+    if (sc.done != 0) {  // the sequence's keep set was applied: nothing more to do
+      const std::int64_t L = p->tokens;
+      *p = detail::sequence_step{};
+      p->tokens = L;
+      return status();
+    }
+    if (sc.folded != layer)
+      return status::error(errc::invalid_state, fn, io_name(s, "state"),
+                           "a keep set shared by every layer folds the layers in order: expected layer %lld, got %lld",
+                           static_cast<long long>(sc.folded), static_cast<long long>(layer));
+    p->fold = true;
+    p->evict = layer == layers - 1;
+    if (!defers()) return status();
+    if (!p->evict) {
+      p->after.phase = detail::phase_ready;  // folded: marked evicted with the others at the last layer
+      return status();
+    }
+    // Every layer's record is marked evicted with the sequence's keep set: the earlier layers
+    // observed this step and are ready.
+    for (std::int64_t l = 0; l < layer; ++l)
+      if (layer_record(io.host_state, l)->phase != detail::phase_ready)
+        return status::error(errc::invalid_state, fn, io_name(s, "state"),
+                             "layer %lld's DeferKV state is not ready to evict (the layers run in order at every "
+                             "step)",
+                             static_cast<long long>(l));
+    return status();
+  }
+
+  /// DeferKV's lifecycle at this layer (kvevict::compressor's decide), from the host state.
+  template <class T, class Q>
+  status decide_deferkv(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s,
+                        detail::sequence_step* p) const {
+    static constexpr const char* fn = "kvevict::cuda::compressor::run";
+    using kvevict::detail::io_name;
     const deferkv_config& cfg = options_.policy.config<deferkv_traits>();
     const detail::host_layer_state now = *layer_record(io.host_state, layer);
     const bool started = now.phase != detail::phase_empty;
@@ -276,9 +369,9 @@ class compressor_checks : protected compressor_layout {
   }
 
   template <class V>
-  status check_pool(const cache_view<V>& v, std::int64_t s, const char* field) const noexcept {
+  status check_pool(const cache_view<V>& v, std::int64_t s, const char* name) const noexcept {
     if (v.is_paged() && v.num_pool_blocks > options_.limits.max_pool_blocks)
-      return status::error(errc::invalid_shape, "kvevict::cuda::compressor::run", kvevict::detail::io_name(s, field),
+      return status::error(errc::invalid_shape, "kvevict::cuda::compressor::run", kvevict::detail::io_name(s, name),
                            "expected at most limits.max_pool_blocks = %lld (the plan sizes its bitmaps by it), got "
                            "%lld",
                            static_cast<long long>(options_.limits.max_pool_blocks),
@@ -289,7 +382,7 @@ class compressor_checks : protected compressor_layout {
   /// One sequence's device state and host state are its own (byte ranges, not only pointers).
   template <class T, class Q>
   status check_distinct_states(const sequence_io<T, Q>* seqs, std::int64_t n) const noexcept {
-    if (!defers()) return status();
+    if (!keeps_host_state()) return status();
     for (std::int64_t s = 1; s < n; ++s)
       for (std::int64_t t = 0; t < s; ++t) {
         if (seqs[s].event == sequence_event::idle || seqs[t].event == sequence_event::idle) continue;

@@ -33,6 +33,7 @@
 #include "kvevict/cuda/observation_scores.cuh"
 #include "kvevict/cuda/observation_scores_batch.cuh"
 #include "kvevict/cuda/rerotate.cuh"
+#include "kvevict/cuda/scope.cuh"
 #include "kvevict/cuda/select_layer.cuh"
 #include "kvevict/cuda/sequence.cuh"
 #include "kvevict/detail/in_sequence.hpp"
@@ -68,18 +69,31 @@ struct host_state_header {
   std::uint64_t magic = 0;
   std::int64_t layers = 0;
 };
+/// The per-sequence scope's bookkeeping, after the layers' records: layers folded so far, the
+/// tokens they scored, whether the keep set was applied (kvevict::compressor's scope state).
+struct host_scope_state {
+  std::int64_t folded = 0;
+  std::int64_t tokens = 0;
+  std::int64_t done = 0;
+};
 constexpr std::uint64_t host_state_magic = 0x6863757376656b76ull;  // "vkevsuch"
 
 /// What one sequence's event does at this layer, decided and checked before anything runs.
 struct sequence_step {
   enum observe_kind : std::int32_t { none = 0, prefill = 1, decode = 2 };
   observe_kind observe = none;
-  bool evict = false;
+  bool evict = false;  ///< selects this layer's keep set and applies it
+  /// The per-sequence scope: this layer's scores fold into the sequence's row (and, with
+  /// evict, at the last layer, the keep set selected from it is applied to every layer).
+  bool fold = false;
   std::int64_t tokens = 0;      ///< L
   std::int64_t candidates = 0;  ///< DeferKV's C (prompt tokens before the window)
   selection_params sel;
   layer_budget budget;
   host_layer_state after;  ///< the layer's bookkeeping once this call succeeded
+
+  /// Whether the call scores this layer (to evict it, or to fold the scores).
+  bool scores() const noexcept { return evict || fold; }
 };
 
 /// padded_indices [Hkv, cap] (and, when nothing is compacted, head_lengths and positions)
@@ -103,14 +117,14 @@ __global__ void keep_outputs_kernel(const std::int64_t* offsets, const std::int6
 
 /// `text` with every "seqs[i]" (i < n, an index into a subset of the run's sequences) written
 /// as "seqs[seq_of[i]]", into out[size].
-inline void renumber_text(const char* text, const std::int64_t* seq_of, std::int64_t n, char* out,
+inline void renumber_text(const char* text, const std::int64_t* seq_of, std::int64_t n, const char* inserted, char* out,
                           std::size_t size) noexcept {
   std::size_t o = 0;
   while (*text != '\0' && o + 1 < size) {
     char* end = nullptr;
     const long long i = std::strncmp(text, "seqs[", 5) == 0 ? std::strtoll(text + 5, &end, 10) : -1;
     if (end != nullptr && end != text + 5 && *end == ']' && i >= 0 && i < n) {
-      const int w = std::snprintf(out + o, size - o, "seqs[%lld]", static_cast<long long>(seq_of[i]));
+      const int w = std::snprintf(out + o, size - o, "seqs[%lld]%s", static_cast<long long>(seq_of[i]), inserted);
       o = w < 0 ? o : (o + static_cast<std::size_t>(w) < size ? o + static_cast<std::size_t>(w) : size - 1);
       text = end + 1;
     } else {
@@ -121,14 +135,16 @@ inline void renumber_text(const char* text, const std::int64_t* seq_of, std::int
 }
 
 /// `st`, from a batched call over a subset of the sequences (its "seqs[i]" the subset's i, in
-/// the argument and in the message), renamed to the run's sequences seq_of[i].
-inline status renumbered(const status& st, const std::int64_t* seq_of, std::int64_t n, const char* fn) noexcept {
+/// the argument and in the message), renamed to the run's sequences seq_of[i], followed by
+/// `inserted` (".layers[2]": a batch of another layer's caches).
+inline status renumbered(const status& st, const std::int64_t* seq_of, std::int64_t n, const char* fn,
+                         const char* inserted = "") noexcept {
   if (st.ok()) return st;
   const char* text = std::strstr(st.message(), ": ");
   text = text != nullptr ? std::strstr(text + 2, ": ") : nullptr;  // past "function: argument: "
   char arg[2 * status::max_argument], message[512];
-  renumber_text(st.argument(), seq_of, n, arg, sizeof(arg));
-  renumber_text(text != nullptr ? text + 2 : st.message(), seq_of, n, message, sizeof(message));
+  renumber_text(st.argument(), seq_of, n, inserted, arg, sizeof(arg));
+  renumber_text(text != nullptr ? text + 2 : st.message(), seq_of, n, inserted, message, sizeof(message));
   return status::error(st.code(), fn, arg, "%s", message);
 }
 
@@ -155,7 +171,11 @@ class compressor_layout {
     std::int64_t* rotated_positions = nullptr;
     double* rotation_tables = nullptr;
     workspace_span select;   ///< select_layer
-    workspace_span compact;  ///< the compaction batch
+    workspace_span compact;  ///< the compaction batch (every layer's in turn: the per-sequence scope)
+    /// The per-sequence scope: a layer's combined row [max_tokens] and the workspace of
+    /// combine_head_scores and select_shared, shared by the sequences in stream order.
+    float* layer_row = nullptr;
+    workspace_span scope;
   };
 
   template <class T, class Q>
@@ -175,14 +195,25 @@ class compressor_layout {
     std::int64_t* layer_budgets = nullptr;               ///< [layers] PyramidKV
     void* scoring_staging = nullptr;
     std::size_t scoring_staging_bytes = 0;
-    void* compact_staging = nullptr;
-    std::size_t compact_staging_bytes = 0;
-    double* rotation_tables = nullptr;  ///< [max_seq][rotation_table_size], copied to the device's
+    void* compact_staging = nullptr;          ///< [compaction_batches()] regions of compact_staging_bytes
+    std::size_t compact_staging_bytes = 0;    ///< one batch's
+    detail::batch_launch* batches = nullptr;  ///< [compaction_batches()]
+    double* rotation_tables = nullptr;        ///< [max_seq][rotation_table_size], copied to the device's
     std::size_t rotation_tables_bytes = 0;
     query_view<const Q>* rotation_sources = nullptr;  ///< [max_seq] the windows to rotate, by sequence
   };
 
   bool defers() const noexcept { return kvevict::detail::defers(options_.policy.kind()); }
+  /// One keep set for every layer of a sequence (selection_scope::per_sequence).
+  bool folds_layers() const noexcept { return options_.scope == selection_scope::per_sequence; }
+  /// Whether a sequence keeps host bookkeeping (DeferKV's layers, the per-sequence scope).
+  bool keeps_host_state() const noexcept { return defers() || folds_layers(); }
+  /// Compaction batches one run() may prepare: every layer's under the per-sequence scope
+  /// (its last layer compacts them all), else the layer's own.
+  std::int64_t compaction_batches() const noexcept {
+    if (options_.compact == compaction::keep_list_only) return 0;
+    return folds_layers() ? options_.model.num_layers : 1;
+  }
   /// Whether evicting sequences are scored from their queries in one batch (SnapKV); the
   /// policies that read no queries are scored by their key_scorer, one launch per sequence.
   bool scores_in_batch() const noexcept { return !defers() && kvevict::detail::reads_queries(options_.policy.kind()); }
@@ -357,6 +388,12 @@ class compressor_layout {
     if (options_.layers == layer_allocation::pyramidkv) b.layer_candidates = tokens;
     out->select = kvevict::detail::take_bytes(a, cuda::select_layer_workspace_size(m.num_kv_heads, tokens, b), true);
     out->compact = kvevict::detail::take_bytes(a, compaction_workspace_size<T>(), true);
+    if (folds_layers()) {
+      out->layer_row = a.take<float>(tokens);
+      const std::size_t combine = cuda::combine_head_scores_workspace_size(m.num_kv_heads);
+      const std::size_t select = cuda::select_shared_workspace_size();
+      out->scope = kvevict::detail::take_bytes(a, combine > select ? combine : select, true);
+    }
   }
 
   /// The compaction batch's workspace for the limits: every view's pool of at most
@@ -403,7 +440,11 @@ class compressor_layout {
                                  : options_.compact == compaction::out_of_place
                                      ? cuda::compact_into_batch_staging_size(seqs)
                                      : 0;
-    out->compact_staging = a.take<unsigned char>(static_cast<std::int64_t>(out->compact_staging_bytes));
+    const std::int64_t batches = compaction_batches();
+    out->compact_staging = a.take<unsigned char>(
+        saturating_mul(batches, static_cast<std::int64_t>(detail::compact_round_up(out->compact_staging_bytes))));
+    out->compact_staging_bytes = detail::compact_round_up(out->compact_staging_bytes);
+    out->batches = a.take<detail::batch_launch>(batches);
     if (rerotates()) {
       const std::int64_t doubles = saturating_mul(seqs, rotation_table_doubles());
       out->rotation_tables = a.take<double>(doubles);
@@ -425,16 +466,26 @@ class compressor_layout {
     carve_host<T, Q>(h, &hl);
     staging_bytes_ = h.used();
     const model_shape& m = options_.model;
-    state_bytes_ =
-        defers() ? saturating_mul(
-                       saturating_mul(static_cast<std::size_t>(m.num_layers), static_cast<std::size_t>(m.num_kv_heads)),
-                       saturating_mul(static_cast<std::size_t>(options_.limits.max_tokens), sizeof(float)))
-                 : 0;
-    host_state_bytes_ =
-        defers()
-            ? saturating_add(sizeof(detail::host_state_header),
-                             saturating_mul(static_cast<std::size_t>(m.num_layers), sizeof(detail::host_layer_state)))
-            : 0;
+    const auto tokens = static_cast<std::size_t>(options_.limits.max_tokens);
+    state_bytes_ = saturating_add(saturating_mul(scope_row_offset(), sizeof(float)),
+                                  folds_layers() ? saturating_mul(tokens, sizeof(float)) : 0);
+    host_state_bytes_ = keeps_host_state()
+                            ? saturating_add(saturating_add(sizeof(detail::host_state_header),
+                                                            saturating_mul(static_cast<std::size_t>(m.num_layers),
+                                                                           sizeof(detail::host_layer_state))),
+                                             sizeof(detail::host_scope_state))
+                            : 0;
+  }
+
+  /// Where a sequence's folded row starts in its device state, in floats: after DeferKV's
+  /// running sums [layers, Hkv, max_tokens].
+  std::size_t scope_row_offset() const noexcept {
+    using kvevict::detail::saturating_mul;
+    const model_shape& m = options_.model;
+    return defers() ? saturating_mul(saturating_mul(static_cast<std::size_t>(m.num_layers),
+                                                    static_cast<std::size_t>(m.num_kv_heads)),
+                                     static_cast<std::size_t>(options_.limits.max_tokens))
+                    : 0;
   }
 
   status check_planned(const char* fn) const noexcept {
@@ -447,6 +498,15 @@ class compressor_layout {
     return reinterpret_cast<detail::host_layer_state*>(static_cast<unsigned char*>(host_state) +
                                                        sizeof(detail::host_state_header)) +
            layer;
+  }
+
+  detail::host_scope_state* scope_record(void* host_state) const noexcept {
+    return reinterpret_cast<detail::host_scope_state*>(layer_record(host_state, options_.model.num_layers));
+  }
+  /// The per-sequence scope's folded row [max_tokens] in a sequence's device state.
+  template <class T, class Q>
+  float* scope_row_of(const sequence_io<T, Q>& io) const noexcept {
+    return static_cast<float*>(io.state) + scope_row_offset();
   }
 
   score_view scores_of(const device_layout& dev, std::int64_t s, std::int64_t tokens) const noexcept {
