@@ -302,7 +302,9 @@ void check_against_cpu(scenario<T, Q>& sc) {
       REQUIRE(out.kept_positions == kept[s]);  // the kept entries, then -7 (untouched) past them
       REQUIRE(out.padded == padded[s]);
       if (call.seqs[s].block_outputs) {  // the device's list ends at its first -1
-        REQUIRE(r.num_changed_blocks == -1);
+        // (keep-lists only: nothing moves, the host knows the list is empty)
+        REQUIRE(r.num_changed_blocks ==
+                (sc.options.compact == kvevict::compaction::keep_list_only ? c.num_changed_blocks : -1));
         for (std::int64_t b = 0; b < c.num_changed_blocks; ++b)
           REQUIRE(out.changed_blocks[static_cast<std::size_t>(b)] == changed[s][static_cast<std::size_t>(b)]);
         REQUIRE(out.changed_blocks[static_cast<std::size_t>(c.num_changed_blocks)] == -1);
@@ -429,6 +431,23 @@ TEST_CASE("GPU compressor: prefix-shared block marks, changed blocks and freed b
     o.sharing = kvevict::block_sharing::marked;
     o.compact = kvevict::compaction::out_of_place;
     scenario<bf16, bf16> sc(o, true, 0, 46);
+    mark_blocks(sc);
+    check_against_cpu(sc);
+  }
+  SECTION("KNorm, bf16, shared paged pools, keep-lists only: the freed blocks and an empty changed list") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    o.policy = kvevict::policy::knorm();
+    o.per_head = kvevict::budget::ratio(0.3);
+    o.compact = kvevict::compaction::keep_list_only;
+    scenario<bf16, bf16> sc(o, true, 0, 47);
+    mark_blocks(sc);
+    check_against_cpu(sc);
+  }
+  SECTION("DeferKV delay 1, float, own strided caches, one keep set for every layer, keep-lists only") {
+    kvevict::compressor_options o = deferkv_options(dtype::f32, dtype::f32, 1);
+    o.scope = kvevict::selection_scope::per_sequence;
+    o.compact = kvevict::compaction::keep_list_only;
+    scenario<float, float> sc(o, false, 1, 48);
     mark_blocks(sc);
     check_against_cpu(sc);
   }
@@ -902,6 +921,66 @@ TEST_CASE("GPU compressor: the per-sequence scope refuses as the CPU does; a lay
       REQUIRE(st.code() == kvevict::errc::invalid_argument);
       REQUIRE(std::string(st.argument()).rfind("seqs[0].layers[0].keys.block_table[", 0) == 0);
     }
+  }
+}
+
+// DapQ's pseudo tokens sit after the prompt; the CPU refuses a position below its length by
+// name. Positions are device data: the device refuses (flag_query_position) and nothing of the
+// layer is written -- no cache row, no keep-list output.
+TEST_CASE("GPU compressor: DapQ's pseudo-token positions below the prompt are refused on the device",
+          "[gpu][gpu_errors][gpu_compressor]") {
+  using kvevict::dtype;
+  const kvevict::compaction modes[] = {kvevict::compaction::in_place, kvevict::compaction::out_of_place,
+                                       kvevict::compaction::keep_list_only};
+  for (const kvevict::compaction mode : modes) {
+    INFO("compaction " << static_cast<int>(mode));
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    kvevict::dapq_config d;
+    d.pseudo_tokens = 6;
+    o.policy = kvevict::policy::dapq(d);
+    o.compact = mode;
+    o.sharing = kvevict::block_sharing::marked;
+    scenario<bf16, bf16> sc(o, true, 0, 91);
+    mark_blocks(sc);
+    std::vector<gpu::compressor_call<bf16, bf16>> calls{sc.calls[0]};  // layer 0: sequences 0 and 2 evict
+    gpu::compressor_sequence<bf16, bf16>& q = calls[0].seqs[2];
+    REQUIRE(q.event == kvevict::sequence_event::prefill_end);
+    std::vector<std::int64_t> positions(static_cast<std::size_t>(q.queries.num_queries));
+    for (std::size_t t = 0; t < positions.size(); ++t) positions[t] = q.queries.positions[static_cast<std::int64_t>(t)];
+    positions.back() = 3;  // inside the prompt
+    q.queries.positions = positions.data();
+    const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(o, calls, 4);
+    REQUIRE(g.plan.ok());
+    INFO(g.calls[0].st.message());
+    REQUIRE(g.calls[0].st.ok());  // the host cannot read the positions
+    REQUIRE(g.calls[0].flags == kvevict::cuda::flag_query_position);
+    for (std::size_t s = 0; s < calls[0].seqs.size(); ++s) {  // nothing of the layer written
+      const gpu::compressor_sequence<bf16, bf16>& c = calls[0].seqs[s];
+      if (c.k.buf.data == nullptr) continue;
+      require_bytes<bf16>(g.calls[0].seqs[s].keys, c.k.buf);
+      require_bytes<bf16>(g.calls[0].seqs[s].values, c.v.buf);
+      if (c.dst_k.buf.data != nullptr) {
+        require_bytes<bf16>(g.calls[0].seqs[s].dst_keys, c.dst_k.buf);
+        require_bytes<bf16>(g.calls[0].seqs[s].dst_values, c.dst_v.buf);
+      }
+      for (const auto* v : {&g.calls[0].seqs[s].head_lengths, &g.calls[0].seqs[s].kept_positions,
+                            &g.calls[0].seqs[s].padded, &g.calls[0].seqs[s].head_freed_blocks})
+        for (std::int64_t x : *v) REQUIRE(x == -7);
+      for (std::int32_t x : g.calls[0].seqs[s].changed_blocks) REQUIRE(x == 77);
+    }
+    // The CPU compressor refuses the same call by name.
+    kvevict::compressor cpu;
+    REQUIRE(kvevict::compressor::plan(o, &cpu).ok());
+    kvevict::workspace ws(cpu.workspace_size());
+    std::vector<std::vector<std::uint64_t>> states(4);
+    std::vector<kvevict::sequence_io<bf16, bf16>> io(calls[0].seqs.size());
+    std::vector<std::vector<kvevict::layer_cache<bf16>>> layers(io.size());
+    cpu_inputs(calls[0], &states, &layers, io.data());
+    std::vector<kvevict::sequence_report> reports(io.size());
+    const kvevict::status st = cpu.run(0, io.data(), static_cast<std::int64_t>(io.size()), reports.data(), ws);
+    INFO(st.message());
+    REQUIRE(st.code() == kvevict::errc::out_of_range);
+    REQUIRE(std::string(st.argument()) == "seqs[2].queries.positions");
   }
 }
 

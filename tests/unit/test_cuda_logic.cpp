@@ -829,6 +829,10 @@ TEST_CASE("device flags decode to a status naming the problem", "[cuda_logic]") 
   REQUIRE(device_flags_status(flag_invalid_row).code() == kvevict::errc::invalid_argument);
   REQUIRE(device_flags_status(flag_negative_position).code() == kvevict::errc::out_of_range);
   REQUIRE(device_flags_status(flag_invalid_weights).code() == kvevict::errc::invalid_argument);
+  REQUIRE(device_flags_status(flag_shared_block).code() == kvevict::errc::invalid_argument);
+  const auto pseudo = device_flags_status(flag_query_position);
+  REQUIRE(pseudo.code() == kvevict::errc::out_of_range);
+  REQUIRE(std::string(pseudo.argument()) == "queries.positions");
   const auto length = device_flags_status(flag_length_out_of_range);
   REQUIRE(length.code() == kvevict::errc::out_of_range);
   REQUIRE(std::string(length.message()).find("num_tokens") != std::string::npos);

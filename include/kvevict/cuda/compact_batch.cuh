@@ -173,6 +173,17 @@ inline status enqueue_batch_words(const batch_launch& l, const launch_options& o
                      "cudaMemcpyAsync");
 }
 
+/// The status word a batch starts from: 0, or a caller's word (device memory) holding what
+/// the stream found before the compaction -- non-zero cancels it (the compressor's checks of
+/// device data that the CPU refuses, such as DapQ's pseudo-token positions).
+inline status start_status(const batch_launch& l, const std::uint32_t* cancel, const launch_options& opt,
+                           const char* fn) {
+  if (cancel == nullptr)
+    return cuda_status(cudaMemsetAsync(l.words, 0, sizeof(std::uint32_t), opt.stream), fn, "cudaMemsetAsync");
+  return cuda_status(cudaMemcpyAsync(l.words, cancel, sizeof(std::uint32_t), cudaMemcpyDeviceToDevice, opt.stream), fn,
+                     "cudaMemcpyAsync");
+}
+
 /// Grid (blocks, sequences): every sequence's kernels run as blockIdx.y.
 inline launch_config batch_config(const batch_launch& l, const launch_options& opt) noexcept {
   return {dim3(static_cast<unsigned>(l.blocks), static_cast<unsigned>(l.n)), dim3(compact_threads), 0, opt.stream};
@@ -186,14 +197,13 @@ inline launch_config batch_config(const batch_launch& l, const launch_options& o
 /// again (the last one's are still there) and its rows moved. A problem the device finds in
 /// any layer moves nothing in any layer.
 template <class Validate, class Move>
-status enqueue_batches(const batch_launch* l, std::int64_t count, const launch_options& opt, const char* fn,
-                       Validate validate, Move move) {
+status enqueue_batches(const batch_launch* l, std::int64_t count, const std::uint32_t* cancel,
+                       const launch_options& opt, const char* fn, Validate validate, Move move) {
   if (count < 1 || l[0].n == 0) return status();
   for (std::int64_t i = 1; i < count; ++i)
     if (l[i].words != l[0].words || l[i].n != l[0].n)
       return status::error(errc::invalid_state, fn, "ws", "the layers' batches do not share one status word");
-  KVEVICT_RETURN_IF_ERROR(
-      cuda_status(cudaMemsetAsync(l[0].words, 0, sizeof(std::uint32_t), opt.stream), fn, "cudaMemsetAsync"));
+  KVEVICT_RETURN_IF_ERROR(start_status(l[0], cancel, opt, fn));
   const auto copy = [&](const batch_launch& b) {
     return cuda_status(cudaMemcpyAsync(b.base, b.staging, b.desc_bytes, cudaMemcpyHostToDevice, opt.stream), fn,
                        "cudaMemcpyAsync");
@@ -333,20 +343,23 @@ inline status move_compact_batch(const batch_launch& l, const launch_options& op
   return launch(fn, "compact_move_batch_kernel<scatter>", cfg, compact_move_batch_kernel<>, dev, false);
 }
 
-/// compact_batch's device half: a memset, the descriptor copy and three kernels.
-inline status enqueue_compact_batch(const batch_launch& l, const launch_options& opt, const char* fn) {
+/// compact_batch's device half: a memset, the descriptor copy and three kernels (and, with a
+/// cancel word, its copy into the status word).
+inline status enqueue_compact_batch(const batch_launch& l, const launch_options& opt, const char* fn,
+                                    const std::uint32_t* cancel = nullptr) {
   if (l.n == 0) return status();
   KVEVICT_RETURN_IF_ERROR(enqueue_batch_words(l, opt, fn));
+  if (cancel != nullptr) KVEVICT_RETURN_IF_ERROR(start_status(l, cancel, opt, fn));
   KVEVICT_RETURN_IF_ERROR(validate_compact_batch(l, opt, fn));
   return move_compact_batch(l, opt, fn);
 }
 
 /// Prepared in-place batches of every layer as one all-or-nothing compaction (enqueue_batches).
-inline status enqueue_compact_batches(const batch_launch* l, std::int64_t count, const launch_options& opt,
-                                      const char* fn) {
-  if (count == 1) return enqueue_compact_batch(l[0], opt, fn);
+inline status enqueue_compact_batches(const batch_launch* l, std::int64_t count, const std::uint32_t* cancel,
+                                      const launch_options& opt, const char* fn) {
+  if (count == 1) return enqueue_compact_batch(l[0], opt, fn, cancel);
   return enqueue_batches(
-      l, count, opt, fn, [&](const batch_launch& b) { return validate_compact_batch(b, opt, fn); },
+      l, count, cancel, opt, fn, [&](const batch_launch& b) { return validate_compact_batch(b, opt, fn); },
       [&](const batch_launch& b) { return move_compact_batch(b, opt, fn); });
 }
 
@@ -500,21 +513,24 @@ inline status copy_compact_into_batch(const batch_launch& l, const launch_option
                 reinterpret_cast<const compact_into_args*>(l.base));
 }
 
-/// compact_into_batch's device half: a memset, the descriptor copy and three kernels.
-inline status enqueue_compact_into_batch(const batch_launch& l, const launch_options& opt, const char* fn) {
+/// compact_into_batch's device half: a memset, the descriptor copy and three kernels (and,
+/// with a cancel word, its copy into the status word).
+inline status enqueue_compact_into_batch(const batch_launch& l, const launch_options& opt, const char* fn,
+                                         const std::uint32_t* cancel = nullptr) {
   if (l.n == 0) return status();
   KVEVICT_RETURN_IF_ERROR(enqueue_batch_words(l, opt, fn));
+  if (cancel != nullptr) KVEVICT_RETURN_IF_ERROR(start_status(l, cancel, opt, fn));
   KVEVICT_RETURN_IF_ERROR(validate_compact_into_batch(l, opt, fn));
   return copy_compact_into_batch(l, opt, fn);
 }
 
 /// Prepared batches into fresh blocks of every layer as one all-or-nothing compaction
 /// (enqueue_batches).
-inline status enqueue_compact_into_batches(const batch_launch* l, std::int64_t count, const launch_options& opt,
-                                           const char* fn) {
-  if (count == 1) return enqueue_compact_into_batch(l[0], opt, fn);
+inline status enqueue_compact_into_batches(const batch_launch* l, std::int64_t count, const std::uint32_t* cancel,
+                                           const launch_options& opt, const char* fn) {
+  if (count == 1) return enqueue_compact_into_batch(l[0], opt, fn, cancel);
   return enqueue_batches(
-      l, count, opt, fn, [&](const batch_launch& b) { return validate_compact_into_batch(b, opt, fn); },
+      l, count, cancel, opt, fn, [&](const batch_launch& b) { return validate_compact_into_batch(b, opt, fn); },
       [&](const batch_launch& b) { return copy_compact_into_batch(b, opt, fn); });
 }
 

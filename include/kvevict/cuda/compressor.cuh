@@ -46,8 +46,9 @@
 // block reached twice or a block marked shared by block_refcounts / shared_blocks moves
 // nothing and raises its flag in launch_options::device_flags).
 //
-// Not on the GPU yet (refused by plan() or run(), by name): chunked prefill, tensor
-// parallelism, and the changed_blocks / head_freed_blocks outputs under keep_list_only.
+// Not on the GPU yet (refused by plan(), by name): chunked prefill and tensor parallelism.
+// DapQ's pseudo-token positions are device data: positions below the prompt, which the CPU
+// refuses, raise flag_query_position and cancel the layer's outputs and compaction.
 
 #include <cuda_runtime.h>
 
@@ -324,6 +325,17 @@ class compressor : private detail::compressor_checks {
           detail::renumbered(cuda::observation_scores_batch(host.scoring, scored, scoring_params_of(), dev.scoring,
                                                             host.scoring_staging, host.scoring_staging_bytes, opt),
                              host.scored_seq, scored, fn));
+    // DapQ's pseudo-token positions, which the CPU refuses below the prompt: device data, so
+    // the device checks them, and a raised word cancels the outputs and the compaction below.
+    if (dev.cancel != nullptr) {
+      KVEVICT_RETURN_IF_ERROR(detail::cuda_status(cudaMemsetAsync(dev.cancel, 0, sizeof(std::uint32_t), opt.stream), fn,
+                                                  "cudaMemsetAsync"));
+      for (std::int64_t i = 0; i < scored; ++i) {
+        const query_view<const Q>& q = host.scoring[i].queries;
+        KVEVICT_RETURN_IF_ERROR(detail::enqueue_position_check(
+            q.positions, q.num_queries, host.steps[host.scored_seq[i]].tokens, dev.cancel, opt, fn));
+      }
+    }
     if (!defer && !scores_in_batch())  // the policies that read no queries: a launch per sequence
       for (std::int64_t s = 0; s < n; ++s)
         if (host.steps[s].scores())
@@ -374,11 +386,12 @@ class compressor : private detail::compressor_checks {
       KVEVICT_RETURN_IF_ERROR(cuda::select_rows(dev.rows, rows, options_.limits.max_tokens, opt));
     }
     for (std::int64_t s = 0; s < n; ++s)
-      if (host.steps[s].evict) KVEVICT_RETURN_IF_ERROR(enqueue_keep_outputs(seqs[s], keep_of(dev, s), opt, fn));
+      if (host.steps[s].evict)
+        KVEVICT_RETURN_IF_ERROR(enqueue_keep_outputs(seqs[s], keep_of(dev, s), dev.cancel, opt, fn));
     if (options_.compact == compaction::in_place)
-      KVEVICT_RETURN_IF_ERROR(detail::enqueue_compact_batches(host.batches, batches, opt, fn));
+      KVEVICT_RETURN_IF_ERROR(detail::enqueue_compact_batches(host.batches, batches, dev.cancel, opt, fn));
     else if (options_.compact == compaction::out_of_place)
-      KVEVICT_RETURN_IF_ERROR(detail::enqueue_compact_into_batches(host.batches, batches, opt, fn));
+      KVEVICT_RETURN_IF_ERROR(detail::enqueue_compact_into_batches(host.batches, batches, dev.cancel, opt, fn));
 
     // 4. Commit the bookkeeping and report.
     run_trace trace;
@@ -452,22 +465,33 @@ class compressor : private detail::compressor_checks {
         s, fn);
   }
 
-  /// padded_indices, and head_lengths / kept_positions when nothing is compacted (the
-  /// compactions write those, on success only). padded_indices is the selected keep set even
-  /// when the device then refuses the compaction (its flag says so).
+  /// padded_indices, and when nothing is compacted what the compactions write on success
+  /// (head_lengths, kept_positions, head_freed_blocks, and the changed-block list, empty).
+  /// padded_indices is the selected keep set even when the device then refuses the compaction
+  /// (its flag says so); none is written when the call's cancel word is raised.
   template <class T, class Q>
-  status enqueue_keep_outputs(const sequence_io<T, Q>& io, const keep_list_view& keep, const launch_options& opt,
-                              const char* fn) const {
-    const bool listed = options_.compact == compaction::keep_list_only;
-    std::int64_t* lengths = listed ? io.head_lengths : nullptr;
-    std::int64_t* positions = listed ? io.kept_positions : nullptr;
-    if (io.padded_indices == nullptr && lengths == nullptr && positions == nullptr) return status();
+  status enqueue_keep_outputs(const sequence_io<T, Q>& io, const keep_list_view& keep, const std::uint32_t* cancel,
+                              const launch_options& opt, const char* fn) const {
+    detail::listed_outputs listed;
+    if (options_.compact == compaction::keep_list_only) {
+      // K's table is the one an engine reclaims from; V's when K is strided (as the CPU's).
+      const cache_view<T>& reclaimed = io.keys.is_paged() ? io.keys : io.values;
+      listed.head_lengths = io.head_lengths;
+      listed.positions = io.kept_positions;
+      listed.head_freed_blocks = io.head_freed_blocks;
+      listed.block_size = reclaimed.is_paged() ? reclaimed.block_size : 0;
+      listed.head_tables = reclaimed.has_head_tables();
+      listed.changed_blocks = io.changed_blocks;
+    }
+    if (io.padded_indices == nullptr && listed.head_lengths == nullptr && listed.positions == nullptr &&
+        listed.head_freed_blocks == nullptr && listed.changed_blocks == nullptr)
+      return status();
     const std::int64_t cap = head_capacity_ > 0 ? head_capacity_ : 1;
     const unsigned chunks = static_cast<unsigned>(detail::stride_grid(cap, 256, 64));
     return detail::launch(fn, "keep_outputs_kernel",
                           {dim3(chunks, static_cast<unsigned>(keep.num_heads)), dim3(256), 0, opt.stream},
                           detail::keep_outputs_kernel<>, keep.offsets, keep.indices, head_capacity_, io.keys.num_tokens,
-                          io.key_positions, io.padded_indices, lengths, positions);
+                          io.key_positions, io.padded_indices, listed, cancel);
   }
 
   template <class T, class Q>
@@ -495,7 +519,8 @@ class compressor : private detail::compressor_checks {
     r.next_slot = per_head;
     r.dropped = per_head >= 0 ? io.keys.num_tokens - per_head : -1;                      // DapQ's pseudo rows too
     if (kvevict::detail::reuses_positions(options_.policy.kind())) r.next_position = L;  // DapQ: Lp, known here
-    // The changed blocks depend on which rows move: the device's list ends at its first -1.
+    // The changed blocks depend on which rows move: the device's list ends at its first -1
+    // (keep-lists only: nothing moves, the list is empty, as the CPU reports).
     if (options_.compact != compaction::keep_list_only && io.changed_blocks != nullptr) r.num_changed_blocks = -1;
     // The per-sequence scope compacts this layer through its entry of io.layers (as the CPU's).
     const layer_cache<T> c = p.fold && options_.compact != compaction::keep_list_only ? io.layers[layer] : io.cache();

@@ -49,6 +49,9 @@ enum device_flag : std::uint32_t {
   /// count above 1, or its bit in the shared-block bitmap). Compaction moves nothing and
   /// writes no outputs (the CPU's evict refuses the same call).
   flag_shared_block = 1u << 8,
+  /// DapQ's pseudo-token positions below the prompt length (cuda::compressor; the CPU refuses
+  /// them by name). The layer's compaction moves nothing and no keep-list output is written.
+  flag_query_position = 1u << 9,
 };
 
 /// A status for a device flag word read back by the caller: ok when `flags` is 0, otherwise
@@ -70,6 +73,10 @@ inline status device_flags_status(std::uint32_t flags, const char* fn = "kvevict
     return status::error(errc::invalid_argument, fn, "block_refcounts",
                          "in-place compaction would write a block shared with another sequence: compact out of "
                          "place into fresh blocks (flags 0x%x)",
+                         static_cast<unsigned>(flags));
+  if (flags & flag_query_position)
+    return status::error(errc::out_of_range, fn, "queries.positions",
+                         "expected DapQ's pseudo-token positions >= the prompt length (flags 0x%x)",
                          static_cast<unsigned>(flags));
   if (flags & flag_capacity_exceeded)
     return status::error(errc::invalid_keep_list, fn, "out.capacity",

@@ -80,12 +80,6 @@ class compressor_checks : protected compressor_layout {
     if (folds_layers() && p.evict) KVEVICT_RETURN_IF_ERROR(decide_fold(layer, io, s, &p));
     if (p.observe == detail::sequence_step::none && !p.scores()) return status();
 
-    if ((io.changed_blocks != nullptr || io.head_freed_blocks != nullptr) &&
-        options_.compact == compaction::keep_list_only)
-      return status::error(errc::unsupported, fn,
-                           io_name(s, io.changed_blocks != nullptr ? "changed_blocks" : "head_freed_blocks"),
-                           "written by the compaction, which compaction::keep_list_only does not run on the GPU "
-                           "path: pass null");
     KVEVICT_RETURN_IF_ERROR(check_device_pointer(io.changed_blocks, opt, fn, io_name(s, "changed_blocks")));
     KVEVICT_RETURN_IF_ERROR(check_device_pointer(io.head_freed_blocks, opt, fn, io_name(s, "head_freed_blocks")));
     if (io.layers != nullptr && !folds_layers())

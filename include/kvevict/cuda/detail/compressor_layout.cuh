@@ -96,15 +96,39 @@ struct sequence_step {
   bool scores() const noexcept { return evict || fold; }
 };
 
-/// padded_indices [Hkv, cap] (and, when nothing is compacted, head_lengths and positions)
-/// from a CSR keep-list: grid (chunks of the row, Hkv).
+/// What keep_outputs_kernel writes when nothing is compacted (compaction::keep_list_only), as
+/// the CPU's report of a keep set: head lengths, positions, each head's freed blocks of the
+/// view an engine reclaims from (block_size 0: strided) and the empty changed-block list.
+struct listed_outputs {
+  std::int64_t* head_lengths = nullptr;
+  std::int64_t* positions = nullptr;
+  std::int64_t* head_freed_blocks = nullptr;
+  std::int64_t block_size = 0;
+  bool head_tables = false;
+  std::int32_t* changed_blocks = nullptr;
+};
+
+/// padded_indices [Hkv, cap] (and, when nothing is compacted, the listed outputs) from a CSR
+/// keep-list: grid (chunks of the row, Hkv). Nothing when the call's cancel word is raised.
 template <int Unused = 0>
 __global__ void keep_outputs_kernel(const std::int64_t* offsets, const std::int64_t* indices, std::int64_t cap,
                                     std::int64_t tokens, index_ptr key_positions, std::int64_t* padded,
-                                    std::int64_t* head_lengths, std::int64_t* positions) {
+                                    listed_outputs listed, const std::uint32_t* cancel) {
+  if (cancel != nullptr && *cancel != 0) return;
   const std::int64_t h = blockIdx.y;
   const std::int64_t begin = offsets[h], n = offsets[h + 1] - begin;
+  std::int64_t* head_lengths = listed.head_lengths;
+  std::int64_t* positions = listed.positions;
   if (head_lengths != nullptr && blockIdx.x == 0 && threadIdx.x == 0) head_lengths[h] = n;
+  if (listed.head_freed_blocks != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    std::int64_t longest = 0;
+    for (std::int64_t g = 0; g < static_cast<std::int64_t>(gridDim.y); ++g)
+      longest = offsets[g + 1] - offsets[g] > longest ? offsets[g + 1] - offsets[g] : longest;
+    const std::int64_t bs = listed.block_size, kept = listed.head_tables ? n : longest;
+    listed.head_freed_blocks[h] = bs < 1 ? 0 : (tokens + bs - 1) / bs - (kept + bs - 1) / bs;
+  }
+  if (listed.changed_blocks != nullptr && h == 0 && blockIdx.x == 0 && threadIdx.x == 0)
+    listed.changed_blocks[0] = -1;  // nothing written: the list is empty
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < cap;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t index = i < n ? indices[begin + i] : -1;
@@ -176,6 +200,9 @@ class compressor_layout {
     /// combine_head_scores and select_shared, shared by the sequences in stream order.
     float* layer_row = nullptr;
     workspace_span scope;
+    /// What the stream found in device data the CPU refuses (DapQ's pseudo-token positions):
+    /// non-zero cancels the call's keep-list outputs and compaction.
+    std::uint32_t* cancel = nullptr;
   };
 
   template <class T, class Q>
@@ -258,6 +285,20 @@ class compressor_layout {
 
   /// Whether the policy's window is re-rotated before scoring (DapQ's rerotated_window), and
   /// with which RoPE.
+  /// Whether the policy's query positions must lie at or after the scored prompt (DapQ's
+  /// pseudo tokens), checked on the device.
+  bool checks_positions() const noexcept {
+    const policy_config& p = options_.policy;
+    return kvevict::detail::with_policy_traits(p.kind(), false, [&](auto traits) {
+      using Tr = decltype(traits);
+      if constexpr (detail::observation_scorer<Tr>::exists) {
+        return detail::observation_scorer<Tr>::checks_positions(Tr::config(p));
+      } else {
+        return false;
+      }
+    });
+  }
+
   bool rerotates(rope_config* rope = nullptr) const noexcept {
     const policy_config& p = options_.policy;
     rope_config r;
@@ -388,6 +429,7 @@ class compressor_layout {
     if (options_.layers == layer_allocation::pyramidkv) b.layer_candidates = tokens;
     out->select = kvevict::detail::take_bytes(a, cuda::select_layer_workspace_size(m.num_kv_heads, tokens, b), true);
     out->compact = kvevict::detail::take_bytes(a, compaction_workspace_size<T>(), true);
+    out->cancel = checks_positions() ? a.take<std::uint32_t>(1) : nullptr;
     if (folds_layers()) {
       out->layer_row = a.take<float>(tokens);
       const std::size_t combine = cuda::combine_head_scores_workspace_size(m.num_kv_heads);

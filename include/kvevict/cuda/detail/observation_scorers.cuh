@@ -9,11 +9,15 @@
 // queries and states on_gpu in its traits needs one (asserted below); the compressor visits
 // its list, with no switch over kinds. `rerotation` names the RoPE that moves the window's
 // queries before scoring (DapQ's re-rotated window: cuda/rerotate.cuh), or none; `finish`
-// enqueues what follows the batched scoring (TOVA's mean across KV heads), or nothing. Policies
-// that read no queries: key_scorers.cuh.
+// enqueues what follows the batched scoring (TOVA's mean across KV heads), or nothing;
+// `checks_positions` says whether the query positions must lie at or after the scored prompt
+// (DapQ's pseudo tokens: the CPU refuses them; positions are device data, so the device checks
+// them with pseudo_positions_kernel). Policies that read no queries: key_scorers.cuh.
 
 #include "kvevict/config.hpp"
 #include "kvevict/cuda/common.cuh"
+#include "kvevict/cuda/detail/launch.cuh"
+#include "kvevict/cuda/device_flags.hpp"
 #include "kvevict/cuda/head_mean_scores.cuh"
 #include "kvevict/error.hpp"
 #include "kvevict/policies/configs.hpp"
@@ -25,11 +29,30 @@
 #include "kvevict/policies/tova_traits.hpp"
 #include "kvevict/rope/rope.hpp"
 #include "kvevict/scoring/params.hpp"
+#include "kvevict/views/index_ptr.hpp"
 #include "kvevict/views/matrix_view.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
 namespace cuda {
 namespace detail {
+
+/// Positions of N queries below `prompt` raise flag_query_position in the call's cancel word
+/// (which cancels the layer's keep-list outputs and compaction) and in the caller's flags.
+template <int Unused = 0>
+__global__ void pseudo_positions_kernel(index_ptr positions, std::int64_t n, std::int64_t prompt, std::uint32_t* cancel,
+                                        std::uint32_t* flags) {
+  for (std::int64_t t = threadIdx.x; t < n; t += blockDim.x)
+    if (positions[t] < prompt) {
+      atomicOr(cancel, flag_query_position);
+      raise_flag(flags, flag_query_position);
+    }
+}
+
+inline status enqueue_position_check(index_ptr positions, std::int64_t n, std::int64_t prompt, std::uint32_t* cancel,
+                                     const launch_options& opt, const char* fn) {
+  return launch(fn, "pseudo_positions_kernel", {dim3(1), dim3(128), 0, opt.stream}, pseudo_positions_kernel<>,
+                positions, n, prompt, cancel, opt.device_flags);
+}
 
 /// Traits without a GPU observation scoring of their own.
 template <class Traits>
@@ -43,6 +66,7 @@ struct observation_scorer<snapkv_traits> {
   static scoring_params params(const window_config& c) noexcept { return c.params(); }
   static status plan_check(const window_config&, const char*) noexcept { return status(); }
   static bool rerotation(const window_config&, rope_config*) noexcept { return false; }
+  static bool checks_positions(const window_config&) noexcept { return false; }
   static status finish(const window_config&, score_view, std::int64_t, const launch_options&) { return status(); }
 };
 
@@ -52,6 +76,7 @@ struct observation_scorer<h2o_traits> {  // every prompt query, visible_mean, th
   static scoring_params params(const h2o_config& c) noexcept { return c.params(); }
   static status plan_check(const h2o_config&, const char*) noexcept { return status(); }
   static bool rerotation(const h2o_config&, rope_config*) noexcept { return false; }
+  static bool checks_positions(const h2o_config&) noexcept { return false; }
   static status finish(const h2o_config&, score_view, std::int64_t, const launch_options&) { return status(); }
 };
 
@@ -65,6 +90,7 @@ struct observation_scorer<dapq_traits> {  // pseudo tokens over the prompt befor
     *rope = c.rope;
     return true;
   }
+  static bool checks_positions(const dapq_config& c) noexcept { return c.source == dapq_source::pseudo_tokens; }
   static status finish(const dapq_config&, score_view, std::int64_t, const launch_options&) { return status(); }
 };
 
@@ -74,6 +100,7 @@ struct observation_scorer<deferkv_traits> {  // observation_state, decode_observ
   static scoring_params params(const deferkv_config& c) noexcept { return c.params(); }
   static status plan_check(const deferkv_config&, const char*) noexcept { return status(); }
   static bool rerotation(const deferkv_config&, rope_config*) noexcept { return false; }
+  static bool checks_positions(const deferkv_config&) noexcept { return false; }
   static status finish(const deferkv_config&, score_view, std::int64_t, const launch_options&) { return status(); }
 };
 
@@ -83,6 +110,7 @@ struct observation_scorer<tova_traits> {  // the last prompt query, then the mea
   static scoring_params params(const tova_config& c) noexcept { return c.params(); }
   static status plan_check(const tova_config&, const char*) noexcept { return status(); }
   static bool rerotation(const tova_config&, rope_config*) noexcept { return false; }
+  static bool checks_positions(const tova_config&) noexcept { return false; }
   static status finish(const tova_config&, score_view scores, std::int64_t protected_tail, const launch_options& opt) {
     return cuda::head_mean_scores(scores, protected_tail, opt);
   }
