@@ -514,20 +514,59 @@ def obs_batch_kernels(s: Shape, g: Gpu, n):
             batched(finalize(one, g, one.group), n, "finalize_batch_kernel")]
 
 
+WIDE_FROM = 16384      # rows of at least this many keys take select_rows_wide (cuda/select_wide.cuh)
+WIDE_MAX_BLOCKS = 128  # blocks per row at most
+
+
+def select_wide_kernels(g: Gpu, n, rows, kept):
+    """select_rows_wide: rows of n keys cut into tiles of 4,096 keys over up to 128 blocks a
+    row; a memset, four histogram passes (each block: one warp derives the state from the last
+    pass's histogram, then its keys one load per 512, then 256 global atomics), each block's
+    counts, then the emission (the earlier blocks' counts, then a scan per tile)."""
+    tiles = ceil_div(max(n, 1), SEL_TILE)
+    blocks = min(WIDE_MAX_BLOCKS, tiles)
+    per_block = ceil_div(tiles, blocks) * SEL_TILE
+    steps = ceil_div(per_block, SEL_THREADS)
+    state = 8 * g.l2_latency_cycles + 400  # the lanes' 8 bucket loads, the scan, the barrier
+    memset = Kernel("memset", "clear the rows' histograms (cudaMemsetAsync)", 1, 1, chain_cycles=g.hbm_latency_cycles)
+    hist = Kernel("select_wide_hist_kernel", f"histogram pass, {blocks} blocks x {rows} rows", blocks * rows,
+                  SEL_THREADS, l2_bytes=rows * n * 4,
+                  chain_cycles=state + steps * (g.l2_latency_cycles + 40) + 2 * g.l2_latency_cycles,
+                  note="one pass; four launches")
+    count = Kernel("select_wide_count_kernel", "each block's keys above the threshold and ties", blocks * rows,
+                   SEL_THREADS, l2_bytes=rows * n * 4, chain_cycles=state + steps * 40 + g.l2_latency_cycles + 400)
+    emit = Kernel("select_wide_emit_kernel", "earlier blocks' counts, a scan per tile, the kept indices",
+                  blocks * rows, SEL_THREADS, hbm_bytes=kept * 8, l2_bytes=rows * n * 4,
+                  chain_cycles=state + 2 * g.l2_latency_cycles + 400 + ceil_div(per_block, SEL_TILE) *
+                  (g.l2_latency_cycles + 300))
+    return [memset, hist, hist, hist, hist, count, emit]
+
+
 def adakv_kernels(s: Shape, g: Gpu):
-    """Flatten the layer's candidates into one row, the radix select of its top Hkv*B (one
-    block: latency-bound as select's rows), then one block's per-head counts."""
+    """Flatten the layer's candidates into one row, the radix select of its top Hkv*B (from
+    16 Ki keys the wide selection, many blocks per row; below, one block), then one block's
+    per-head counts."""
     flat = s.hkv * s.cand
     flatten = Kernel("adakv_flatten_kernel", "candidates -> one row", min(ceil_div(flat, 256), 4096), 256,
                      hbm_bytes=flat * 4, l2_bytes=2 * flat * 4, chain_cycles=2 * g.hbm_latency_cycles)
+    count = Kernel("adakv_count_kernel", "per-head picks -> budgets", 1, 256,
+                   chain_cycles=2 * math.ceil(math.log2(s.hkv * s.budget + 1)) * g.l2_latency_cycles)
+    if flat >= WIDE_FROM:
+        return [flatten] + select_wide_kernels(g, flat, 1, s.hkv * s.budget) + [count]
     steps = ceil_div(flat, SEL_THREADS)
     chain = 4 * (steps * (g.l2_latency_cycles + 40) + 400) + ceil_div(flat, SEL_TILE) * (g.l2_latency_cycles + 300)
     select = Kernel("select_rows_kernel", f"radix select, 1 row of {flat}", 1, SEL_THREADS,
                     hbm_bytes=s.hkv * s.budget * 8, l2_bytes=5 * flat * 4, chain_cycles=chain,
                     note="one block: the whole layer's candidates in one row")
-    count = Kernel("adakv_count_kernel", "per-head picks -> budgets", 1, 256,
-                   chain_cycles=2 * math.ceil(math.log2(s.hkv * s.budget + 1)) * g.l2_latency_cycles)
     return [flatten, select, count]
+
+
+def per_head_select(s: Shape, g: Gpu, budget):
+    """Each head's own top `budget` over its descriptors (no prepare kernel): a block per head,
+    or from 16 Ki candidates the wide selection."""
+    if s.cand >= WIDE_FROM:
+        return select_wide_kernels(g, s.cand, s.hkv, s.hkv * budget)
+    return [k for k in select_kernels(replace(s, budget=budget), g, s.hkv) if k.name == "select_rows_kernel"]
 
 
 def adakv_kvpress_kernels(s: Shape, g: Gpu):
@@ -537,12 +576,11 @@ def adakv_kvpress_kernels(s: Shape, g: Gpu):
     the flatten one binary search of the f picks per element longer."""
     f = max(0, int(0.2 * (s.budget + s.window)) - s.window)
     rows = Kernel("adakv_safeguard_rows_kernel", "per-head row descriptors", 1, 256, chain_cycles=g.hbm_latency_cycles)
-    per_head = [k for k in select_kernels(replace(s, budget=f + s.window), g, s.hkv)
-                if k.name == "select_rows_kernel"]  # its own descriptors: no prepare kernel
-    flatten, select, count = adakv_kernels(replace(s, budget=s.budget - f), g)
-    flatten = replace(flatten, chain_cycles=flatten.chain_cycles + math.ceil(math.log2(f + 1)) * g.l2_latency_cycles,
+    per_head = per_head_select(s, g, f + s.window)
+    paper = adakv_kernels(replace(s, budget=s.budget - f), g)
+    flatten = replace(paper[0], chain_cycles=paper[0].chain_cycles + math.ceil(math.log2(f + 1)) * g.l2_latency_cycles,
                       times={})
-    return [rows] + per_head + [flatten, select, count]
+    return [rows] + per_head + [flatten] + paper[1:]
 
 
 def adakv_normalised_kernels(s: Shape, g: Gpu):
@@ -550,8 +588,7 @@ def adakv_normalised_kernels(s: Shape, g: Gpu):
     select, one thread per head summing its top B and its C candidates in double in order (a
     chain of dependent double additions), then the paper rule's three kernels."""
     rows = Kernel("adakv_head_rows_kernel", "per-head row descriptors", 1, 256, chain_cycles=g.hbm_latency_cycles)
-    per_head = [k for k in select_kernels(replace(s, budget=s.budget + s.window), g, s.hkv)
-                if k.name == "select_rows_kernel"]
+    per_head = per_head_select(s, g, s.budget + s.window)
     factor = Kernel("adakv_factor_kernel", "per-head sums in double, one thread each", 1, 256,
                     hbm_bytes=s.hkv * s.cand * 4, l2_bytes=s.hkv * (s.cand + s.budget) * 4,
                     chain_cycles=(s.cand + s.budget) * 4 + g.hbm_latency_cycles)
@@ -609,11 +646,16 @@ def scope_kernels(s: Shape, g: Gpu, rows):
 
 
 def select_shared_kernels(s: Shape, g: Gpu):
-    """select over the one combined row, then its keep set copied to every head."""
+    """select over the one combined row (from 16 Ki tokens the wide selection), then its keep
+    set copied to every head."""
     prep, sel = select_kernels(s, g, 1)
+    if s.tokens >= WIDE_FROM:
+        sel = select_wide_kernels(g, s.cand, 1, s.budget)
+    else:
+        sel = [sel]
     cast = Kernel("broadcast_keep_kernel", f"one keep set -> {s.hkv} heads", (s.hkv - 1) * ceil_div(s.budget, 256),
                   256, hbm_bytes=s.hkv * s.budget * 8, l2_bytes=s.budget * 8, chain_cycles=g.hbm_latency_cycles)
-    return [prep, sel, cast]
+    return [prep] + sel + [cast]
 
 
 def compressor_kernels(s: Shape, g: Gpu, n):
@@ -681,6 +723,8 @@ def calls(s: Shape, g: Gpu):
         "decode_plan": ("decode_plan step (graph replay), two passes",
                         [decode_logits(s, g, False), row_lse(s, g, s.hq, dec_tiles), decode_update(s, g)]),
         "adakv": ("adakv_head_budgets (device)", adakv_kernels(s, g)),
+        "select_wide": (f"select_rows_wide, one row of {s.hkv} x {s.cand} keys (AdaKV's flattened layer)",
+                        select_wide_kernels(g, s.hkv * s.cand, 1, s.hkv * s.budget)),
         "adakv_kvpress": ("adakv_head_budgets (device), AdaKVPress's rule", adakv_kvpress_kernels(s, g)),
         "adakv_normalised": ("adakv_head_budgets (device), the paper's rule normalised",
                              adakv_normalised_kernels(s, g)),

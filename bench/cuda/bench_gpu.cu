@@ -642,6 +642,38 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaFree(s));
   }
 
+  // The wide selection alone: AdaKV's flattened layer (8 x (L - W) keys, one row), its global
+  // top 8 x B, many blocks per row.
+  {
+    const std::int64_t n = hkv * (L - W);
+    float* s = device_random<float>(n, 11);
+    std::int64_t* out = nullptr;
+    BENCH_CHECK(cudaMalloc(&out, static_cast<std::size_t>(hkv * B) * sizeof(std::int64_t)));
+    kvevict::cuda::select_row row;
+    row.scores = s;
+    row.length = n;
+    row.budget = hkv * B;
+    row.out = out;
+    kvevict::cuda::select_row* rows = nullptr;
+    BENCH_CHECK(cudaMalloc(&rows, sizeof(row)));
+    BENCH_CHECK(cudaMemcpy(rows, &row, sizeof(row), cudaMemcpyHostToDevice));
+    const std::size_t wsb = kvevict::cuda::select_rows_wide_workspace_size(1);
+    void* ws = device_bytes(wsb);
+    const auto run = [&](const kvevict::cuda::launch_options& o) {
+      require_ok(kvevict::cuda::select_rows_wide(rows, 1, n, {ws, wsb}, o));
+    };
+    const double us = median_us([&] { run(opt); }, reps);
+    time_each_kernel(
+        "select_wide", capture_stream, [&] { run(capture_opt); }, reps);
+    std::printf("| select_rows_wide, one row of %lld keys, top-%lld (many blocks per row) | %.1f | %.2f ns/element | |\n",
+                static_cast<long long>(n), static_cast<long long>(hkv * B), us, us * 1e3 / static_cast<double>(n));
+    result("select_wide_us", us);
+    BENCH_CHECK(cudaFree(ws));
+    BENCH_CHECK(cudaFree(rows));
+    BENCH_CHECK(cudaFree(out));
+    BENCH_CHECK(cudaFree(s));
+  }
+
   // One keep set per layer: the heads' scores combined (normalised max, exact normalisers),
   // then one selection copied to every head.
   {

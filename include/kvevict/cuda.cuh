@@ -38,6 +38,7 @@
 #include "kvevict/cuda/select.cuh"
 #include "kvevict/cuda/select_layer.cuh"
 #include "kvevict/cuda/select_row.hpp"
+#include "kvevict/cuda/select_wide.cuh"
 #include "kvevict/views/layouts.hpp"
 
 #endif  // KVEVICT_CUDA_CUH

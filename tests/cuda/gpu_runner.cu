@@ -444,7 +444,7 @@ keep_result select_shared(const std::vector<float>& row, std::int64_t rows, kvev
   return r;
 }
 
-rows_result select_rows(const std::vector<row_spec>& rows, std::int64_t max_length) {
+rows_result select_rows(const std::vector<row_spec>& rows, std::int64_t max_length, bool wide) {
   rows_result r;
   mirror m;
   std::vector<kvevict::cuda::select_row> desc(rows.size());
@@ -464,7 +464,13 @@ rows_result select_rows(const std::vector<row_spec>& rows, std::int64_t max_leng
     d.out = outs[i];
   }
   auto* ddesc = m.put_vector(desc);
-  r.st = m.finish(kvevict::cuda::select_rows(ddesc, static_cast<std::int64_t>(rows.size()), max_length, m.options()));
+  const auto n = static_cast<std::int64_t>(rows.size());
+  if (wide) {
+    const std::size_t bytes = kvevict::cuda::select_rows_wide_workspace_size(n);
+    r.st = m.finish(kvevict::cuda::select_rows_wide(ddesc, n, max_length, {m.alloc_bytes(bytes), bytes}, m.options()));
+  } else {
+    r.st = m.finish(kvevict::cuda::select_rows(ddesc, n, max_length, m.options()));
+  }
   for (std::size_t i = 0; i < rows.size(); ++i) r.out.push_back(m.get(outs[i], sizes[i]));
   r.flags = m.read_flags();
   return r;

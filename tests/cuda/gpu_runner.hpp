@@ -225,8 +225,8 @@ struct rows_result {
   std::uint32_t flags = 0;
 };
 
-/// kvevict::cuda::select_rows over all rows in one launch.
-rows_result select_rows(const std::vector<row_spec>& rows, std::int64_t max_length);
+/// kvevict::cuda::select_rows over all rows in one launch, or (`wide`) select_rows_wide.
+rows_result select_rows(const std::vector<row_spec>& rows, std::int64_t max_length, bool wide = false);
 
 struct compact_result {
   kvevict::status st;

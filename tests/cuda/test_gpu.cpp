@@ -1479,7 +1479,9 @@ TEST_CASE("GPU AdaKV head budgets equal the CPU's and feed the selection without
   struct shape_case {
     std::int64_t rows, cols, tail;
   };
-  const shape_case shapes[] = {{1, 37, 0}, {8, 300, 5}, {5, 1000, 32}, {4, 4500, 7}};
+  // 4 x 4,500 and 8 x 4,200: 17,972 and 33,528 candidates in the flattened row, which takes
+  // the wide selection (from 16 Ki keys).
+  const shape_case shapes[] = {{1, 37, 0}, {8, 300, 5}, {5, 1000, 32}, {4, 4500, 7}, {8, 4200, 9}};
   const bool trimmed = sweep_stride() > 1;
   std::size_t combination = 0;
   for (const shape_case& sc : shapes)
@@ -1492,6 +1494,8 @@ TEST_CASE("GPU AdaKV head budgets equal the CPU's and feed the selection without
           // (kind, alpha, budget) combinations every third (3 is prime to the 7 budgets and the
           // 16 kind-alpha pairs, so every value still meets every other).
           if (trimmed && sc.cols > 4000 && b != c / 3 && b != c - 1) continue;
+          const bool wide = sc.rows > 4 && sc.cols > 4000;  // the large shape: two budgets, two alphas, always
+          if (wide && ((b != c / 3 && b != c - 1) || alpha == 0.0 || alpha == 0.5)) continue;
           if (trimmed && combination++ % 3 != 0) continue;
           INFO("Hkv " << sc.rows << " L " << sc.cols << " P " << sc.tail << " kind " << kind << " alpha " << alpha
                       << " B " << b);
@@ -1596,6 +1600,59 @@ TEST_CASE("GPU select_rows: a ragged batch in one launch", "[gpu][gpu_select]") 
     REQUIRE(g.out[i][want.size()] == -7);  // nothing past the row's keep-list
   }
   for (std::int64_t x : g.out.back()) REQUIRE(x == -7);
+}
+
+// The wide selection (cuda/select_wide.cuh): rows cut into tiles of 4,096 keys over up to 128
+// blocks each, four histogram passes as kernels, then per-block counts and emission. Its
+// keep-lists must be the reference's (and select_rows'), whatever the ties, NaNs and budgets,
+// with k landing inside a tile, across blocks and in a block's second tile.
+TEST_CASE("GPU select_rows_wide: many blocks per row, the same keep-lists as the reference", "[gpu][gpu_select]") {
+  std::vector<gpu::row_spec> rows;
+  std::uint64_t seed = 177;
+  for (std::int64_t len : {0, 1, 17, 4096, 4097, 12289, 70001}) {
+    for (int kind = 0; kind < 4; ++kind) {
+      gpu::row_spec r;
+      r.scores = score_matrix(1, len, seed++, kind);
+      r.budget = (len * (kind + 1)) / 6 + kind;
+      r.protected_tail = kind;
+      r.mode = kind == 1 ? kvevict::protected_mode::on_top_of_budget : kvevict::protected_mode::inside_budget;
+      rows.push_back(r);
+    }
+  }
+  gpu::row_spec all = rows.back();  // a budget past the candidates: every key kept
+  all.budget = 80000;
+  rows.push_back(all);
+  gpu::row_spec one = rows[rows.size() - 3];  // k = 1
+  one.budget = 1;
+  one.protected_tail = 0;
+  rows.push_back(one);
+  gpu::row_spec bad;  // longer than max_length: flagged, not written
+  bad.scores = score_matrix(1, 50, 1, 0);
+  bad.length = 700000;
+  bad.budget = 5;
+  rows.push_back(bad);
+  // 70,001 keys: 18 tiles, one block each; a bound of 600,000: 147 tiles over 128 blocks, two
+  // tiles per block.
+  for (const std::int64_t max_length : {std::int64_t{70001}, std::int64_t{600000}}) {
+    INFO("max_length " << max_length);
+    const auto g = gpu::select_rows(rows, max_length, true);
+    REQUIRE(g.st.ok());
+    REQUIRE(g.flags == kvevict::cuda::flag_invalid_row);
+    for (std::size_t i = 0; i + 1 < rows.size(); ++i) {
+      const auto& r = rows[i];
+      const std::int64_t n = static_cast<std::int64_t>(r.scores.size());
+      const auto want = ref::keep(std::vector<double>(r.scores.begin(), r.scores.end()), r.budget, r.protected_tail,
+                                  r.mode == kvevict::protected_mode::inside_budget);
+      INFO("row " << i << " length " << n << " budget " << r.budget);
+      const std::vector<std::int64_t> got(g.out[i].begin(),
+                                          g.out[i].begin() + static_cast<std::ptrdiff_t>(want.size()));
+      REQUIRE(got == want);
+      REQUIRE(g.out[i][want.size()] == -7);  // nothing past the row's keep-list
+    }
+    for (std::int64_t x : g.out.back()) REQUIRE(x == -7);
+  }
+  const auto none = gpu::select_rows({}, 10, true);
+  REQUIRE(none.st.ok());
 }
 
 namespace {
@@ -2330,45 +2387,48 @@ TEST_CASE("GPU layer and sequence scopes select the CPU's keep sets", "[gpu][gpu
         }
   }
   SECTION("one keep set per sequence: the compressor's fold over layers") {
-    for (auto rule : kRules) {
-      const std::int64_t layers = 3, rows = 2, cols = 4200, tail = 9, heads = 2;
-      INFO(kvevict::to_string(rule));
-      std::vector<std::vector<float>> scores;
-      for (std::int64_t l = 0; l < layers; ++l) scores.push_back(scope_matrix(rows, cols, cols, tail, seed++, l == 1));
-      // The CPU: compressor::run's sequence scope, step by step.
-      const auto across =
-          kvevict::detail::combines_by_max(rule) ? kvevict::scope_combine::max : kvevict::scope_combine::mean;
-      std::vector<float> layer_row(static_cast<std::size_t>(cols)), want(static_cast<std::size_t>(cols));
-      for (std::int64_t l = 0; l < layers; ++l) {
-        REQUIRE(kvevict::combine_head_scores({scores[static_cast<std::size_t>(l)].data(), rows, cols, cols}, tail, rule,
-                                             layer_row.data())
-                    .ok());
-        kvevict::detail::fold_row(want.data(), layer_row.data(), cols, cols - tail, across, l == 0);
-      }
-      kvevict::detail::finish_mean(want.data(), cols - tail, layers, across);
-      const kvevict::selection_params sel{tail, kvevict::protected_mode::inside_budget};
-      kvevict::layer_budget lb;
-      lb.per_head = kvevict::budget::ratio(0.25);
-      const std::int64_t capacity = kvevict::select_layer_capacity(heads, cols, sel, lb);
-      kvevict::keep_list cpu(heads, capacity);
-      std::vector<std::int64_t> scratch(static_cast<std::size_t>(cols + 2));
-      kvevict::workspace ws(kvevict::select_workspace_size(cols));
-      REQUIRE(kvevict::select_shared({want.data(), 1, cols, cols}, sel, lb, cpu, scratch.data(), ws).ok());
+    // 40,000 tokens: the combined row takes the wide selection.
+    for (auto rule : kRules)
+      for (const std::int64_t cols : {std::int64_t{4200}, std::int64_t{40000}}) {
+        const std::int64_t layers = 3, rows = 2, tail = 9, heads = 2;
+        INFO(kvevict::to_string(rule) << " L " << cols);
+        std::vector<std::vector<float>> scores;
+        for (std::int64_t l = 0; l < layers; ++l)
+          scores.push_back(scope_matrix(rows, cols, cols, tail, seed++, l == 1));
+        // The CPU: compressor::run's sequence scope, step by step.
+        const auto across =
+            kvevict::detail::combines_by_max(rule) ? kvevict::scope_combine::max : kvevict::scope_combine::mean;
+        std::vector<float> layer_row(static_cast<std::size_t>(cols)), want(static_cast<std::size_t>(cols));
+        for (std::int64_t l = 0; l < layers; ++l) {
+          REQUIRE(kvevict::combine_head_scores({scores[static_cast<std::size_t>(l)].data(), rows, cols, cols}, tail,
+                                               rule, layer_row.data())
+                      .ok());
+          kvevict::detail::fold_row(want.data(), layer_row.data(), cols, cols - tail, across, l == 0);
+        }
+        kvevict::detail::finish_mean(want.data(), cols - tail, layers, across);
+        const kvevict::selection_params sel{tail, kvevict::protected_mode::inside_budget};
+        kvevict::layer_budget lb;
+        lb.per_head = kvevict::budget::ratio(0.25);
+        const std::int64_t capacity = kvevict::select_layer_capacity(heads, cols, sel, lb);
+        kvevict::keep_list cpu(heads, capacity);
+        std::vector<std::int64_t> scratch(static_cast<std::size_t>(cols + 2));
+        kvevict::workspace ws(kvevict::select_workspace_size(cols));
+        REQUIRE(kvevict::select_shared({want.data(), 1, cols, cols}, sel, lb, cpu, scratch.data(), ws).ok());
 
-      const auto g = gpu::sequence_scope(scores, rows, cols, tail, rule, lb.per_head, sel, heads, capacity);
-      INFO("status " << g.combined.st.message() << " / " << g.keep.st.message());
-      REQUIRE(g.combined.st.ok());
-      for (std::int64_t j = 0; j < cols; ++j) {
-        INFO("j " << j);
-        REQUIRE(same_float(g.combined.row[static_cast<std::size_t>(j)], want[static_cast<std::size_t>(j)]));
+        const auto g = gpu::sequence_scope(scores, rows, cols, tail, rule, lb.per_head, sel, heads, capacity);
+        INFO("status " << g.combined.st.message() << " / " << g.keep.st.message());
+        REQUIRE(g.combined.st.ok());
+        for (std::int64_t j = 0; j < cols; ++j) {
+          INFO("j " << j);
+          REQUIRE(same_float(g.combined.row[static_cast<std::size_t>(j)], want[static_cast<std::size_t>(j)]));
+        }
+        REQUIRE(g.keep.st.ok());
+        REQUIRE(g.keep.flags == 0);
+        for (std::int64_t h = 0; h <= heads; ++h)
+          REQUIRE(g.keep.offsets[static_cast<std::size_t>(h)] == cpu.view().offsets[h]);
+        for (std::int64_t e = 0; e < cpu.view().offsets[heads]; ++e)
+          REQUIRE(g.keep.indices[static_cast<std::size_t>(e)] == cpu.view().indices[e]);
       }
-      REQUIRE(g.keep.st.ok());
-      REQUIRE(g.keep.flags == 0);
-      for (std::int64_t h = 0; h <= heads; ++h)
-        REQUIRE(g.keep.offsets[static_cast<std::size_t>(h)] == cpu.view().offsets[h]);
-      for (std::int64_t e = 0; e < cpu.view().offsets[heads]; ++e)
-        REQUIRE(g.keep.indices[static_cast<std::size_t>(e)] == cpu.view().indices[e]);
-    }
   }
 }
 

@@ -7,9 +7,10 @@
 // without a copy to the host or a synchronisation. The same budgets as
 // kvevict::adakv_head_budgets, bit for bit:
 //   1. flatten: the candidates [0, C) of every head into one row [Hkv * C] (workspace);
-//   2. the global top Hkv * B of that row with the batched radix select (select_rows_kernel,
-//      one row): ties go to the lower flat index, i.e. the lower head, then the lower key,
-//      as on the CPU; NaN ranks last;
+//   2. the global top Hkv * B of that row with the radix select (select_rows_kernel, one
+//      row; from 16 Ki keys the wide selection, many blocks per row: cuda/select_wide.cuh):
+//      ties go to the lower flat index, i.e. the lower head, then the lower key, as on the
+//      CPU; NaN ranks last;
 //   3. one block counts each head's picks (the picks are ascending: a binary search per head
 //      boundary) and applies detail::adakv_head_budget, the CPU's own function.
 // Three launches, integer arithmetic after the scores: deterministic. The kvpress_safeguard rule
@@ -32,6 +33,7 @@
 #include "kvevict/cuda/detail/tiling.hpp"
 #include "kvevict/cuda/select.cuh"
 #include "kvevict/cuda/select_row.hpp"
+#include "kvevict/cuda/select_wide.cuh"
 #include "kvevict/error.hpp"
 #include "kvevict/views/matrix_view.hpp"
 #include "kvevict/workspace.hpp"
@@ -45,6 +47,7 @@ struct adakv_workspace {
   float* flat = nullptr;           // [Hkv * C]
   std::int64_t* picked = nullptr;  // [Hkv * C]: each head's top f (safeguard) or B (normalise), then step 2's
   double* factors = nullptr;       // [Hkv] the normalisation's factors
+  wide_row_words* wide = nullptr;  // [Hkv] the wide selection's words (long rows)
 };
 
 inline void carve_adakv_workspace(kvevict::detail::arena& a, std::int64_t heads, std::int64_t tokens,
@@ -54,6 +57,7 @@ inline void carve_adakv_workspace(kvevict::detail::arena& a, std::int64_t heads,
   out->flat = a.take<float>(n);
   out->picked = a.take<std::int64_t>(n);
   out->factors = a.take<double>(heads);
+  carve_wide_workspace(a, heads, &out->wide);
 }
 
 /// The first of n ascending values at or past `key` (n if none).
@@ -220,9 +224,7 @@ inline status adakv_head_budgets(const_score_view scores, std::int64_t protected
     KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "adakv_head_rows_kernel", {dim3(1), dim3(256), 0, opt.stream},
                                            detail::adakv_head_rows_kernel<>, scores, candidates, own, w.picked,
                                            w.rows));
-    KVEVICT_RETURN_IF_ERROR(detail::launch(
-        fn, "select_rows_kernel", {dim3(static_cast<unsigned>(heads)), dim3(detail::select_threads), 0, opt.stream},
-        detail::select_rows_kernel<>, w.rows, candidates, nullptr, opt.device_flags));
+    KVEVICT_RETURN_IF_ERROR(detail::enqueue_select_rows(w.rows, heads, candidates, nullptr, w.wide, opt, fn));
   }
   if (normalises)
     KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "adakv_factor_kernel", {dim3(1), dim3(256), 0, opt.stream},
@@ -235,8 +237,7 @@ inline status adakv_head_budgets(const_score_view scores, std::int64_t protected
                        detail::adakv_flatten_kernel<>, scores, candidates, forced, global,
                        normalises ? static_cast<const double*>(w.factors) : nullptr, w.flat, w.picked, w.rows + heads));
     KVEVICT_RETURN_IF_ERROR(
-        detail::launch(fn, "select_rows_kernel", {dim3(1), dim3(detail::select_threads), 0, opt.stream},
-                       detail::select_rows_kernel<>, w.rows + heads, flat - heads * forced, nullptr, opt.device_flags));
+        detail::enqueue_select_rows(w.rows + heads, 1, flat - heads * forced, nullptr, w.wide, opt, fn));
   }
   return detail::launch(fn, "adakv_count_kernel", {dim3(1), dim3(256), 0, opt.stream}, detail::adakv_count_kernel<>,
                         w.picked, global, heads, candidates, forced, per_head_budget, params, out);

@@ -31,6 +31,7 @@
 #include "kvevict/cuda/detail/shared_memory.cuh"
 #include "kvevict/cuda/detail/tiling.hpp"
 #include "kvevict/cuda/select.cuh"
+#include "kvevict/cuda/select_wide.cuh"
 #include "kvevict/detail/exact_sum.hpp"
 #include "kvevict/detail/validate.hpp"
 #include "kvevict/error.hpp"
@@ -265,9 +266,21 @@ inline status fold_layer_scores(const float* layer_row, float* sequence_row, std
       detail::fold_layer_kernel<>, layer_row, sequence_row, tokens, candidates, by_max, layer == 0, mean_of);
 }
 
+namespace detail {
+/// select_shared's workspace: select's for one row, then the wide selection's words.
+inline void carve_select_shared(kvevict::detail::arena& a, workspace_span* select, wide_row_words** wide) noexcept {
+  *select = kvevict::detail::take_bytes(a, select_workspace_size(1), true);
+  carve_wide_workspace(a, 1, wide);
+}
+}  // namespace detail
+
 /// Bytes of device workspace `select_shared` needs.
 inline std::size_t select_shared_workspace_size() noexcept {
-  return select_workspace_size(1);
+  kvevict::detail::arena a;
+  workspace_span select;
+  detail::wide_row_words* wide = nullptr;
+  detail::carve_select_shared(a, &select, &wide);
+  return a.used();
 }
 
 /// One keep set for every head (kvevict::select_shared with a uniform budget): the top of a
@@ -279,7 +292,8 @@ inline std::size_t select_shared_workspace_size() noexcept {
 ///        [capacity]; capacity (host-known) >= H * tokens_kept(b, L, params)
 ///   ws:  device memory, >= select_shared_workspace_size()
 ///
-/// Three kernels; the keep-lists equal kvevict::select_shared's.
+/// Three kernels (a row of 16 Ki keys or more: a memset and eight, the wide selection's); the
+/// keep-lists equal kvevict::select_shared's.
 inline status select_shared(const_score_view row, budget b, const selection_params& params, keep_list_view out,
                             workspace_span ws, const launch_options& opt = {}) {
   static constexpr const char* fn = "kvevict::cuda::select_shared";
@@ -302,8 +316,17 @@ inline status select_shared(const_score_view row, budget b, const selection_para
   if (!kvevict::detail::checked_mul(n, out.num_heads, &total) || total > out.capacity)
     return status::error(errc::invalid_keep_list, fn, "out.capacity", "expected >= %lld kept tokens, got %lld",
                          static_cast<long long>(total), static_cast<long long>(out.capacity));
+  kvevict::detail::arena a(ws);
+  workspace_span select;
+  detail::wide_row_words* wide = nullptr;
+  detail::carve_select_shared(a, &select, &wide);
+  KVEVICT_RETURN_IF_ERROR(detail::check_workspace(a, ws, opt, fn, "select_shared_workspace_size"));
   const keep_list_view one{1, out.offsets, out.indices, out.capacity};
-  KVEVICT_RETURN_IF_ERROR(detail::select_matrix(row, nullptr, uniform, params, one, ws, opt));
+  const auto select_rows = [wide](const select_row* rows, std::int64_t n, std::int64_t max_length,
+                                  const std::uint32_t* gate, const launch_options& o, const char* f) {
+    return detail::enqueue_select_rows(rows, n, max_length, gate, wide, o, f);
+  };
+  KVEVICT_RETURN_IF_ERROR(detail::select_matrix(row, nullptr, uniform, params, one, select, opt, select_rows));
   if (out.num_heads == 1) return status();
   const unsigned chunks = n > 0 ? static_cast<unsigned>(detail::stride_grid(n, detail::scope_threads, 64)) : 1u;
   return detail::launch(

@@ -233,9 +233,22 @@ inline status check_budget_ratio(const budget& b, const char* fn) noexcept {
   return status();
 }
 
+/// select_matrix's last launch by default: a block per row.
+struct launch_select_rows {
+  status operator()(const select_row* rows, std::int64_t num_rows, std::int64_t max_length, const std::uint32_t* gate,
+                    const launch_options& opt, const char* fn) const {
+    return launch(fn, "select_rows_kernel",
+                  {dim3(static_cast<unsigned>(num_rows)), dim3(select_threads), 0, opt.stream}, select_rows_kernel<>,
+                  rows, max_length, gate, opt.device_flags);
+  }
+};
+
+/// The checks, the prepare kernel (descriptors, offsets, the capacity gate), then `select_rows`
+/// over the descriptors (a block per row, or the wide selection: cuda/select_wide.cuh).
+template <class SelectRows = launch_select_rows>
 inline status select_matrix(const_score_view scores, const std::int64_t* head_budgets, std::int64_t uniform,
                             const selection_params& params, const keep_list_view& out, workspace_span ws,
-                            const launch_options& opt) {
+                            const launch_options& opt, const SelectRows& select_rows = SelectRows()) {
   static constexpr const char* fn = "kvevict::cuda::select";
   if (scores.rows < 1)
     return status::error(errc::invalid_shape, fn, "scores.rows", "expected >= 1 row, got %lld",
@@ -283,9 +296,7 @@ inline status select_matrix(const_score_view scores, const std::int64_t* head_bu
   KVEVICT_RETURN_IF_ERROR(launch(fn, "select_prepare_kernel", {dim3(1), dim3(1024), 0, opt.stream},
                                  select_prepare_kernel<>, scores.data, scores.rows, scores.cols, scores.row_stride,
                                  head_budgets, uniform, params, out, w.rows, w.status, opt.device_flags));
-  return launch(fn, "select_rows_kernel",
-                {dim3(static_cast<unsigned>(scores.rows)), dim3(select_threads), 0, opt.stream}, select_rows_kernel<>,
-                w.rows, scores.cols, w.status, opt.device_flags);
+  return select_rows(w.rows, scores.rows, scores.cols, w.status, opt, fn);
 }
 
 }  // namespace detail
