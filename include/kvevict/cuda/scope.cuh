@@ -322,9 +322,9 @@ inline status select_shared(const_score_view row, budget b, const selection_para
   detail::carve_select_shared(a, &select, &wide);
   KVEVICT_RETURN_IF_ERROR(detail::check_workspace(a, ws, opt, fn, "select_shared_workspace_size"));
   const keep_list_view one{1, out.offsets, out.indices, out.capacity};
-  const auto select_rows = [wide](const select_row* rows, std::int64_t n, std::int64_t max_length,
+  const auto select_rows = [wide](const select_row* rows, std::int64_t num_rows, std::int64_t max_length,
                                   const std::uint32_t* gate, const launch_options& o, const char* f) {
-    return detail::enqueue_select_rows(rows, n, max_length, gate, wide, o, f);
+    return detail::enqueue_select_rows(rows, num_rows, max_length, gate, wide, o, f);
   };
   KVEVICT_RETURN_IF_ERROR(detail::select_matrix(row, nullptr, uniform, params, one, select, opt, select_rows));
   if (out.num_heads == 1) return status();
