@@ -740,6 +740,9 @@ def calls(s: Shape, g: Gpu):
                                 sequence_scope_kernels(s, g, BATCH, False)),
         "sequence_scope_last": (f"per-sequence scope, the last layer: {BATCH} sequences, {s.layers} layers compacted",
                                 sequence_scope_kernels(s, g, BATCH, True)),
+        "sequence_scope_step": (f"per-sequence scope, one step of every layer: {s.layers - 1} folds, then the last",
+                                sequence_scope_kernels(s, g, BATCH, False) * (s.layers - 1) +
+                                sequence_scope_kernels(s, g, BATCH, True)),
     }
 
 

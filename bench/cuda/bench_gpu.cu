@@ -873,6 +873,79 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaFree(ws));
     BENCH_CHECK(cudaFree(cpos));
   }
+  // The per-sequence scope (one keep set for every layer): one step of the 32 layers' calls for
+  // 8 sequences of L/8 tokens at prefill_end -- 31 calls that fold each layer's combined row
+  // into the sequences' rows, then the last, which selects and compacts every layer's caches.
+  {
+    constexpr std::int64_t batch = 8;
+    const std::int64_t ls = L / batch;
+    kvevict::compressor_options o;
+    o.model = {layers, hq, hkv, d, d, kvevict::dtype::bf16, kvevict::dtype::bf16};
+    kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+    w.window = W;
+    o.policy = kvevict::policy::snapkv(w);
+    o.per_head = kvevict::budget::tokens(B / batch);
+    o.scope = kvevict::selection_scope::per_sequence;
+    o.limits.max_sequences = batch;
+    o.limits.max_tokens = ls;
+    o.sharing = kvevict::block_sharing::none;
+    kvevict::cuda::compressor c;
+    require_ok(kvevict::cuda::compressor::plan(o, &c));
+    std::vector<std::int64_t> cpos_h;
+    for (std::int64_t t = 0; t < W; ++t) cpos_h.push_back(ls - W + t);
+    std::int64_t* cpos = device_copy(cpos_h);
+    std::vector<bf16*> layer_k, layer_v;  // every layer's caches of its own
+    for (std::int64_t l = 0; l < layers; ++l) {
+      layer_k.push_back(device_random<bf16>(k_elems, 40 + 2 * static_cast<std::uint64_t>(l)));
+      layer_v.push_back(device_random<bf16>(k_elems, 41 + 2 * static_cast<std::uint64_t>(l)));
+    }
+    std::vector<std::vector<kvevict::layer_cache<bf16>>> caches(static_cast<std::size_t>(batch));
+    std::vector<kvevict::cuda::sequence_io<bf16, bf16>> seqs(static_cast<std::size_t>(batch));
+    void* state = device_bytes(static_cast<std::size_t>(batch) * c.sequence_state_size());
+    std::vector<std::vector<std::uint64_t>> host_states(static_cast<std::size_t>(batch),
+                                                        std::vector<std::uint64_t>(c.host_state_size() / 8 + 1));
+    for (std::int64_t s = 0; s < batch; ++s) {
+      auto& q = seqs[static_cast<std::size_t>(s)];
+      for (std::int64_t l = 0; l < layers; ++l)
+        caches[static_cast<std::size_t>(s)].emplace_back(
+            kvevict::hf_contiguous(layer_k[static_cast<std::size_t>(l)] + s * hkv * ls * d, hkv, ls, d),
+            kvevict::hf_contiguous(layer_v[static_cast<std::size_t>(l)] + s * hkv * ls * d, hkv, ls, d));
+      q.event = kvevict::sequence_event::prefill_end;
+      q.queries = kvevict::contiguous_queries(queries, hq, W, d, cpos);
+      q.layers = caches[static_cast<std::size_t>(s)].data();
+      q.state = static_cast<unsigned char*>(state) + static_cast<std::size_t>(s) * c.sequence_state_size();
+      q.host_state = host_states[static_cast<std::size_t>(s)].data();
+    }
+    std::vector<kvevict::sequence_report> reports(static_cast<std::size_t>(batch));
+    void* ws = device_bytes(c.workspace_size());
+    void* staging = nullptr;
+    BENCH_CHECK(cudaMallocHost(&staging, c.staging_size()));
+    const auto run = [&](const kvevict::cuda::launch_options& lo) {
+      for (auto& h : host_states) require_ok(c.reset_sequence(h.data(), h.size() * 8));
+      for (std::int64_t l = 0; l < layers; ++l) {
+        for (auto& q : seqs) {
+          q.keys = q.layers[l].keys;
+          q.values = q.layers[l].values;
+        }
+        require_ok(c.run(l, seqs.data(), batch, reports.data(), {ws, c.workspace_size()}, staging, c.staging_size(),
+                         lo));
+      }
+    };
+    const double us = median_us([&] { run(opt); }, reps);
+    time_each_kernel(
+        "sequence_scope_step", capture_stream, [&] { run(capture_opt); }, reps);
+    std::printf("| cuda::compressor, one keep set for every layer: %lld layers x %lld sequences x %lld tokens | %.1f | | |\n",
+                static_cast<long long>(layers), static_cast<long long>(batch), static_cast<long long>(ls), us);
+    result("sequence_scope_step_us", us);
+    BENCH_CHECK(cudaFreeHost(staging));
+    BENCH_CHECK(cudaFree(ws));
+    BENCH_CHECK(cudaFree(state));
+    for (std::int64_t l = 0; l < layers; ++l) {
+      BENCH_CHECK(cudaFree(layer_k[static_cast<std::size_t>(l)]));
+      BENCH_CHECK(cudaFree(layer_v[static_cast<std::size_t>(l)]));
+    }
+    BENCH_CHECK(cudaFree(cpos));
+  }
   std::printf("\nK-read lower bound: %.1f MiB of K read once at the measured copy bandwidth.\n",
               k_bytes / (1024.0 * 1024.0));
   std::printf(

@@ -103,6 +103,7 @@ compressor_session_result compressor_session(const kvevict::compressor_options& 
         io.state = states[static_cast<std::size_t>(q.state)];
         io.host_state = host_states[static_cast<std::size_t>(q.state)].data();
       }
+      if (q.raw_state != nullptr) io.state = q.raw_state;
       if (q.outputs) {
         lengths[s] = m.alloc<std::int64_t>(static_cast<std::size_t>(heads));
         kept[s] = m.alloc<std::int64_t>(cap);

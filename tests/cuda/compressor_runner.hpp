@@ -38,6 +38,7 @@ struct compressor_sequence {
   std::vector<std::uint32_t> shared_blocks;          ///< empty: none
   const std::uint32_t* raw_shared_blocks = nullptr;  ///< passed as is when set (refusals: host memory)
   int state = -1;                                    ///< the session's state slot (DeferKV), -1: none
+  void* raw_state = nullptr;                         ///< passed as io.state when set (refusals: host memory)
   bool outputs = true;                               ///< pass head_lengths, kept_positions and padded_indices
   bool block_outputs = false;                        ///< pass changed_blocks and head_freed_blocks
   /// The per-sequence scope: every layer's caches (io.layers, each with this sequence's marks);

@@ -835,6 +835,19 @@ TEST_CASE("GPU compressor: the per-sequence scope refuses as the CPU does; a lay
          kvevict::errc::invalid_argument, "seqs[2].layers[0].values.data"},
         {"no host state", [](gpu::compressor_call<bf16, bf16>* c) { c->seqs[0].state = -1; },
          kvevict::errc::null_pointer, "seqs[0].host_state"},
+        {"the folded row in host memory (refused before any sequence is enqueued)",
+         [](gpu::compressor_call<bf16, bf16>* c) {
+           static std::uint64_t host_row[128];  // pageable host memory
+           c->seqs[2].raw_state = host_row;
+         },
+         kvevict::errc::invalid_argument, "seqs[2].state"},
+        {"the last layer scoring another token count than layer 0",
+         [](gpu::compressor_call<bf16, bf16>* c) {
+           auto& q = c->seqs[2];
+           q.k.view.num_tokens -= 1, q.v.view.num_tokens -= 1;
+           for (auto& l : q.layers) l.k.view.num_tokens -= 1, l.v.view.num_tokens -= 1;
+         },
+         kvevict::errc::invalid_shape, "seqs[2].keys.num_tokens"},
     };
     for (const bad_call& b : cases) {
       INFO(b.what);
@@ -931,12 +944,19 @@ TEST_CASE("GPU compressor: DapQ's pseudo-token positions below the prompt are re
           "[gpu][gpu_errors][gpu_compressor]") {
   using kvevict::dtype;
   const kvevict::compaction modes[] = {kvevict::compaction::in_place, kvevict::compaction::out_of_place,
-                                       kvevict::compaction::keep_list_only};
+                                       kvevict::compaction::keep_list_only, kvevict::compaction::in_place};
   for (const kvevict::compaction mode : modes) {
-    INFO("compaction " << static_cast<int>(mode));
+    // The last run: the re-rotated window, whose queries are the prompt's last N moved N
+    // positions on (the CPU refuses the moved positions below the prompt too).
+    const bool rotated = &mode == &modes[3];
+    INFO("compaction " << static_cast<int>(mode) << (rotated ? ", re-rotated window" : ", pseudo tokens"));
     kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
     kvevict::dapq_config d;
     d.pseudo_tokens = 6;
+    if (rotated) {
+      d.source = kvevict::dapq_source::rerotated_window;
+      d.rope.head_dim = kDim;
+    }
     o.policy = kvevict::policy::dapq(d);
     o.compact = mode;
     o.sharing = kvevict::block_sharing::marked;
@@ -947,7 +967,7 @@ TEST_CASE("GPU compressor: DapQ's pseudo-token positions below the prompt are re
     REQUIRE(q.event == kvevict::sequence_event::prefill_end);
     std::vector<std::int64_t> positions(static_cast<std::size_t>(q.queries.num_queries));
     for (std::size_t t = 0; t < positions.size(); ++t) positions[t] = q.queries.positions[static_cast<std::int64_t>(t)];
-    positions.back() = 3;  // inside the prompt
+    positions.back() = 3;  // inside the prompt (moved on: 9, still inside)
     q.queries.positions = positions.data();
     const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(o, calls, 4);
     REQUIRE(g.plan.ok());

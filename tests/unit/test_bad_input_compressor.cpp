@@ -794,7 +794,8 @@ TEST_CASE("bad input: engine contracts (evict_into, shared blocks, scopes, per-h
   static std::vector<std::int32_t> refs(world::pool, 1), fresh{3}, reused{0};
   refs[4] = 2;  // block 4 (sequence 2's first K block) is shared
   auto run_opts = [](world& wd, kvevict::compressor_options o,
-                     std::function<void(world&, std::vector<kvevict::sequence_io<float>>&)> m, bool state, bool warm) {
+                     std::function<void(world&, std::vector<kvevict::sequence_io<float>>&)> m, bool state, bool warm,
+                     std::function<void(std::vector<kvevict::sequence_io<float>>&)> last) {
     kvevict::compressor cc;
     REQUIRE(kvevict::compressor::plan(o, &cc).ok());
     std::vector<std::uint64_t> st(cc.sequence_state_size() / 8 + 1);
@@ -811,6 +812,7 @@ TEST_CASE("bad input: engine contracts (evict_into, shared blocks, scopes, per-h
       std::vector<kvevict::sequence_report> own(3);
       REQUIRE(cc.run(0, io.data(), n, own.data(), {ws.data(), ws.size()}).ok());
     }
+    if (last) last(io);  // what only the last layer's call sees
     return cc.run(1, io.data(), n, wd.reports.data(), {ws.data(), ws.size()});
   };
   run_table(
@@ -985,11 +987,12 @@ TEST_CASE("bad input: engine contracts (evict_into, shared blocks, scopes, per-h
 
   using io_vec = std::vector<kvevict::sequence_io<float>>;
   auto rr = [run_opts, snap](std::string n, errc e, std::string a, std::function<void(compressor_options&)> plan,
-                             std::function<void(world&, io_vec&)> m, bool state = false, bool warm = false) {
+                             std::function<void(world&, io_vec&)> m, bool state = false, bool warm = false,
+                             std::function<void(io_vec&)> last = nullptr) {
     return bad_case{std::move(n), e, std::move(a), [=](world& wd) -> call_fn {
                       compressor_options o = world::options(snap);
                       plan(o);
-                      return [=, &wd] { return run_opts(wd, o, m, state, warm); };
+                      return [=, &wd] { return run_opts(wd, o, m, state, warm, last); };
                     }};
   };
   auto out_of_place = [](compressor_options& o) { o.compact = kvevict::compaction::out_of_place; };
@@ -1071,6 +1074,14 @@ TEST_CASE("bad input: engine contracts (evict_into, shared blocks, scopes, per-h
           rr(
               "a sequence scope, layers out of order", errc::invalid_state, "seqs[0].state", per_sequence,
               [](world&, io_vec&) {}, true, false),
+          // The last layer folds into the row layer 0 started: as many scored tokens.
+          rr(
+              "a sequence scope, the last layer holding another token count", errc::invalid_shape,
+              "seqs[0].keys.num_tokens", per_sequence, [](world&, io_vec&) {}, true, true,
+              [](io_vec& io) {
+                io[0].keys.num_tokens -= 1;
+                io[0].values.num_tokens -= 1;
+              }),
           // Chunked prefill: a chunk handed twice (or chunks out of order) would observe with the
           // wrong queries. The first chunk is taken; the same chunk again is refused, and the
           // sequence's state keeps the first one.

@@ -193,9 +193,9 @@ inline launch_config batch_config(const batch_launch& l, const launch_options& o
 /// the per-sequence scope compacts every layer with one keep set) as one all-or-nothing
 /// compaction. They share the status word (same workspace, same sequence count: the same
 /// address), cleared once; each batch's bitmaps are cleared, its descriptors copied and its
-/// validation run before any batch moves a row; then each batch's descriptors are copied
-/// again (the last one's are still there) and its rows moved. A problem the device finds in
-/// any layer moves nothing in any layer.
+/// validation run before any batch moves a row; then, in order, each batch's descriptors are
+/// copied again and its rows moved. A problem the device finds in any layer moves nothing in
+/// any layer.
 template <class Validate, class Move>
 status enqueue_batches(const batch_launch* l, std::int64_t count, const std::uint32_t* cancel,
                        const launch_options& opt, const char* fn, Validate validate, Move move) {
@@ -216,8 +216,8 @@ status enqueue_batches(const batch_launch* l, std::int64_t count, const std::uin
     KVEVICT_RETURN_IF_ERROR(copy(b));
     KVEVICT_RETURN_IF_ERROR(validate(b));
   }
-  for (std::int64_t i = count - 1; i >= 0; --i) {
-    if (i != count - 1) KVEVICT_RETURN_IF_ERROR(copy(l[i]));
+  for (std::int64_t i = 0; i < count; ++i) {  // in layer order, as the CPU compressor compacts them
+    KVEVICT_RETURN_IF_ERROR(copy(l[i]));
     KVEVICT_RETURN_IF_ERROR(move(l[i]));
   }
   return status();

@@ -286,7 +286,8 @@ class compressor_checks : protected compressor_agreement {
         return in_sequence(d.check_decode(layer_state(io.state, layer), in, fn), s, fn);
       }
     }
-    if (what.action == act::fold && layer > 0) {  // every layer of the fold scores as many tokens
+    // every layer of the fold scores as many tokens (the last one too: it folds before it selects)
+    if ((what.action == act::fold || what.action == act::fold_and_evict_all) && layer > 0) {
       const scope_state* sc = scope_header(io.state);
       if (scored_tokens<List>(io, layer) != sc->tokens)
         return status::error(errc::invalid_shape, fn, io_name(s, "keys.num_tokens"),

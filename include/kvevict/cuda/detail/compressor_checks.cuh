@@ -70,7 +70,7 @@ class compressor_checks : protected compressor_layout {
     const std::int64_t L = io.keys.num_tokens;
     detail::sequence_step& p = *out;
     p.tokens = L;
-    if (keeps_host_state()) KVEVICT_RETURN_IF_ERROR(check_states(io, s));
+    if (keeps_host_state()) KVEVICT_RETURN_IF_ERROR(check_states(io, s, opt));
     if (defers()) {
       KVEVICT_RETURN_IF_ERROR(decide_deferkv(layer, io, s, &p));
     } else {
@@ -143,6 +143,12 @@ class compressor_checks : protected compressor_layout {
         KVEVICT_RETURN_IF_ERROR(check_marks(io.layers[l], s, prefix, true, opt));
       }
     }
+    // Every layer of a fold scores as many tokens as layer 0 did (the row it folds into).
+    if (p.fold && layer > 0 && p.tokens != scope_record(io.host_state)->tokens)
+      return status::error(errc::invalid_shape, fn, io_name(s, "keys.num_tokens"),
+                           "expected the %lld scored tokens of layer 0, got %lld",
+                           static_cast<long long>(scope_record(io.host_state)->tokens),
+                           static_cast<long long>(p.tokens));
     if (p.scores())
       p.budget = kvevict::detail::layer_budget_for(options_, base_budget(), layer, p.tokens, p.sel, host.layer_budgets);
     return status();
@@ -237,7 +243,7 @@ class compressor_checks : protected compressor_layout {
   /// The host bookkeeping (and, when the plan has one, the device state) of a sequence whose
   /// plan keeps them: DeferKV's layers, the per-sequence scope.
   template <class T, class Q>
-  status check_states(const sequence_io<T, Q>& io, std::int64_t s) const {
+  status check_states(const sequence_io<T, Q>& io, std::int64_t s, const launch_options& opt) const {
     static constexpr const char* fn = "kvevict::cuda::compressor::run";
     using kvevict::detail::io_name;
     if (io.host_state == nullptr)
@@ -253,7 +259,8 @@ class compressor_checks : protected compressor_layout {
     if (io.state == nullptr)
       return status::error(errc::null_pointer, fn, io_name(s, "state"),
                            "expected sequence_state_size() = %zu bytes of device memory", state_bytes_);
-    return status();
+    // Now, not when the first kernel that writes it is enqueued: other sequences' steps come first.
+    return check_device_pointer(io.state, opt, fn, io_name(s, "state"));
   }
 
   /// The per-sequence scope's part of the decision (kvevict::compressor's): a layer that would

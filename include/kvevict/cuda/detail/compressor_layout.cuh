@@ -283,10 +283,8 @@ class compressor_layout {
     });
   }
 
-  /// Whether the policy's window is re-rotated before scoring (DapQ's rerotated_window), and
-  /// with which RoPE.
-  /// Whether the policy's query positions must lie at or after the scored prompt (DapQ's
-  /// pseudo tokens), checked on the device.
+  /// Whether the policy's query positions must lie at or after the scored prompt (DapQ's pseudo
+  /// tokens, and its re-rotated window once moved), checked on the device.
   bool checks_positions() const noexcept {
     const policy_config& p = options_.policy;
     return kvevict::detail::with_policy_traits(p.kind(), false, [&](auto traits) {
@@ -299,6 +297,8 @@ class compressor_layout {
     });
   }
 
+  /// Whether the policy's window is re-rotated before scoring (DapQ's rerotated_window), and
+  /// with which RoPE.
   bool rerotates(rope_config* rope = nullptr) const noexcept {
     const policy_config& p = options_.policy;
     rope_config r;

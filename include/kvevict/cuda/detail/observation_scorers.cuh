@@ -11,8 +11,8 @@
 // queries before scoring (DapQ's re-rotated window: cuda/rerotate.cuh), or none; `finish`
 // enqueues what follows the batched scoring (TOVA's mean across KV heads), or nothing;
 // `checks_positions` says whether the query positions must lie at or after the scored prompt
-// (DapQ's pseudo tokens: the CPU refuses them; positions are device data, so the device checks
-// them with pseudo_positions_kernel). Policies that read no queries: key_scorers.cuh.
+// (DapQ's pseudo tokens and its re-rotated window: the CPU refuses them; positions are device
+// data, so the device checks them with pseudo_positions_kernel). Policies that read no queries: key_scorers.cuh.
 
 #include "kvevict/config.hpp"
 #include "kvevict/cuda/common.cuh"
@@ -90,7 +90,9 @@ struct observation_scorer<dapq_traits> {  // pseudo tokens over the prompt befor
     *rope = c.rope;
     return true;
   }
-  static bool checks_positions(const dapq_config& c) noexcept { return c.source == dapq_source::pseudo_tokens; }
+  // Its queries' positions at or after the prompt: the pseudo tokens', or the window's once moved
+  // N positions on (the CPU's dapq::score refuses either below the prompt).
+  static bool checks_positions(const dapq_config&) noexcept { return true; }
   static status finish(const dapq_config&, score_view, std::int64_t, const launch_options&) { return status(); }
 };
 
