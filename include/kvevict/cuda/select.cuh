@@ -76,6 +76,41 @@ __device__ T block_exclusive_scan(T v, T* total, T* warp_sums) {
   return before + incl - v;
 }
 
+/// One tile of the emission sweep: the keys [base, base + select_tile) below `end`, classified
+/// against the final state `fin`, each kept one written at its slot in `out`; the counts of
+/// above-threshold keys and ties before the tile (*above_run, *tie_run) advance by the tile's.
+/// Every thread of the block calls it (it synchronises).
+__device__ __forceinline__ void emit_tile(const float* x, std::int64_t base, std::int64_t end, const radix_state& fin,
+                                          std::int64_t* above_run, std::int64_t* tie_run, std::int64_t* out,
+                                          std::uint32_t* warp_sums) {
+  int cls[select_items];
+  std::uint32_t above = 0, ties = 0;
+  const std::int64_t first = base + static_cast<std::int64_t>(threadIdx.x) * select_items;
+#pragma unroll
+  for (int i = 0; i < select_items; ++i) {
+    const std::int64_t j = first + i;
+    cls[i] = j < end ? radix_class(radix_key(x[j]), fin) : 0;
+    above += cls[i] == 2 ? 1u : 0u;
+    ties += cls[i] == 1 ? 1u : 0u;
+  }
+  std::uint32_t total = 0;
+  const std::uint32_t excl = block_exclusive_scan(radix_pack(above, ties), &total, warp_sums);
+  std::int64_t ab = *above_run + radix_packed_above(excl);
+  std::int64_t tb = *tie_run + radix_packed_ties(excl);
+#pragma unroll
+  for (int i = 0; i < select_items; ++i) {
+    if (cls[i] == 2) {
+      out[radix_output_slot(ab, tb, fin.remaining)] = first + i;
+      ++ab;
+    } else if (cls[i] == 1) {
+      if (tb < static_cast<std::int64_t>(fin.remaining)) out[radix_output_slot(ab, tb, fin.remaining)] = first + i;
+      ++tb;
+    }
+  }
+  *above_run += radix_packed_above(total);
+  *tie_run += radix_packed_ties(total);
+}
+
 /// Selects every row of `rows`; block b handles row b. `gate`, when set, is a device word
 /// that cancels the launch when nonzero (the matrix entry's capacity check).
 template <int Unused = 0>
@@ -143,32 +178,7 @@ __global__ void __launch_bounds__(select_threads) select_rows_kernel(const selec
   const radix_state fin = state;
   std::int64_t above_run = 0, tie_run = 0;
   for (std::int64_t base = 0; base < cand; base += select_tile) {
-    int cls[select_items];
-    std::uint32_t above = 0, ties = 0;
-    const std::int64_t first = base + static_cast<std::int64_t>(tid) * select_items;
-#pragma unroll
-    for (int i = 0; i < select_items; ++i) {
-      const std::int64_t j = first + i;
-      cls[i] = j < cand ? radix_class(radix_key(x[j]), fin) : 0;
-      above += cls[i] == 2 ? 1u : 0u;
-      ties += cls[i] == 1 ? 1u : 0u;
-    }
-    std::uint32_t total = 0;
-    const std::uint32_t excl = block_exclusive_scan(radix_pack(above, ties), &total, warp_sums);
-    std::int64_t ab = above_run + radix_packed_above(excl);
-    std::int64_t tb = tie_run + radix_packed_ties(excl);
-#pragma unroll
-    for (int i = 0; i < select_items; ++i) {
-      if (cls[i] == 2) {
-        out[radix_output_slot(ab, tb, fin.remaining)] = first + i;
-        ++ab;
-      } else if (cls[i] == 1) {
-        if (tb < static_cast<std::int64_t>(fin.remaining)) out[radix_output_slot(ab, tb, fin.remaining)] = first + i;
-        ++tb;
-      }
-    }
-    above_run += radix_packed_above(total);
-    tie_run += radix_packed_ties(total);
+    emit_tile(x, base, cand, fin, &above_run, &tie_run, out, warp_sums);
     if (radix_output_slot(above_run, tie_run, fin.remaining) >= k) break;  // uniform: block totals
   }
 }

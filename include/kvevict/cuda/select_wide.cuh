@@ -225,35 +225,8 @@ __global__ void __launch_bounds__(select_threads) select_wide_emit_kernel(wide_a
   (void)block_exclusive_scan(earlier, &before, wide_sums);
   std::int64_t above_run = static_cast<std::int64_t>(before >> 32);
   std::int64_t tie_run = static_cast<std::int64_t>(before & 0xffffffffull);
-  const float* x = row.scores;
-  for (std::int64_t base = span.first; base < span.end; base += select_tile) {
-    int cls[select_items];
-    std::uint32_t above = 0, ties = 0;
-    const std::int64_t first = base + static_cast<std::int64_t>(tid) * select_items;
-#pragma unroll
-    for (int i = 0; i < select_items; ++i) {
-      const std::int64_t j = first + i;
-      cls[i] = j < span.end ? radix_class(radix_key(x[j]), fin) : 0;
-      above += cls[i] == 2 ? 1u : 0u;
-      ties += cls[i] == 1 ? 1u : 0u;
-    }
-    std::uint32_t total = 0;
-    const std::uint32_t excl = block_exclusive_scan(radix_pack(above, ties), &total, tile_sums);
-    std::int64_t ab = above_run + radix_packed_above(excl);
-    std::int64_t tb = tie_run + radix_packed_ties(excl);
-#pragma unroll
-    for (int i = 0; i < select_items; ++i) {
-      if (cls[i] == 2) {
-        out[radix_output_slot(ab, tb, fin.remaining)] = first + i;
-        ++ab;
-      } else if (cls[i] == 1) {
-        if (tb < static_cast<std::int64_t>(fin.remaining)) out[radix_output_slot(ab, tb, fin.remaining)] = first + i;
-        ++tb;
-      }
-    }
-    above_run += radix_packed_above(total);
-    tie_run += radix_packed_ties(total);
-  }
+  for (std::int64_t base = span.first; base < span.end; base += select_tile)
+    emit_tile(row.scores, base, span.end, fin, &above_run, &tie_run, out, tile_sums);
 }
 
 /// The wide selection's launches (no host checks of the rows: they are device data).
