@@ -311,6 +311,21 @@ inline status select_matrix(const_score_view scores, const std::int64_t* head_bu
 
 }  // namespace detail
 
+namespace detail {
+/// The host checks of a launch over row descriptors (select_rows, select_rows_wide): the
+/// descriptors in device memory, a length bound within the kernels' 32-bit indices.
+inline status check_row_batch(const select_row* rows, std::int64_t num_rows, std::int64_t max_length,
+                              const launch_options& opt, const char* fn) {
+  if (rows == nullptr)
+    return status::error(errc::null_pointer, fn, "rows", "expected [%lld] row descriptors",
+                         static_cast<long long>(num_rows));
+  if (max_length < 0 || !fits_int32(max_length, select_tile))
+    return status::error(errc::overflow, fn, "max_length", "expected a length in [0, 2^31 - 4096), got %lld",
+                         static_cast<long long>(max_length));
+  return check_device_pointer(rows, opt, fn, "rows");
+}
+}  // namespace detail
+
 /// Selects a batch of rows described by a device array of descriptors, in one launch.
 ///
 ///   rows:       [num_rows] select_row in device memory (scores, length, budget, protected
@@ -328,16 +343,10 @@ inline status select_rows(const select_row* rows, std::int64_t num_rows, std::in
     return status::error(errc::invalid_shape, fn, "num_rows", "expected >= 0, got %lld",
                          static_cast<long long>(num_rows));
   if (num_rows == 0) return status();
-  if (rows == nullptr)
-    return status::error(errc::null_pointer, fn, "rows", "expected [%lld] row descriptors",
-                         static_cast<long long>(num_rows));
-  if (max_length < 0 || !detail::fits_int32(max_length, detail::select_tile))
-    return status::error(errc::overflow, fn, "max_length", "expected a length in [0, 2^31 - 4096), got %lld",
-                         static_cast<long long>(max_length));
   if (!detail::grid_fits(num_rows, 1))
     return status::error(errc::overflow, fn, "num_rows", "expected fewer than 2^31 rows, got %lld",
                          static_cast<long long>(num_rows));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(rows, opt, fn, "rows"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_row_batch(rows, num_rows, max_length, opt, fn));
   return detail::launch(fn, "select_rows_kernel",
                         {dim3(static_cast<unsigned>(num_rows)), dim3(detail::select_threads), 0, opt.stream},
                         detail::select_rows_kernel<>, rows, max_length, nullptr, opt.device_flags);

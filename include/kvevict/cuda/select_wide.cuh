@@ -298,13 +298,7 @@ inline status select_rows_wide(const select_row* rows, std::int64_t num_rows, st
     return status::error(errc::invalid_shape, fn, "num_rows", "expected 0 .. 65535 rows, got %lld",
                          static_cast<long long>(num_rows));
   if (num_rows == 0) return status();
-  if (rows == nullptr)
-    return status::error(errc::null_pointer, fn, "rows", "expected [%lld] row descriptors",
-                         static_cast<long long>(num_rows));
-  if (max_length < 0 || !detail::fits_int32(max_length, detail::select_tile))
-    return status::error(errc::overflow, fn, "max_length", "expected a length in [0, 2^31 - 4096), got %lld",
-                         static_cast<long long>(max_length));
-  KVEVICT_RETURN_IF_ERROR(detail::check_device_pointer(rows, opt, fn, "rows"));
+  KVEVICT_RETURN_IF_ERROR(detail::check_row_batch(rows, num_rows, max_length, opt, fn));
   kvevict::detail::arena a(ws);
   detail::wide_row_words* words = nullptr;
   detail::carve_wide_workspace(a, num_rows, &words);
