@@ -3,21 +3,26 @@
 // SnapKV (kvpress conventions) at the end of an 8K-token prefill: a compressor planned once,
 // then one run() per layer, printing memory before and after. The compressor serves SnapKV
 // only, so only SnapKV is compiled (kvevict::compressor, from <kvevict/kvevict.hpp>, serves
-// every policy).
+// every policy). Usage: kvevict_quickstart [prompt tokens, default 8192] (the sanitizer test
+// runs take a shorter prompt).
 #include <kvevict/compressor/basic_compressor.hpp>
 #include <kvevict/policies/snapkv.hpp>
 #include <kvevict/views/layouts.hpp>
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
 using kvevict::bf16;
 using snapkv_compressor = kvevict::basic_compressor<kvevict::policy_list<kvevict::snapkv_traits>>;
 
-int main() {
-  const std::int64_t layers = 4, hq = 32, hkv = 8, d = 128, tokens = 8192;
+int main(int argc, char** argv) {
+  const std::int64_t layers = 4, hq = 32, hkv = 8, d = 128;
+  const std::int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 8192;
+  if (tokens < 1024) return std::fprintf(stderr, "usage: %s [prompt tokens >= 1024]\n", argv[0]), 1;
+  const std::int64_t needles[] = {tokens / 80, tokens / 4, tokens * 5 / 8};  // 102, 2048, 5120 at 8K
 
   // Once per model: the plan, and every size from shapes alone.
   kvevict::compressor_options opt;
@@ -45,7 +50,7 @@ int main() {
     for (auto& x : q[l]) x = bf16(normal(rng));
     // Plant a few "needle" keys that the window's queries attend to strongly.
     for (std::int64_t h = 0; h < hkv; ++h)
-      for (std::int64_t j : {100, 2000, 5000})
+      for (std::int64_t j : needles)
         for (std::int64_t c = 0; c < d; ++c) k[l][(h * tokens + j) * d + c] = q[l][((h * 4) * w + w - 1) * d + c];
   }
   std::vector<std::int64_t> positions;
@@ -65,7 +70,7 @@ int main() {
     st = compressor.run(l, &seq, 1, &report, ws);
     if (!st.ok()) return std::fprintf(stderr, "layer %lld: %s\n", static_cast<long long>(l), st.message()), 1;
     for (std::int64_t i = 0; i < report.length; ++i)  // head 0's kept tokens come first
-      for (std::int64_t needle : {100, 2000, 5000}) found += kept_positions[static_cast<std::size_t>(i)] == needle;
+      for (std::int64_t needle : needles) found += kept_positions[static_cast<std::size_t>(i)] == needle;
   }
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 

@@ -1489,11 +1489,12 @@ TEST_CASE("GPU AdaKV head budgets equal the CPU's and feed the selection without
       for (double alpha : {0.0, 0.2, 0.5, 1.0}) {
         const std::int64_t c = sc.cols - sc.tail;
         for (std::int64_t b : {std::int64_t{0}, std::int64_t{1}, std::int64_t{7}, c / 3, c - 1, c, c + 5}) {
-          // Sanitizer runs: the 4500-token shape (the select's many tiles) with the two budgets
-          // that select inside the row; the edge budgets run on the smaller shapes; and of the
+          // Sanitizer runs: the larger wide shape (the select's many tiles and blocks) with the two
+          // budgets that select inside the row and two of the score kinds; the edge budgets and the
+          // other kinds run on the smaller shapes; and of the
           // (kind, alpha, budget) combinations every third (3 is prime to the 7 budgets and the
           // 16 kind-alpha pairs, so every value still meets every other).
-          if (trimmed && sc.cols > 4000 && b != c / 3 && b != c - 1) continue;
+          if (trimmed && (sc.cols == 4500 || (sc.cols > 4000 && (kind > 1 || (b != c / 3 && b != c - 1))))) continue;
           const bool wide = sc.rows > 4 && sc.cols > 4000;  // the large shape: two budgets, two alphas, always
           if (wide && ((b != c / 3 && b != c - 1) || alpha == 0.0 || alpha == 0.5)) continue;
           if (trimmed && combination++ % 3 != 0) continue;
@@ -1607,10 +1608,17 @@ TEST_CASE("GPU select_rows: a ragged batch in one launch", "[gpu][gpu_select]") 
 // keep-lists must be the reference's (and select_rows'), whatever the ties, NaNs and budgets,
 // with k landing inside a tile, across blocks and in a block's second tile.
 TEST_CASE("GPU select_rows_wide: many blocks per row, the same keep-lists as the reference", "[gpu][gpu_select]") {
+  // Sanitizer runs (KVEVICT_GPU_SWEEP_STRIDE > 1) take two of the four score kinds per length,
+  // in turn (one of the 70,001-key rows, which dominate the simulated time), and the bound of
+  // two tiles per block only (one tile per block is the AdaKV and scope tests' wide shapes).
+  const bool trimmed = sweep_stride() > 1;
   std::vector<gpu::row_spec> rows;
   std::uint64_t seed = 177;
+  int length_index = 0;
   for (std::int64_t len : {0, 1, 17, 4096, 4097, 12289, 70001}) {
+    ++length_index;
     for (int kind = 0; kind < 4; ++kind) {
+      if (trimmed && ((kind + length_index) % 2 != 0 || (len > 12289 && kind != 3))) continue;
       gpu::row_spec r;
       r.scores = score_matrix(1, len, seed++, kind);
       r.budget = (len * (kind + 1)) / 6 + kind;
@@ -1622,7 +1630,7 @@ TEST_CASE("GPU select_rows_wide: many blocks per row, the same keep-lists as the
   gpu::row_spec all = rows.back();  // a budget past the candidates: every key kept
   all.budget = 80000;
   rows.push_back(all);
-  gpu::row_spec one = rows[rows.size() - 3];  // k = 1
+  gpu::row_spec one = rows[rows.size() - 2];  // k = 1 on a 70,001-key row
   one.budget = 1;
   one.protected_tail = 0;
   rows.push_back(one);
@@ -1634,6 +1642,7 @@ TEST_CASE("GPU select_rows_wide: many blocks per row, the same keep-lists as the
   // 70,001 keys: 18 tiles, one block each; a bound of 600,000: 147 tiles over 128 blocks, two
   // tiles per block.
   for (const std::int64_t max_length : {std::int64_t{70001}, std::int64_t{600000}}) {
+    if (trimmed && max_length == 70001) continue;
     INFO("max_length " << max_length);
     const auto g = gpu::select_rows(rows, max_length, true);
     REQUIRE(g.st.ok());
@@ -2387,9 +2396,13 @@ TEST_CASE("GPU layer and sequence scopes select the CPU's keep sets", "[gpu][gpu
         }
   }
   SECTION("one keep set per sequence: the compressor's fold over layers") {
-    // 40,000 tokens: the combined row takes the wide selection.
+    // 40,000 tokens: the combined row takes the wide selection. Sanitizer runs
+    // (KVEVICT_GPU_SWEEP_STRIDE > 1) take it with one max rule and one mean rule.
+    const bool trimmed = sweep_stride() > 1;
     for (auto rule : kRules)
       for (const std::int64_t cols : {std::int64_t{4200}, std::int64_t{40000}}) {
+        if (trimmed && cols > 4200 && (rule == kvevict::scope_combine::max || rule == kvevict::scope_combine::mean))
+          continue;
         const std::int64_t layers = 3, rows = 2, tail = 9, heads = 2;
         INFO(kvevict::to_string(rule) << " L " << cols);
         std::vector<std::vector<float>> scores;
