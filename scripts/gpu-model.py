@@ -670,6 +670,49 @@ def compressor_kernels(s: Shape, g: Gpu, n):
     return obs_batch_kernels(s, g, n) + [copy, rows] + compact_batch_kernels(s, g, n)
 
 
+def window_kernels(s: Shape, g: Gpu, name, label):
+    """The chunked-prefill window (cuda/detail/prefill_window.cuh): the one-thread order check
+    of a sequence's first query position against its window's newest (two dependent reads, two
+    writes), and a copy of W query rows (grid W x Hq, a warp-rounded thread per channel; each
+    row read and written once)."""
+    order = Kernel("window_order_kernel", "the queries' order against the window's newest", 1, 1,
+                   chain_cycles=3 * g.hbm_latency_cycles)
+    q_bytes = s.hq * s.window * s.d * s.elem
+    copy = Kernel(name, label, s.hq * s.window, min(256, ceil_div(s.d, 32) * 32), hbm_bytes=2 * q_bytes,
+                  l2_bytes=2 * q_bytes, chain_cycles=2 * g.hbm_latency_cycles)
+    return order, copy
+
+
+def chunk_kernels(s: Shape, g: Gpu, n):
+    """cuda::compressor at a prompt chunk of n sequences (chunked_prefill): the call's cancel
+    word cleared, then per sequence one launch: the order check (one thread) and the chunk's
+    last W rows into its layer's ring in the device state (bench_gpu.cu "compressor_chunk")."""
+    memset = Kernel("memset", "the call's cancel word (cudaMemsetAsync)", 1, 1, chain_cycles=g.hbm_latency_cycles)
+    order, append = window_kernels(s, g, "window_append_kernel", "order check + the chunk's last W rows into the ring")
+    append = replace(append, chain_cycles=append.chain_cycles + order.chain_cycles)
+    return [memset] + [append] * n
+
+
+def compressor_chunked_kernels(s: Shape, g: Gpu, n):
+    """cuda::compressor at prefill_end after a chunk, n sequences of L/n tokens: each window
+    assembled from W/2 buffered rows and the call's W/2 into the workspace, the batched scoring
+    (two passes: an assembled window is normalised here), the cancel word cleared and each
+    sequence's order checked, compressor_kernels' selection, then the batched compaction, its
+    status word started from the cancel word (bench_gpu.cu "compressor_layer_chunked", after
+    its chunk call)."""
+    one = replace(s, tokens=s.tokens // n, budget=s.budget // n)
+    order, assemble = window_kernels(s, g, "window_assemble_kernel", "W/2 ring rows + the call's W/2 -> the window")
+    memset = Kernel("memset", "the call's cancel word (cudaMemsetAsync)", 1, 1, chain_cycles=g.hbm_latency_cycles)
+    copy = Kernel("memcpy", "row descriptors and offsets to the device (cudaMemcpyAsync)", 1, 1,
+                  chain_cycles=g.hbm_latency_cycles)
+    start = Kernel("memcpy", "the cancel word -> the compaction's status word (cudaMemcpyAsync)", 1, 1,
+                   chain_cycles=g.hbm_latency_cycles)
+    _, rows = select_kernels(one, g, one.hkv * n)
+    cmemset, ccopy, validate, gather, scatter = compact_batch_kernels(s, g, n)
+    return ([assemble] * n + obs_batch_kernels(s, g, n) + [memset] + [order] * n + [copy, rows] +
+            [cmemset, ccopy, start, validate, gather, scatter])
+
+
 def sequence_scope_kernels(s: Shape, g: Gpu, n, last):
     """cuda::compressor under the per-sequence scope (one keep set for every layer), one SnapKV
     layer of n sequences of L/n tokens: the batched scoring, then per sequence
@@ -736,6 +779,11 @@ def calls(s: Shape, g: Gpu):
                         scope_kernels(s, g, s.hkv) + select_shared_kernels(s, g)),
         "compressor_layer": (f"cuda::compressor run, {BATCH} sequences x {s.tokens // BATCH} tokens (SnapKV, in place)",
                              compressor_kernels(s, g, BATCH)),
+        "compressor_chunk": (f"cuda::compressor, a prompt chunk of {BATCH} sequences into their windows",
+                             chunk_kernels(s, g, BATCH)),
+        "compressor_layer_chunked": (f"cuda::compressor chunk + prefill_end, {BATCH} sequences x "
+                                     f"{s.tokens // BATCH} tokens (SnapKV, window across the chunks)",
+                                     chunk_kernels(s, g, BATCH) + compressor_chunked_kernels(s, g, BATCH)),
         "sequence_scope_fold": (f"per-sequence scope, a layer before the last: {BATCH} sequences folded",
                                 sequence_scope_kernels(s, g, BATCH, False)),
         "sequence_scope_last": (f"per-sequence scope, the last layer: {BATCH} sequences, {s.layers} layers compacted",

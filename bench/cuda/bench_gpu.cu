@@ -665,8 +665,9 @@ int main(int argc, char** argv) {
     const double us = median_us([&] { run(opt); }, reps);
     time_each_kernel(
         "select_wide", capture_stream, [&] { run(capture_opt); }, reps);
-    std::printf("| select_rows_wide, one row of %lld keys, top-%lld (many blocks per row) | %.1f | %.2f ns/element | |\n",
-                static_cast<long long>(n), static_cast<long long>(hkv * B), us, us * 1e3 / static_cast<double>(n));
+    std::printf(
+        "| select_rows_wide, one row of %lld keys, top-%lld (many blocks per row) | %.1f | %.2f ns/element | |\n",
+        static_cast<long long>(n), static_cast<long long>(hkv * B), us, us * 1e3 / static_cast<double>(n));
     result("select_wide_us", us);
     BENCH_CHECK(cudaFree(ws));
     BENCH_CHECK(cudaFree(rows));
@@ -873,6 +874,83 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaFree(ws));
     BENCH_CHECK(cudaFree(cpos));
   }
+  // Chunked prefill (cuda::compressor, SnapKV, in place): 8 sequences of L/8 tokens; a prompt
+  // chunk of W queries into each sequence's window ("compressor_chunk", repeated: its order
+  // check flags the repeats, which changes nothing timed), then a chunk and a prefill_end of W/2
+  // queries whose window takes W/2 of the chunk's rows ("compressor_layer_chunked").
+  {
+    constexpr std::int64_t batch = 8;
+    const std::int64_t ls = L / batch, half = W / 2;
+    kvevict::compressor_options o;
+    o.model = {1, hq, hkv, d, d, kvevict::dtype::bf16, kvevict::dtype::bf16};
+    kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+    w.window = W;
+    o.policy = kvevict::policy::snapkv(w);
+    o.per_head = kvevict::budget::tokens(B / batch);
+    o.chunked_prefill = true;
+    o.limits.max_sequences = batch;
+    o.limits.max_tokens = ls;
+    o.sharing = kvevict::block_sharing::none;
+    kvevict::cuda::compressor c;
+    require_ok(kvevict::cuda::compressor::plan(o, &c));
+    std::vector<std::int64_t> chunk_h, end_h;
+    for (std::int64_t t = 0; t < W; ++t) chunk_h.push_back(ls - half - W + t);
+    for (std::int64_t t = 0; t < half; ++t) end_h.push_back(ls - half + t);
+    std::int64_t* chunk_pos = device_copy(chunk_h);
+    std::int64_t* end_pos = device_copy(end_h);
+    std::vector<kvevict::cuda::sequence_io<bf16, bf16>> chunk(static_cast<std::size_t>(batch));
+    void* state = device_bytes(static_cast<std::size_t>(batch) * c.sequence_state_size());
+    std::vector<std::vector<std::uint64_t>> host_states(static_cast<std::size_t>(batch),
+                                                        std::vector<std::uint64_t>(c.host_state_size() / 8 + 1));
+    for (std::int64_t s = 0; s < batch; ++s) {
+      auto& q = chunk[static_cast<std::size_t>(s)];
+      q.event = kvevict::sequence_event::prefill_chunk;
+      q.keys = kvevict::hf_contiguous(keys + s * hkv * ls * d, hkv, ls, d);
+      q.values = kvevict::hf_contiguous(values + s * hkv * ls * d, hkv, ls, d);
+      q.queries = kvevict::contiguous_queries(queries, hq, W, d, chunk_pos);
+      q.state = static_cast<unsigned char*>(state) + static_cast<std::size_t>(s) * c.sequence_state_size();
+      q.host_state = host_states[static_cast<std::size_t>(s)].data();
+      require_ok(c.reset_sequence(q.host_state, host_states[static_cast<std::size_t>(s)].size() * 8));
+    }
+    std::vector<kvevict::cuda::sequence_io<bf16, bf16>> end = chunk;
+    for (auto& q : end) {
+      q.event = kvevict::sequence_event::prefill_end;
+      q.queries = kvevict::contiguous_queries(queries, hq, half, d, end_pos);
+    }
+    std::vector<kvevict::sequence_report> reports(static_cast<std::size_t>(batch));
+    void* ws = device_bytes(c.workspace_size());
+    void* staging = nullptr;
+    BENCH_CHECK(cudaMallocHost(&staging, c.staging_size()));
+    const auto call = [&](const std::vector<kvevict::cuda::sequence_io<bf16, bf16>>& seqs,
+                          const kvevict::cuda::launch_options& lo) {
+      require_ok(c.run(0, seqs.data(), batch, reports.data(), {ws, c.workspace_size()}, staging, c.staging_size(), lo));
+    };
+    const double chunk_us = median_us([&] { call(chunk, opt); }, reps);
+    time_each_kernel(
+        "compressor_chunk", capture_stream, [&] { call(chunk, capture_opt); }, reps);
+    std::printf(
+        "| cuda::compressor, a prompt chunk of %lld sequences (%lld queries each) into their windows | %.1f | | |\n",
+        static_cast<long long>(batch), static_cast<long long>(W), chunk_us);
+    result("compressor_chunk_us", chunk_us);
+    for (auto& h : host_states) require_ok(c.reset_sequence(h.data(), h.size() * 8));
+    const auto both = [&](const kvevict::cuda::launch_options& lo) {
+      call(chunk, lo);
+      call(end, lo);
+    };
+    const double us = median_us([&] { both(opt); }, reps);
+    time_each_kernel(
+        "compressor_layer_chunked", capture_stream, [&] { both(capture_opt); }, reps);
+    std::printf(
+        "| cuda::compressor, a chunk then prefill_end (window across them), %lld sequences x %lld tokens | %.1f | | "
+        "|\n",
+        static_cast<long long>(batch), static_cast<long long>(ls), us);
+    result("compressor_layer_chunked_us", us);
+    BENCH_CHECK(cudaFreeHost(staging));
+    BENCH_CHECK(cudaFree(ws));
+    BENCH_CHECK(cudaFree(state));
+    BENCH_CHECK(cudaFree(end_pos));
+    BENCH_CHECK(cudaFree(chunk_pos));
+  }
   // The per-sequence scope (one keep set for every layer): one step of the 32 layers' calls for
   // 8 sequences of L/8 tokens at prefill_end -- 31 calls that fold each layer's combined row
   // into the sequences' rows, then the last, which selects and compacts every layer's caches.
@@ -927,15 +1005,16 @@ int main(int argc, char** argv) {
           q.keys = q.layers[l].keys;
           q.values = q.layers[l].values;
         }
-        require_ok(c.run(l, seqs.data(), batch, reports.data(), {ws, c.workspace_size()}, staging, c.staging_size(),
-                         lo));
+        require_ok(
+            c.run(l, seqs.data(), batch, reports.data(), {ws, c.workspace_size()}, staging, c.staging_size(), lo));
       }
     };
     const double us = median_us([&] { run(opt); }, reps);
     time_each_kernel(
         "sequence_scope_step", capture_stream, [&] { run(capture_opt); }, reps);
-    std::printf("| cuda::compressor, one keep set for every layer: %lld layers x %lld sequences x %lld tokens | %.1f | | |\n",
-                static_cast<long long>(layers), static_cast<long long>(batch), static_cast<long long>(ls), us);
+    std::printf(
+        "| cuda::compressor, one keep set for every layer: %lld layers x %lld sequences x %lld tokens | %.1f | | |\n",
+        static_cast<long long>(layers), static_cast<long long>(batch), static_cast<long long>(ls), us);
     result("sequence_scope_step_us", us);
     BENCH_CHECK(cudaFreeHost(staging));
     BENCH_CHECK(cudaFree(ws));

@@ -10,12 +10,14 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "compressor_runner.hpp"
 #include "kvevict/compressor/compressor.hpp"
 #include "kvevict/scoring/presets.hpp"
+#include "parallel/thread_group.hpp"
 #include "shared_pool.hpp"
 #include "support/test_cache.hpp"
 
@@ -343,6 +345,79 @@ kvevict::compressor_options deferkv_options(kvevict::dtype storage, kvevict::dty
   d.eta = 0.8;
   o.policy = kvevict::policy::deferkv(d);
   return o;
+}
+
+/// The CPU compressor over `calls` in order, from fresh states: the first refusal (its call in
+/// *at), or ok.
+template <class T, class Q>
+kvevict::status cpu_calls(const kvevict::compressor_options& o, const std::vector<gpu::compressor_call<T, Q>>& calls,
+                          std::size_t* at) {
+  kvevict::compressor cpu;
+  REQUIRE(kvevict::compressor::plan(o, &cpu).ok());
+  kvevict::workspace ws(cpu.workspace_size());
+  std::vector<std::vector<std::uint64_t>> states(4);
+  for (auto& st : states) {
+    st.assign(cpu.sequence_state_size() / 8 + 1, 0);
+    REQUIRE(cpu.reset_sequence(st.data(), st.size() * 8).ok());
+  }
+  for (*at = 0; *at < calls.size(); ++*at) {
+    const gpu::compressor_call<T, Q>& call = calls[*at];
+    std::vector<kvevict::sequence_io<T, Q>> io(call.seqs.size());
+    std::vector<std::vector<kvevict::layer_cache<T>>> layers(io.size());
+    cpu_inputs(call, &states, &layers, io.data());
+    std::vector<kvevict::sequence_report> reports(io.size());
+    const kvevict::status st = cpu.run(call.layer, io.data(), static_cast<std::int64_t>(io.size()), reports.data(), ws);
+    if (!st.ok()) return st;
+  }
+  return kvevict::status();
+}
+
+/// Rows [from, to) of a call's queries.
+template <class Q>
+kvevict::query_view<const Q> query_rows(kvevict::query_view<const Q> v, std::int64_t from, std::int64_t to) {
+  v.data += from * v.query_stride;
+  v.positions = v.positions + from;
+  v.num_queries = to - from;
+  return v;
+}
+
+/// The scenario's prompts handed in chunks (compressor_options::chunked_prefill; the scenario
+/// hands every prompt query): cuts[s] split sequence s's prompt queries at those rows, each
+/// chunk a prefill_chunk call of every layer, round by round, before the first step; its
+/// prefill_end hands the rows after the last cut. Every active sequence keeps a state.
+template <class T, class Q>
+void chunk_prompts(scenario<T, Q>& sc, const std::vector<std::vector<std::int64_t>>& cuts) {
+  std::size_t rounds = 0;
+  for (const auto& c : cuts) rounds = std::max(rounds, c.size());
+  std::vector<gpu::compressor_call<T, Q>> chunks;
+  for (std::size_t r = 0; r < rounds; ++r)
+    for (std::int64_t l = 0; l < kLayers; ++l) {
+      gpu::compressor_call<T, Q> call;
+      call.layer = l;
+      for (std::size_t s = 0; s < sc.seqs(); ++s) {
+        gpu::compressor_sequence<T, Q> q;
+        if (r < cuts[s].size())
+          for (const gpu::compressor_call<T, Q>& c : sc.calls)
+            if (c.layer == l && c.seqs[s].event == kvevict::sequence_event::prefill_end) {
+              q = c.seqs[s];  // the prompt's cache so far: the chunk reads only its queries
+              q.event = kvevict::sequence_event::prefill_chunk;
+              q.lse.clear();
+              q.lse_head_stride = 0;
+              q.queries = query_rows(q.queries, r == 0 ? 0 : cuts[s][r - 1], cuts[s][r]);
+            }
+        q.state = static_cast<int>(s);
+        call.seqs.push_back(q);
+      }
+      chunks.push_back(call);
+    }
+  for (gpu::compressor_call<T, Q>& c : sc.calls)
+    for (std::size_t s = 0; s < sc.seqs(); ++s) {
+      gpu::compressor_sequence<T, Q>& q = c.seqs[s];
+      q.state = static_cast<int>(s);
+      if (q.event == kvevict::sequence_event::prefill_end && !cuts[s].empty())
+        q.queries = query_rows(q.queries, cuts[s].back(), q.queries.num_queries);
+    }
+  sc.calls.insert(sc.calls.begin(), chunks.begin(), chunks.end());
 }
 
 }  // namespace
@@ -789,6 +864,400 @@ TEST_CASE("GPU compressor: one keep set for every layer (the per-sequence scope)
   }
 }
 
+// Chunked prefill: every layer keeps the last queries of a sequence's prompt chunks in its
+// device state (a ring), and prefill_end observes with those rows and its own -- the CPU's
+// window. The cuts put the window across chunks, wrap the ring (sequence 2: 4 + 4 rows into a
+// window of 6, then a chunk longer than it) and leave a last chunk holding the whole window
+// (sequence 3 under H2O's cuts).
+TEST_CASE("GPU compressor: chunked prefill observes with the CPU's window, call for call", "[gpu][gpu_compressor]") {
+  using kvevict::dtype;
+  const std::vector<std::vector<std::int64_t>> wrapping{{25, 58}, {}, {4, 8, 35}, {4, 8, 15}};
+  const auto chunked = [](kvevict::compressor_options o) {
+    o.chunked_prefill = true;
+    return o;
+  };
+  SECTION("SnapKV, bf16, shared paged pools, the engine's log-sum-exp, in place") {
+    scenario<bf16, bf16> sc(chunked(base_options(dtype::bf16, dtype::bf16)), true, 0, 81, true, {61, 0, 37, 16},
+                            {0, 0, 0, 1}, 80);
+    chunk_prompts(sc, wrapping);
+    check_against_cpu(sc);
+  }
+  SECTION("H2O, float, own strided caches, AdaKVPress's rule, into fresh memory") {
+    kvevict::compressor_options o = chunked(base_options(dtype::f32, dtype::f32));
+    o.policy = kvevict::policy::h2o();
+    o.heads = kvevict::head_allocation::adakv;
+    o.adakv.rule = kvevict::adakv_rule::kvpress_safeguard;
+    o.compact = kvevict::compaction::out_of_place;
+    scenario<float, float> sc(o, false, 0, 82, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+    chunk_prompts(sc, {{25, 58}, {}, {15, 35}, {10}});
+    check_against_cpu(sc);
+  }
+  SECTION("DeferKV delay 2, bf16, shared paged pools, PyramidKV, in place") {
+    kvevict::compressor_options o = chunked(deferkv_options(dtype::bf16, dtype::bf16, 2));
+    o.layers = kvevict::layer_allocation::pyramidkv;
+    scenario<bf16, bf16> sc(o, true, 2, 83, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+    chunk_prompts(sc, wrapping);
+    check_against_cpu(sc);
+  }
+  SECTION("SnapKV, one keep set for every layer, fp16, own strided caches, normalised mean, keep-lists only") {
+    kvevict::compressor_options o = chunked(base_options(dtype::f16, dtype::f16));
+    o.scope = kvevict::selection_scope::per_sequence;
+    o.combine = kvevict::scope_combine::normalized_mean;
+    o.compact = kvevict::compaction::keep_list_only;
+    scenario<kvevict::fp16, kvevict::fp16> sc(o, false, 0, 84, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+    chunk_prompts(sc, wrapping);
+    check_against_cpu(sc);
+  }
+  SECTION("DapQ re-rotated window, bf16, shared paged pools, in place") {
+    kvevict::compressor_options o = chunked(base_options(dtype::bf16, dtype::bf16));
+    kvevict::dapq_config d;
+    d.pseudo_tokens = 6;
+    d.source = kvevict::dapq_source::rerotated_window;
+    d.rope.head_dim = kDim;
+    o.policy = kvevict::policy::dapq(d);
+    scenario<bf16, bf16> sc(o, true, 0, 85, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+    chunk_prompts(sc, wrapping);
+    check_against_cpu(sc);
+  }
+  SECTION("KNorm (reads no queries: the chunks do nothing), float, shared paged pools, in place") {
+    kvevict::compressor_options o = chunked(base_options(dtype::f32, dtype::f32));
+    o.policy = kvevict::policy::knorm();
+    scenario<float, float> sc(o, true, 0, 86, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+    chunk_prompts(sc, wrapping);
+    check_against_cpu(sc);
+  }
+}
+
+namespace {
+
+/// Nothing of call i's sequences written: their caches as the host made them, no output.
+template <class T, class Q>
+void require_untouched(const scenario<T, Q>& sc, const gpu::compressor_session_result& g, std::size_t i) {
+  const gpu::compressor_call<T, Q>& call = sc.calls[i];
+  for (std::size_t s = 0; s < call.seqs.size(); ++s) {
+    const gpu::compressor_sequence<T, Q>& c = call.seqs[s];
+    if (c.k.buf.data == nullptr) continue;
+    require_bytes<T>(g.calls[i].seqs[s].keys, c.k.buf);
+    require_bytes<T>(g.calls[i].seqs[s].values, c.v.buf);
+    for (const auto* v :
+         {&g.calls[i].seqs[s].head_lengths, &g.calls[i].seqs[s].kept_positions, &g.calls[i].seqs[s].padded})
+      for (std::int64_t x : *v) REQUIRE(x == -7);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("GPU compressor: chunked prefill refuses as the CPU does; a chunk out of order cancels what it feeds",
+          "[gpu][gpu_errors][gpu_compressor]") {
+  using kvevict::dtype;
+  kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+  o.chunked_prefill = true;
+  const std::vector<std::vector<std::int64_t>> cuts{{25, 58}, {}, {}, {}};
+  SECTION("a prefill chunk without chunked_prefill in the plan") {
+    kvevict::compressor_options plain = base_options(dtype::bf16, dtype::bf16);
+    scenario<bf16, bf16> sc(plain, true, 0, 91, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+    chunk_prompts(sc, cuts);
+    const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(plain, sc.calls, 4);
+    REQUIRE(g.plan.ok());
+    INFO(g.calls[0].st.message());
+    REQUIRE(g.calls[0].st.code() == kvevict::errc::invalid_argument);
+    REQUIRE(std::string(g.calls[0].st.argument()) == "seqs[0].event");
+    std::size_t at = 0;
+    const kvevict::status st = cpu_calls(plain, sc.calls, &at);
+    REQUIRE(at == 0);
+    REQUIRE(st.code() == kvevict::errc::invalid_argument);
+    REQUIRE(std::string(st.argument()) == "seqs[0].event");
+  }
+  SECTION("H2O: prefill_end with fewer than every prompt query, the chunks' included") {
+    kvevict::compressor_options h = o;
+    h.policy = kvevict::policy::h2o();
+    scenario<bf16, bf16> sc(h, true, 0, 92, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+    chunk_prompts(sc, cuts);
+    sc.calls.erase(sc.calls.begin() + 2, sc.calls.begin() + 4);  // the chunk [25, 58) never handed
+    const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(h, sc.calls, 4);
+    INFO(g.calls[2].st.message());
+    REQUIRE(g.calls[2].st.code() == kvevict::errc::invalid_shape);
+    REQUIRE(std::string(g.calls[2].st.argument()) == "seqs[0].queries.num_queries");
+    require_untouched(sc, g, 2);
+    std::size_t at = 0;
+    const kvevict::status st = cpu_calls(h, sc.calls, &at);
+    REQUIRE(at == 2);
+    REQUIRE(st.code() == kvevict::errc::invalid_shape);
+    REQUIRE(std::string(st.argument()) == "seqs[0].queries.num_queries");
+  }
+  SECTION("DeferKV: a chunk after prefill_end") {
+    const kvevict::compressor_options d = [] {
+      kvevict::compressor_options x = deferkv_options(dtype::bf16, dtype::bf16, 2);
+      x.chunked_prefill = true;
+      return x;
+    }();
+    scenario<bf16, bf16> sc(d, true, 2, 93, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+    chunk_prompts(sc, cuts);
+    sc.calls.insert(sc.calls.begin() + 5, sc.calls[0]);  // layer 0's first chunk again after its prefill_end
+    const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(d, sc.calls, 4);
+    INFO(g.calls[5].st.message());
+    REQUIRE(g.calls[4].st.ok());
+    REQUIRE(g.calls[5].st.code() == kvevict::errc::invalid_state);
+    REQUIRE(std::string(g.calls[5].st.argument()) == "seqs[0].host_state");
+    REQUIRE(g.calls[6].st.ok());  // the session goes on
+    std::size_t at = 0;
+    const kvevict::status st = cpu_calls(d, sc.calls, &at);
+    REQUIRE(at == 5);
+    REQUIRE(st.code() == kvevict::errc::invalid_state);
+  }
+  SECTION("SnapKV: chunks out of order raise flag_query_position; prefill_end's eviction is cancelled") {
+    scenario<bf16, bf16> sc(o, true, 0, 94, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+    chunk_prompts(sc, cuts);
+    std::swap(sc.calls[0].seqs[0].queries, sc.calls[2].seqs[0].queries);  // [25, 58) before [0, 25)
+    std::swap(sc.calls[1].seqs[0].queries, sc.calls[3].seqs[0].queries);
+    const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(o, sc.calls, 4);
+    for (std::size_t i = 0; i < 6; ++i) {
+      INFO("call " << i << ": " << g.calls[i].st.message());
+      REQUIRE(g.calls[i].st.ok());  // the positions are device data
+      REQUIRE(g.calls[i].flags == (i < 2 ? 0u : kvevict::cuda::flag_query_position));
+    }
+    require_untouched(sc, g, 4);  // the layer's prefill_end: nothing moved, no output
+    require_untouched(sc, g, 5);
+    std::size_t at = 0;
+    const kvevict::status st = cpu_calls(o, sc.calls, &at);
+    REQUIRE(at == 2);  // the CPU refuses the late chunk by name
+    REQUIRE(st.code() == kvevict::errc::invalid_argument);
+    REQUIRE(std::string(st.argument()) == "seqs[0].queries.positions[0]");
+  }
+  SECTION("DeferKV delay 1: a chunk out of order cancels the eviction at the decode step") {
+    kvevict::compressor_options d = deferkv_options(dtype::bf16, dtype::bf16, 1);
+    d.chunked_prefill = true;
+    scenario<bf16, bf16> sc(d, true, 1, 95, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+    chunk_prompts(sc, cuts);
+    std::swap(sc.calls[0].seqs[0].queries, sc.calls[2].seqs[0].queries);
+    std::swap(sc.calls[1].seqs[0].queries, sc.calls[3].seqs[0].queries);
+    const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(d, sc.calls, 4);
+    for (std::size_t i = 0; i < 8; ++i) {
+      INFO("call " << i << ": " << g.calls[i].st.message());
+      REQUIRE(g.calls[i].st.ok());
+      REQUIRE(g.calls[i].flags == (i < 2 ? 0u : kvevict::cuda::flag_query_position));
+    }
+    REQUIRE(sc.calls[6].seqs[0].event == kvevict::sequence_event::decode);  // step 1 evicts every layer
+    require_untouched(sc, g, 6);
+    require_untouched(sc, g, 7);
+  }
+}
+
+namespace {
+
+/// A rank's collective that records what its group's all-reduces returned, then replays them:
+/// the group plans in threads (the rounds are collective), and each rank's session, which
+/// plans again and then runs on its own (per-head keep sets make no collective at run time),
+/// gets the same answers without its peers.
+struct replayed_rounds {
+  kvevict::collective inner;
+  std::vector<std::vector<std::uint32_t>> answers;
+  std::size_t next = 0;
+  bool replay = false;
+
+  static kvevict::status all_reduce(void* context, std::uint32_t* data, std::int64_t count, kvevict::reduce_op op) {
+    auto* r = static_cast<replayed_rounds*>(context);
+    if (!r->replay) {
+      const kvevict::status st = r->inner.all_reduce(r->inner.context, data, count, op);
+      if (st.ok()) r->answers.emplace_back(data, data + count);
+      return st;
+    }
+    if (r->next >= r->answers.size() || static_cast<std::int64_t>(r->answers[r->next].size()) != count)
+      return kvevict::status::error(kvevict::errc::collective_error, "replayed_rounds", "all_reduce",
+                                    "a round the group did not make");
+    std::copy(r->answers[r->next].begin(), r->answers[r->next].end(), data);
+    r->next = (r->next + 1) % r->answers.size();  // each session plans once
+    return kvevict::status();
+  }
+  kvevict::collective member() {
+    kvevict::collective c = inner;
+    c.context = this;
+    c.all_reduce = &replayed_rounds::all_reduce;
+    return c;
+  }
+};
+
+/// Rank r's part of a view: `count` heads from `first`.
+template <class V>
+V heads_of(V v, std::int64_t first, std::int64_t count) {
+  v.data += first * v.head_stride;
+  v.num_heads = count;
+  return v;
+}
+
+/// The scenario (own strided caches: contiguous K, transposed V) over `ranks` tensor-parallel
+/// ranks, each holding kHkv / ranks KV heads and their query heads: every rank's session on its
+/// heads, against kvevict::compressor on all of them, call for call -- each rank's outputs,
+/// reports and heads' rows are the one process's.
+template <class T, class Q>
+void check_ranks_against_cpu(scenario<T, Q>& sc, int ranks) {
+  const std::int64_t kv = kHkv / ranks, q = kHq / ranks;
+  tp_test::thread_group group(ranks);
+  std::vector<replayed_rounds> rounds(static_cast<std::size_t>(ranks));
+  std::vector<kvevict::collective> members(static_cast<std::size_t>(ranks));
+  std::vector<kvevict::compressor_options> options(static_cast<std::size_t>(ranks), sc.options);
+  for (int r = 0; r < ranks; ++r) {
+    rounds[static_cast<std::size_t>(r)].inner = group.member(r);
+    members[static_cast<std::size_t>(r)] = rounds[static_cast<std::size_t>(r)].member();
+    kvevict::compressor_options& o = options[static_cast<std::size_t>(r)];
+    o.model.num_kv_heads = kv;
+    o.model.num_query_heads = q;
+    o.tensor_parallel = &members[static_cast<std::size_t>(r)];
+  }
+  std::vector<kvevict::status> planned(static_cast<std::size_t>(ranks));
+  group.run([&](int r) {
+    planned[static_cast<std::size_t>(r)] = gpu::compressor_plan(options[static_cast<std::size_t>(r)]);
+  });
+  for (const kvevict::status& st : planned) {
+    INFO(st.message());
+    REQUIRE(st.ok());
+  }
+  std::vector<gpu::compressor_session_result> results;
+  for (int r = 0; r < ranks; ++r) {
+    rounds[static_cast<std::size_t>(r)].replay = true;
+    std::vector<gpu::compressor_call<T, Q>> calls = sc.calls;
+    for (auto& call : calls)
+      for (auto& s : call.seqs) {
+        if (s.k.view.data == nullptr) continue;
+        s.k.view = heads_of(s.k.view, r * kv, kv);
+        s.v.view = heads_of(s.v.view, r * kv, kv);
+        if (s.dst_k.view.data != nullptr) {
+          s.dst_k.view = heads_of(s.dst_k.view, r * kv, kv);
+          s.dst_v.view = heads_of(s.dst_v.view, r * kv, kv);
+        }
+        s.queries = heads_of(s.queries, r * q, q);
+      }
+    results.push_back(gpu::compressor_session<T, Q>(options[static_cast<std::size_t>(r)], calls, 4));
+    INFO("rank " << r << ": " << results.back().plan.message());
+    REQUIRE(results.back().plan.ok());
+  }
+
+  kvevict::compressor cpu;
+  REQUIRE(kvevict::compressor::plan(sc.options, &cpu).ok());
+  kvevict::workspace ws(cpu.workspace_size());
+  std::vector<std::vector<std::uint64_t>> states(sc.seqs());
+  for (auto& st : states) {
+    st.assign(cpu.sequence_state_size() / 8 + 1, 0);
+    REQUIRE(cpu.reset_sequence(st.data(), st.size() * 8).ok());
+  }
+  const std::int64_t cap = cpu.keep_capacity(), head_cap = cpu.keep_capacity_per_head();
+  std::int64_t evicted = 0;
+  for (std::size_t i = 0; i < sc.calls.size(); ++i) {
+    const gpu::compressor_call<T, Q>& call = sc.calls[i];
+    const std::size_t n = call.seqs.size();
+    std::vector<kvevict::sequence_io<T, Q>> io(n);
+    std::vector<std::vector<std::int64_t>> lengths(n, std::vector<std::int64_t>(kHkv, -7)),
+        kept(n, std::vector<std::int64_t>(static_cast<std::size_t>(cap), -7)),
+        padded(n, std::vector<std::int64_t>(static_cast<std::size_t>(kHkv * head_cap), -7));
+    std::vector<std::vector<kvevict::layer_cache<T>>> layers(n);
+    cpu_inputs(call, &states, &layers, io.data());
+    for (std::size_t s = 0; s < n; ++s) {
+      io[s].head_lengths = lengths[s].data();
+      io[s].kept_positions = kept[s].data();
+      io[s].padded_indices = padded[s].data();
+    }
+    std::vector<kvevict::sequence_report> reports(n);
+    REQUIRE(cpu.run(call.layer, io.data(), static_cast<std::int64_t>(n), reports.data(), ws).ok());
+    for (int r = 0; r < ranks; ++r) {
+      const gpu::compressor_call_result& gc = results[static_cast<std::size_t>(r)].calls[i];
+      INFO("call " << i << ", rank " << r << ": " << gc.st.message());
+      REQUIRE(gc.st.ok());
+      REQUIRE(gc.flags == 0u);
+      for (std::size_t s = 0; s < n; ++s) {
+        INFO("seqs[" << s << "]");
+        const kvevict::sequence_report &c = reports[s], &g = gc.reports[s];
+        REQUIRE(g.action == c.action);
+        const gpu::compressor_sequence_result& out = gc.seqs[s];
+        if (c.action == kvevict::sequence_action::evicted) {
+          evicted += r == 0 ? 1 : 0;
+          REQUIRE(g.length == c.length);  // uniform heads: every head keeps the same count
+          REQUIRE(g.kept * ranks == c.kept);
+          std::int64_t at_cpu = 0, at_rank = 0;  // where this rank's heads' entries start in each list
+          for (std::int64_t h = 0; h < r * kv; ++h) at_cpu += lengths[s][static_cast<std::size_t>(h)];
+          for (std::int64_t h = 0; h < kv; ++h) {
+            const std::int64_t all = r * kv + h, len = lengths[s][static_cast<std::size_t>(all)];
+            REQUIRE(out.head_lengths[static_cast<std::size_t>(h)] == len);
+            for (std::int64_t j = 0; j < head_cap; ++j)
+              REQUIRE(out.padded[static_cast<std::size_t>(h * head_cap + j)] ==
+                      padded[s][static_cast<std::size_t>(all * head_cap + j)]);
+            for (std::int64_t j = 0; j < len; ++j)
+              REQUIRE(out.kept_positions[static_cast<std::size_t>(at_rank + j)] ==
+                      kept[s][static_cast<std::size_t>(at_cpu + j)]);
+            at_cpu += len;
+            at_rank += len;
+          }
+        }
+        // This rank's heads' rows, as the one process left them.
+        const gpu::compressor_sequence<T, Q>& sq = call.seqs[s];
+        if (sq.k.buf.data == nullptr) continue;
+        std::vector<std::tuple<const std::vector<unsigned char>*, gpu::host_buffer, kvevict::cache_view<T>>> sides{
+            {&out.keys, sq.k.buf, sq.k.view}, {&out.values, sq.v.buf, sq.v.view}};
+        if (sq.dst_k.buf.data != nullptr) {
+          sides.emplace_back(&out.dst_keys, sq.dst_k.buf, sq.dst_k.view);
+          sides.emplace_back(&out.dst_values, sq.dst_v.buf, sq.dst_v.view);
+        }
+        for (const auto& [got, want, view] : sides) {
+          const std::size_t per_head = static_cast<std::size_t>(view.head_stride) * sizeof(T);
+          REQUIRE(got->size() == want.bytes);
+          REQUIRE(
+              std::memcmp(got->data() + static_cast<std::size_t>(r * kv) * per_head,
+                          static_cast<const unsigned char*>(want.data) + static_cast<std::size_t>(r * kv) * per_head,
+                          static_cast<std::size_t>(kv) * per_head) == 0);
+        }
+      }
+    }
+  }
+  REQUIRE(evicted == kLayers * 3);
+}
+
+}  // namespace
+
+// Tensor parallelism: ranks split a layer's KV heads (and their query heads); a per-head keep
+// set under a uniform or PyramidKV budget is each head's own, so each rank's GPU compressor
+// runs alone after the group's plan rounds -- the CPU plan's rounds, so a group may mix CPU
+// and GPU compressors.
+TEST_CASE("GPU compressor: tensor-parallel ranks keep what one process holding every head keeps",
+          "[gpu][gpu_compressor]") {
+  using kvevict::dtype;
+  SECTION("SnapKV, bf16, two ranks, in place") {
+    scenario<bf16, bf16> sc(base_options(dtype::bf16, dtype::bf16), false, 0, 101);
+    check_ranks_against_cpu(sc, 2);
+  }
+  SECTION("DeferKV delay 1, float, two ranks, PyramidKV, into fresh memory") {
+    kvevict::compressor_options o = deferkv_options(dtype::f32, dtype::f32, 1);
+    o.layers = kvevict::layer_allocation::pyramidkv;
+    o.compact = kvevict::compaction::out_of_place;
+    scenario<float, float> sc(o, false, 1, 102);
+    check_ranks_against_cpu(sc, 2);
+  }
+  SECTION("a group mixing a CPU and a GPU compressor plans together, and fails together") {
+    for (const bool same : {true, false}) {
+      tp_test::thread_group group(2);
+      std::vector<kvevict::collective> members{group.member(0), group.member(1)};
+      std::vector<kvevict::compressor_options> o(2, base_options(dtype::bf16, dtype::bf16));
+      for (int r = 0; r < 2; ++r) {
+        o[static_cast<std::size_t>(r)].model.num_kv_heads = 1;
+        o[static_cast<std::size_t>(r)].model.num_query_heads = 2;
+        o[static_cast<std::size_t>(r)].tensor_parallel = &members[static_cast<std::size_t>(r)];
+      }
+      if (!same) o[1].per_head = kvevict::budget::tokens(21);
+      kvevict::status st[2];
+      kvevict::compressor cpu;
+      group.run([&](int r) { st[r] = r == 0 ? kvevict::compressor::plan(o[0], &cpu) : gpu::compressor_plan(o[1]); });
+      INFO(st[0].message() << " / " << st[1].message());
+      REQUIRE(st[0].ok() == same);
+      REQUIRE(st[1].ok() == same);
+      if (!same) {
+        REQUIRE(st[0].code() == st[1].code());
+        REQUIRE(std::string(st[0].argument()) == std::string(st[1].argument()));
+      } else {
+        REQUIRE(cpu.first_kv_head() == 0);
+        REQUIRE(cpu.total_kv_heads() == 2);
+      }
+    }
+  }
+}
+
 TEST_CASE("GPU compressor: the per-sequence scope refuses as the CPU does; a layer refused on the device moves none",
           "[gpu][gpu_errors][gpu_compressor]") {
   using kvevict::dtype;
@@ -911,29 +1380,12 @@ TEST_CASE("GPU compressor: the per-sequence scope refuses as the CPU does; a lay
     REQUIRE(g.calls[1].flags == kvevict::cuda::flag_shared_block);
     unchanged(g.calls[1], calls[1]);
     // The CPU compressor refuses the same call by name.
-    kvevict::compressor cpu;
-    REQUIRE(kvevict::compressor::plan(o, &cpu).ok());
-    kvevict::workspace ws(cpu.workspace_size());
-    std::vector<std::vector<std::uint64_t>> states(4);
-    for (auto& st : states) {
-      st.assign(cpu.sequence_state_size() / 8 + 1, 0);
-      REQUIRE(cpu.reset_sequence(st.data(), st.size() * 8).ok());
-    }
-    for (std::size_t i = 0; i < calls.size(); ++i) {
-      std::vector<kvevict::sequence_io<bf16, bf16>> io(calls[i].seqs.size());
-      std::vector<std::vector<kvevict::layer_cache<bf16>>> layers(io.size());
-      cpu_inputs(calls[i], &states, &layers, io.data());
-      std::vector<kvevict::sequence_report> reports(io.size());
-      const kvevict::status st =
-          cpu.run(calls[i].layer, io.data(), static_cast<std::int64_t>(io.size()), reports.data(), ws);
-      INFO(st.message());
-      if (i == 0) {
-        REQUIRE(st.ok());
-        continue;
-      }
-      REQUIRE(st.code() == kvevict::errc::invalid_argument);
-      REQUIRE(std::string(st.argument()).rfind("seqs[0].layers[0].keys.block_table[", 0) == 0);
-    }
+    std::size_t at = 0;
+    const kvevict::status st = cpu_calls(o, calls, &at);
+    INFO(st.message());
+    REQUIRE(at == 1);
+    REQUIRE(st.code() == kvevict::errc::invalid_argument);
+    REQUIRE(std::string(st.argument()).rfind("seqs[0].layers[0].keys.block_table[", 0) == 0);
   }
 }
 
@@ -1055,8 +1507,6 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
     cases.back().o.policy = kvevict::policy::deferkv(d);
     cases.back().o.limits.max_queries = 4097;
   }
-  cases.push_back({base, kvevict::errc::unsupported, "chunked_prefill"});
-  cases.back().o.chunked_prefill = true;
   cases.push_back({base, kvevict::errc::unsupported, "layers"});  // the CPU plan's: one count per sequence
   cases.back().o.scope = kvevict::selection_scope::per_sequence;
   cases.back().o.layers = kvevict::layer_allocation::pyramidkv;
@@ -1071,9 +1521,22 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
   cases.push_back({base, kvevict::errc::overflow, "limits.max_tokens"});  // AdaKV ranks Hkv x L in one row
   cases.back().o.heads = kvevict::head_allocation::adakv;
   cases.back().o.limits.max_tokens = std::int64_t{1} << 30;
-  static const kvevict::collective group{};
+  // Tensor parallelism: a group of one (its rounds are the rank's own words); AdaKV and keep
+  // sets shared by heads exchange scores between ranks, which the GPU does not.
+  static const kvevict::collective alone = [] {
+    kvevict::collective c;
+    c.all_reduce = [](void*, std::uint32_t*, std::int64_t, kvevict::reduce_op) { return kvevict::status(); };
+    return c;
+  }();
+  static const kvevict::collective broken{};
+  cases.push_back({base, kvevict::errc::null_pointer, "tensor_parallel"});  // no all_reduce
+  cases.back().o.tensor_parallel = &broken;
   cases.push_back({base, kvevict::errc::unsupported, "tensor_parallel"});
-  cases.back().o.tensor_parallel = &group;
+  cases.back().o.tensor_parallel = &alone;
+  cases.back().o.heads = kvevict::head_allocation::adakv;
+  cases.push_back({base, kvevict::errc::unsupported, "tensor_parallel"});
+  cases.back().o.tensor_parallel = &alone;
+  cases.back().o.scope = kvevict::selection_scope::per_layer;
   for (const expect& c : cases) {
     const kvevict::status st = gpu::compressor_plan(c.o);
     INFO(c.arg << ": " << st.message());
@@ -1083,6 +1546,9 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
       REQUIRE(std::string(st.message()).find(kvevict::to_string(c.o.policy.kind())) != std::string::npos);
   }
   REQUIRE(gpu::compressor_plan(base).ok());
+  kvevict::compressor_options one_rank = base;
+  one_rank.tensor_parallel = &alone;
+  REQUIRE(gpu::compressor_plan(one_rank).ok());
 }
 
 TEST_CASE("GPU compressor: a refused call changes nothing, and the next call goes on as the CPU's",

@@ -46,7 +46,13 @@
 // block reached twice or a block marked shared by block_refcounts / shared_blocks moves
 // nothing and raises its flag in launch_options::device_flags).
 //
-// Not on the GPU yet (refused by plan(), by name): chunked prefill and tensor parallelism.
+// Chunked prefill (compressor_options::chunked_prefill): each layer keeps the last queries of a
+// sequence's prompt chunks in its device state (cuda/detail/prefill_window.cuh), and prefill_end
+// observes with the CPU's window; the chunks' order is checked on the device.
+// Tensor parallelism (compressor_options::tensor_parallel): plan() makes the CPU plan's two
+// rounds with the group; per-head keep sets under uniform or PyramidKV budgets then run on each
+// rank's heads alone. Not on the GPU yet (refused by plan(), by name): AdaKV and keep sets
+// shared by heads across tensor-parallel ranks.
 // DapQ's pseudo-token positions are device data: positions below the prompt, which the CPU
 // refuses, raise flag_query_position and cancel the layer's outputs and compaction.
 
@@ -64,6 +70,7 @@
 
 #include "kvevict/budgets/layer_budget_params.hpp"
 #include "kvevict/budgets/pyramidkv.hpp"
+#include "kvevict/compressor/detail/plan_agreement.hpp"
 #include "kvevict/compressor/options.hpp"
 #include "kvevict/compressor/plan.hpp"
 #include "kvevict/compressor/sequence.hpp"
@@ -106,47 +113,19 @@ class compressor : private detail::compressor_checks {
   /// On error `out` is unchanged.
   static status plan(const compressor_options& options, compressor* out) {
     static constexpr const char* fn = "kvevict::cuda::compressor::plan";
-    if (out == nullptr) return status::error(errc::null_pointer, fn, "out", "expected a compressor to plan");
-    if (options.tensor_parallel != nullptr)
-      return status::error(errc::unsupported, fn, "tensor_parallel",
-                           "selection across tensor-parallel ranks is not implemented on the GPU");
-    if (options.limits.max_pool_blocks < 0)
-      return status::error(errc::invalid_shape, fn, "limits.max_pool_blocks", "expected >= 0, got %lld",
-                           static_cast<long long>(options.limits.max_pool_blocks));
+    const collective* group = options.tensor_parallel;
+    // A rank that cannot reach the group cannot tell it it failed: this returns at once.
+    if (group != nullptr) KVEVICT_RETURN_IF_ERROR(kvevict::detail::validate_collective(*group, fn, "tensor_parallel"));
     compressor c;
     c.options_ = options;  // normalised by the checks: value_head_dim, query_storage, max_queries
-    KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_compressor_options(&c.options_, c.base_budget(), &c.window_, fn));
+    status st = out == nullptr ? status::error(errc::null_pointer, fn, "out", "expected a compressor to plan")
+                               : c.check_plan(fn);
+    // Tensor parallelism: the CPU plan's two rounds, so every rank fails together (design.md §15).
+    if (group != nullptr)
+      KVEVICT_RETURN_IF_ERROR(kvevict::detail::learn_heads(c.options_, st, fn, &c.first_head_, &c.total_heads_));
+    KVEVICT_RETURN_IF_ERROR(st);
+    if (group == nullptr) c.total_heads_ = c.options_.model.num_kv_heads;
     const compressor_options& o = c.options_;
-    if (!kvevict::detail::with_policy_traits(o.policy.kind(), false,
-                                             [](auto traits) { return decltype(traits)::on_gpu; }))
-      return status::error(errc::unsupported, fn, "policy.kind",
-                           "%s is not implemented on the GPU compressor (its traits do not state on_gpu)",
-                           to_string(o.policy.kind()));
-    KVEVICT_RETURN_IF_ERROR(kvevict::detail::with_policy_traits(o.policy.kind(), status(), [&](auto traits) {
-      using Tr = decltype(traits);
-      if constexpr (detail::observation_scorer<Tr>::exists) {
-        return detail::observation_scorer<Tr>::plan_check(Tr::config(o.policy), fn);
-      } else {
-        return status();
-      }
-    }));
-    if (options.chunked_prefill)
-      return status::error(errc::unsupported, fn, "chunked_prefill",
-                           "prefill_chunk is not implemented on the GPU (hand the earlier chunks as idle and the whole "
-                           "window at prefill_end)");
-    KVEVICT_RETURN_IF_ERROR(detail::check_pooling_fits(c.scoring_params_of().pool, fn));
-    // The kernels' 32-bit limits, refused here so that no run() stops half-way through its
-    // enqueues (selection tiles rows of L keys; AdaKV ranks a layer's Hkv * L candidates in
-    // one row; grids put the KV heads on y).
-    if (o.model.num_kv_heads > 65535)
-      return status::error(errc::overflow, fn, "model.num_kv_heads", "expected at most 65535 on the GPU, got %lld",
-                           static_cast<long long>(o.model.num_kv_heads));
-    const std::int64_t rows = o.heads == head_allocation::adakv ? o.model.num_kv_heads : 1;
-    if (!detail::fits_int32(kvevict::detail::saturating_mul(rows, o.limits.max_tokens), detail::select_tile))
-      return status::error(errc::overflow, fn, "limits.max_tokens",
-                           "expected %s below 2^31 - %lld on the GPU, got %lld tokens",
-                           rows > 1 ? "Hkv x max_tokens (AdaKV)" : "max_tokens",
-                           static_cast<long long>(detail::select_tile), static_cast<long long>(o.limits.max_tokens));
     kvevict::detail::keep_capacities(o, c.base_budget(), &c.keep_capacity_, &c.head_capacity_);
     (void)kvevict::detail::with_types(o.model.storage, o.model.query_storage, [&c](auto t, auto q) {
       c.size<typename decltype(t)::type, typename decltype(q)::type>();
@@ -154,12 +133,31 @@ class compressor : private detail::compressor_checks {
     });
     const std::size_t most = std::numeric_limits<std::size_t>::max();
     if (c.workspace_bytes_ == most || c.staging_bytes_ == most || c.state_bytes_ == most)
-      return status::error(errc::overflow, fn, "options.limits",
-                           "the workspace, staging or state for these limits does not fit in memory");
+      st = status::error(errc::overflow, fn, "options.limits",
+                         "the workspace, staging or state for these limits does not fit in memory");
+    if (group != nullptr) {
+      std::int64_t delay = 0;
+      bool feedback = false;
+      if (c.defers()) {
+        delay = o.policy.config<deferkv_traits>().delay;
+        feedback = o.policy.config<deferkv_traits>().decode_feedback;
+      }
+      KVEVICT_RETURN_IF_ERROR(kvevict::detail::agree_plan(
+          o,
+          kvevict::detail::plan_policy_digest(c.window_, kvevict::detail::largest_selection(o), c.defers(), delay,
+                                              feedback),
+          st, fn));
+    }
+    KVEVICT_RETURN_IF_ERROR(st);
     c.planned_ = true;
     *out = c;
     return status();
   }
+
+  /// Tensor parallelism: the global index of this rank's first KV head, and the KV heads of a
+  /// layer over the group (0 and model.num_kv_heads in one process), as kvevict::compressor's.
+  std::int64_t first_kv_head() const noexcept { return first_head_; }
+  std::int64_t total_kv_heads() const noexcept { return total_heads_; }
 
   bool planned() const noexcept { return planned_; }
   const compressor_options& options() const noexcept { return options_; }
@@ -206,6 +204,8 @@ class compressor : private detail::compressor_checks {
     std::memcpy(host_state, &h, sizeof(h));
     for (std::int64_t l = 0; l < options_.model.num_layers; ++l) *layer_record(host_state, l) = {};
     *scope_record(host_state) = {};
+    if (buffers_windows())
+      for (std::int64_t l = 0; l < options_.model.num_layers; ++l) *window_record(host_state, l) = {};
     return status();
   }
 
@@ -279,7 +279,7 @@ class compressor : private detail::compressor_checks {
       if (scores_in_batch()) {
         scoring_sequence<Q, T>& q = host.scoring[scored];
         q = scoring_sequence<Q, T>{};
-        q.queries = kvevict::detail::last_queries(io.queries, observed_queries(io.queries.num_queries));
+        q.queries = window_of(io, p, s, dev);
         if (rotate) {  // DapQ's re-rotated window: its W queries moved W positions on (as the CPU's)
           const std::int64_t delta = q.queries.num_queries, d = options_.model.head_dim;
           rotation_table(rope, delta, host.rotation_tables + s * rotation_table_doubles());
@@ -290,7 +290,7 @@ class compressor : private detail::compressor_checks {
         q.keys = io.keys.first_tokens(p.tokens);  // DapQ: the prompt before its pseudo tokens
         q.scores = scores_of(dev, s, p.tokens);
         q.inputs.key_positions = io.key_positions;
-        if (io.lse != nullptr) {
+        if (io.lse != nullptr && p.held == 0) {  // an assembled window is normalised here, as on the CPU
           const std::int64_t stride = io.lse_head_stride != 0 ? io.lse_head_stride : io.queries.num_queries;
           q.inputs.lse = io.lse + (io.queries.num_queries - q.queries.num_queries);
           q.inputs.lse_head_stride = stride;
@@ -302,9 +302,11 @@ class compressor : private detail::compressor_checks {
     std::int64_t batches = 0;
     KVEVICT_RETURN_IF_ERROR(prepare_compactions(seqs, layer, compacted, dev, host, &batches, opt, fn));
 
-    // 3. Enqueue. The scoring batch checks and enqueues in one call: first (after DapQ's
-    //    rotations, which write only the workspace), so that its refusal still leaves every
-    //    cache, state and output as it was.
+    // 3. Enqueue. The scoring batch checks and enqueues in one call: first (after the windows
+    //    assembled from earlier chunks and DapQ's rotations, which write only the workspace), so
+    //    that its refusal still leaves every cache, state and output as it was.
+    for (std::int64_t s = 0; s < n; ++s)
+      if (host.steps[s].held > 0) KVEVICT_RETURN_IF_ERROR(enqueue_assemble(seqs[s], host.steps[s], s, layer, dev, opt));
     if (rotate && scored > 0) {
       KVEVICT_RETURN_IF_ERROR(
           detail::cuda_status(cudaMemcpyAsync(dev.rotation_tables, host.rotation_tables, host.rotation_tables_bytes,
@@ -325,12 +327,17 @@ class compressor : private detail::compressor_checks {
           detail::renumbered(cuda::observation_scores_batch(host.scoring, scored, scoring_params_of(), dev.scoring,
                                                             host.scoring_staging, host.scoring_staging_bytes, opt),
                              host.scored_seq, scored, fn));
-    // DapQ's pseudo-token positions, which the CPU refuses below the prompt: device data, so
-    // the device checks them, and a raised word cancels the outputs and the compaction below.
+    // DapQ's pseudo-token positions, which the CPU refuses below the prompt, and the order of
+    // the prompt chunks: device data, so the device checks them, and a raised word cancels the
+    // outputs and the compaction below. (The chunks' windows are state: written from here on,
+    // where no host check is left to refuse the call.)
     if (dev.cancel != nullptr) {
       KVEVICT_RETURN_IF_ERROR(detail::cuda_status(cudaMemsetAsync(dev.cancel, 0, sizeof(std::uint32_t), opt.stream), fn,
                                                   "cudaMemsetAsync"));
-      for (std::int64_t i = 0; i < scored; ++i) {
+      if (buffers_windows())
+        for (std::int64_t s = 0; s < n; ++s)
+          KVEVICT_RETURN_IF_ERROR(enqueue_window(seqs[s], host.steps[s], layer, dev, opt));
+      for (std::int64_t i = 0; i < scored && checks_positions(); ++i) {
         const query_view<const Q>& q = host.scoring[i].queries;
         KVEVICT_RETURN_IF_ERROR(detail::enqueue_position_check(
             q.positions, q.num_queries, host.steps[host.scored_seq[i]].tokens, dev.cancel, opt, fn));
@@ -403,6 +410,7 @@ class compressor : private detail::compressor_checks {
       if (defer && (p.observe != detail::sequence_step::none || p.scores()))
         *layer_record(seqs[s].host_state, layer) = p.after;
       if (p.fold) commit_fold(seqs[s].host_state, layer, p);
+      if (buffers_windows()) commit_window(seqs[s], layer, p);
       trace.observed += reports[s].action == sequence_action::observed ? 1 : 0;
       trace.evicted += reports[s].action == sequence_action::evicted ? 1 : 0;
     }
@@ -411,6 +419,142 @@ class compressor : private detail::compressor_checks {
   }
 
  private:
+  /// plan()'s checks of the options: every check of the CPU plan, with the same errors
+  /// (compressor/plan.hpp), then what the GPU path does not implement (errc::unsupported) and
+  /// the kernels' 32-bit limits, refused here so that no run() stops half-way through its
+  /// enqueues (selection tiles rows of L keys; AdaKV ranks a layer's Hkv * L candidates in one
+  /// row; grids put the KV heads on y).
+  status check_plan(const char* fn) {
+    if (options_.limits.max_pool_blocks < 0)
+      return status::error(errc::invalid_shape, fn, "limits.max_pool_blocks", "expected >= 0, got %lld",
+                           static_cast<long long>(options_.limits.max_pool_blocks));
+    KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_compressor_options(&options_, base_budget(), &window_, fn));
+    const compressor_options& o = options_;
+    if (!kvevict::detail::with_policy_traits(o.policy.kind(), false,
+                                             [](auto traits) { return decltype(traits)::on_gpu; }))
+      return status::error(errc::unsupported, fn, "policy.kind",
+                           "%s is not implemented on the GPU compressor (its traits do not state on_gpu)",
+                           to_string(o.policy.kind()));
+    KVEVICT_RETURN_IF_ERROR(kvevict::detail::with_policy_traits(o.policy.kind(), status(), [&](auto traits) {
+      using Tr = decltype(traits);
+      if constexpr (detail::observation_scorer<Tr>::exists) {
+        return detail::observation_scorer<Tr>::plan_check(Tr::config(o.policy), fn);
+      } else {
+        return status();
+      }
+    }));
+    // Tensor parallelism: per-head keep sets under uniform or PyramidKV budgets need nothing
+    // from the other ranks (each head's set is its own scores'), as on the CPU, whose run() then
+    // makes no collective; AdaKV and keep sets shared by heads exchange scores between ranks.
+    if (o.tensor_parallel != nullptr && (o.heads == head_allocation::adakv || o.scope != selection_scope::per_head))
+      return status::error(errc::unsupported, fn, "tensor_parallel",
+                           "AdaKV and keep sets shared by heads select across tensor-parallel ranks, which the GPU "
+                           "does not (per-head keep sets under uniform or PyramidKV budgets need no exchange)");
+    // Chunked prefill: each layer keeps the window's rows (H2O: every prompt query it may see),
+    // as the CPU compressor; DapQ's pseudo queries come whole with prefill_end.
+    if (o.chunked_prefill && kvevict::detail::reads_queries(o.policy.kind()) &&
+        !kvevict::detail::fixed_window(o.policy))
+      window_capacity_ = kvevict::detail::every_prompt_query(o.policy.kind()) ? o.limits.max_queries : window_;
+    KVEVICT_RETURN_IF_ERROR(detail::check_pooling_fits(scoring_params_of().pool, fn));
+    if (o.model.num_kv_heads > 65535)
+      return status::error(errc::overflow, fn, "model.num_kv_heads", "expected at most 65535 on the GPU, got %lld",
+                           static_cast<long long>(o.model.num_kv_heads));
+    const std::int64_t rows = o.heads == head_allocation::adakv ? o.model.num_kv_heads : 1;
+    if (!detail::fits_int32(kvevict::detail::saturating_mul(rows, o.limits.max_tokens), detail::select_tile))
+      return status::error(errc::overflow, fn, "limits.max_tokens",
+                           "expected %s below 2^31 - %lld on the GPU, got %lld tokens",
+                           rows > 1 ? "Hkv x max_tokens (AdaKV)" : "max_tokens",
+                           static_cast<long long>(detail::select_tile), static_cast<long long>(o.limits.max_tokens));
+    return status();
+  }
+
+  /// The queries a prefill_end observes with: its own last ones, or the window assembled from
+  /// the rows earlier chunks buffered and its own (chunked prefill).
+  template <class T, class Q>
+  query_view<const Q> window_of(const sequence_io<T, Q>& io, const detail::sequence_step& p, std::int64_t s,
+                                const device_layout& dev) const noexcept {
+    if (p.held == 0) return kvevict::detail::last_queries(io.queries, p.observed);
+    return assembled_window_of<Q>(dev, s, p.observed);
+  }
+
+  /// A layer's window once a chunk of `n` queries joined it: its newest rows, the oldest leaving
+  /// (kvevict::compressor's buffer_chunk); *slot: where the chunk's first kept row goes.
+  detail::host_window_state after_chunk(const detail::host_window_state& w, std::int64_t n,
+                                        std::int64_t* slot) const noexcept {
+    const std::int64_t cap = window_capacity_;
+    const std::int64_t take = n < cap ? n : cap;
+    const std::int64_t keep = w.count < cap - take ? w.count : cap - take;
+    detail::host_window_state next;
+    next.start = (w.start + w.count - keep) % cap;
+    next.count = keep + take;
+    next.seen = w.seen + n;
+    *slot = (next.start + keep) % cap;
+    return next;
+  }
+
+  /// prefill_end's window from the layer's ring and the call's last queries, into the workspace.
+  template <class T, class Q>
+  status enqueue_assemble(const sequence_io<T, Q>& io, const detail::sequence_step& p, std::int64_t s,
+                          std::int64_t layer, const device_layout& dev, const launch_options& opt) const {
+    const detail::host_window_state w = *window_record(io.host_state, layer);
+    const std::int64_t oldest = (w.start + w.count - p.held) % window_capacity_;
+    const query_view<const Q> out = assembled_window_of<Q>(dev, s, p.observed);
+    return detail::launch(
+        "kvevict::cuda::compressor::run", "window_assemble_kernel",
+        {dim3(static_cast<unsigned>(p.observed), static_cast<unsigned>(options_.model.num_query_heads)),
+         dim3(detail::window_threads(options_.model.head_dim)), 0, opt.stream},
+        detail::window_assemble_kernel<Q>, ring_of(io, layer), oldest, p.held,
+        kvevict::detail::last_queries(io.queries, p.observed - p.held), const_cast<Q*>(out.data),
+        dev.window_positions + s * window_capacity_);
+  }
+
+  /// The chunked-prefill window's device side of one sequence's step: a chunk's order check and
+  /// its rows into the ring; prefill_end's order check (its verdict kept for a later eviction);
+  /// an eviction fed by windows of earlier calls (DeferKV's step d, the per-sequence scope's last
+  /// layer) cancelled when one of them came out of order.
+  template <class T, class Q>
+  status enqueue_window(const sequence_io<T, Q>& io, const detail::sequence_step& p, std::int64_t layer,
+                        const device_layout& dev, const launch_options& opt) const {
+    static constexpr const char* fn = "kvevict::cuda::compressor::run";
+    const std::int64_t n = io.queries.num_queries;
+    const bool prefill =
+        io.event == sequence_event::prefill_end && (p.observe != detail::sequence_step::none || p.scores());
+    const detail::host_window_state w =
+        p.buffer || prefill ? *window_record(io.host_state, layer) : detail::host_window_state{};
+    if (p.buffer) {
+      std::int64_t slot = 0;
+      (void)after_chunk(w, n, &slot);
+      const std::int64_t take = n < window_capacity_ ? n : window_capacity_;  // the chunk's rows it keeps
+      const query_view<const Q> chunk(io.queries);
+      KVEVICT_RETURN_IF_ERROR(
+          detail::launch(fn, "window_append_kernel",
+                         {dim3(static_cast<unsigned>(take), static_cast<unsigned>(options_.model.num_query_heads)),
+                          dim3(detail::window_threads(options_.model.head_dim)), 0, opt.stream},
+                         detail::window_append_kernel<Q>, chunk, kvevict::detail::last_queries(io.queries, take),
+                         ring_of(io, layer), slot, w.seen > 0, opt.device_flags));
+    }
+    if (prefill)
+      KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "window_order_kernel", {dim3(1), dim3(1), 0, opt.stream},
+                                             detail::window_order_kernel<>, ring_of(io, layer).header,
+                                             io.queries.positions, n - 1, w.seen > 0, dev.cancel, opt.device_flags));
+    if (!p.evict || (!p.fold && io.event != sequence_event::decode)) return status();
+    const std::int64_t first = p.fold ? 0 : layer, layers = p.fold ? options_.model.num_layers : 1;
+    return detail::launch(fn, "window_verdicts_kernel", {dim3(1), dim3(32), 0, opt.stream},
+                          detail::window_verdicts_kernel<>,
+                          reinterpret_cast<const unsigned char*>(ring_of(io, first).header), window_layer_bytes_,
+                          layers, dev.cancel, opt.device_flags);
+  }
+
+  /// The window's host record once the call succeeded: a chunk's rows joined it; prefill_end
+  /// used it, and the next prompt starts from none (kvevict::compressor's clear_window).
+  template <class T, class Q>
+  void commit_window(const sequence_io<T, Q>& io, std::int64_t layer, const detail::sequence_step& p) const noexcept {
+    if (!p.buffer && io.event != sequence_event::prefill_end) return;  // (an idle sequence has no host state)
+    detail::host_window_state* w = window_record(io.host_state, layer);
+    std::int64_t slot = 0;
+    *w = p.buffer ? after_chunk(*w, io.queries.num_queries, &slot) : detail::host_window_state{};
+  }
+
   /// The scores of a policy that reads no queries, by its key_scorer (validated arguments).
   template <class T>
   status enqueue_key_scores(const cache_view<T>& keys, score_view scores, workspace_span ws, const launch_options& opt,
@@ -430,7 +574,7 @@ class compressor : private detail::compressor_checks {
   status prepare_prefill(const sequence_io<T, Q>& io, const detail::sequence_step& p, std::int64_t s,
                          std::int64_t layer, const device_layout& dev, H& host, const launch_options& opt,
                          const char* fn) const {
-    const query_view<const Q> q = kvevict::detail::last_queries(io.queries, window_);
+    const query_view<const Q> q = window_of(io, p, s, dev);
     float* w = host.weights + s * window_;
     for (std::int64_t t = 0; t < q.num_queries; ++t)
       w[t] = static_cast<float>(std::pow(options_.policy.config<deferkv_traits>().effective_eta(),
@@ -501,7 +645,7 @@ class compressor : private detail::compressor_checks {
     r.length = io.keys.num_tokens;
     r.next_slot = io.keys.num_tokens;
     r.next_position = -1;  // the positions are device data; the engine's own counter applies
-    if (p.observe != detail::sequence_step::none || p.fold) r.action = sequence_action::observed;
+    if (p.observe != detail::sequence_step::none || p.fold || p.buffer) r.action = sequence_action::observed;
     if (!p.evict) return r;
     r.action = sequence_action::evicted;
     const std::int64_t heads = options_.model.num_kv_heads, L = p.tokens;

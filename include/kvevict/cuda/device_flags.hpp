@@ -49,8 +49,10 @@ enum device_flag : std::uint32_t {
   /// count above 1, or its bit in the shared-block bitmap). Compaction moves nothing and
   /// writes no outputs (the CPU's evict refuses the same call).
   flag_shared_block = 1u << 8,
-  /// DapQ's pseudo-token positions below the prompt length (cuda::compressor; the CPU refuses
-  /// them by name). The layer's compaction moves nothing and no keep-list output is written.
+  /// DapQ's pseudo-token positions below the prompt length, or a prompt chunk whose first
+  /// position is not after the earlier chunks' newest (cuda::compressor; the CPU refuses both by
+  /// name). The call's compaction moves nothing and no keep-list output is written (a late
+  /// chunk: at the call that evicts from its window).
   flag_query_position = 1u << 9,
 };
 
@@ -76,7 +78,8 @@ inline status device_flags_status(std::uint32_t flags, const char* fn = "kvevict
                          static_cast<unsigned>(flags));
   if (flags & flag_query_position)
     return status::error(errc::out_of_range, fn, "queries.positions",
-                         "expected DapQ's pseudo-token positions >= the prompt length (flags 0x%x)",
+                         "expected DapQ's pseudo-token positions >= the prompt length, and each prompt chunk after "
+                         "the earlier chunks' newest query (flags 0x%x)",
                          static_cast<unsigned>(flags));
   if (flags & flag_capacity_exceeded)
     return status::error(errc::invalid_keep_list, fn, "out.capacity",

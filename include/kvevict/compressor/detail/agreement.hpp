@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "kvevict/compressor/detail/lifecycle.hpp"
+#include "kvevict/compressor/detail/plan_agreement.hpp"
 #include "kvevict/compressor/sequence.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
@@ -24,78 +25,24 @@ class compressor_agreement : protected compressor_lifecycle {
  protected:
   // ---- planning ----------------------------------------------------------------------
 
-  /// Tensor parallelism, plan round 1 (u32 sum): every rank's KV head count in its slot, and
-  /// whether it failed so far. Each rank learns where its heads start and how many there are.
+  /// Tensor parallelism, plan round 1 (detail/plan_agreement.hpp).
   status learn_heads(const status& local, const char* fn) noexcept {
-    const collective& g = *options_.tensor_parallel;
-    std::uint32_t words[max_world_size + 1] = {};
-    const std::int64_t heads = options_.model.num_kv_heads;
-    if (local.ok()) words[g.rank] = static_cast<std::uint32_t>(heads > 0xffff ? 0xffff : heads);
-    words[g.world_size] = local.ok() ? 0u : 1u;
-    KVEVICT_RETURN_IF_ERROR(all_reduce(g, words, g.world_size + 1, reduce_op::sum, fn, "tensor_parallel"));
-    KVEVICT_RETURN_IF_ERROR(after_round(g, fn, "tensor_parallel", local, words[g.world_size]));
-    first_head_ = 0;
-    total_heads_ = 0;
-    for (std::int32_t r = 0; r < g.world_size; ++r) {
-      if (r == g.rank) first_head_ = total_heads_;
-      total_heads_ += words[r];
-    }
-    return status();
+    return detail::learn_heads(options_, local, fn, &first_head_, &total_heads_);
   }
 
-  /// Tensor parallelism, plan round 2 (max): every rank planned the same configuration.
+  /// Tensor parallelism, plan round 2: every rank planned the same configuration.
   template <class List>
   status agree_plan(const status& local, const char* fn) const noexcept {
-    const compressor_options& o = options_;
-    const model_shape& m = o.model;
-    const auto bits = [](double x) {
-      std::uint64_t u = 0;
-      std::memcpy(&u, &x, sizeof(u));
-      return u;
-    };
-    digest budget, policy;
-    budget.add(static_cast<std::uint64_t>(o.per_head.type));
-    budget.add(static_cast<std::uint64_t>(o.per_head.count));
-    budget.add(bits(o.per_head.compression_ratio));
-    const selection_params tail = largest_selection();
-    policy.add(static_cast<std::uint64_t>(window_));
-    policy.add(static_cast<std::uint64_t>(tail.protected_tail));
-    policy.add(static_cast<std::uint64_t>(tail.mode));
+    std::int64_t delay = 0;
+    bool feedback = false;
     if constexpr (has_deferred_v<List>) {
       if (defers<List>()) {
-        policy.add(static_cast<std::uint64_t>(deferred_traits<List>::config(o.policy).delay));
-        policy.add(deferred_traits<List>::config(o.policy).decode_feedback ? 1u : 0u);
+        delay = deferred_traits<List>::config(options_.policy).delay;
+        feedback = deferred_traits<List>::config(options_.policy).decode_feedback;
       }
     }
-    const agreement_field fields[] = {
-        {"model.num_layers", static_cast<std::uint64_t>(m.num_layers)},
-        {"model.num_query_heads",
-         static_cast<std::uint64_t>(m.num_kv_heads > 0 ? m.num_query_heads / m.num_kv_heads : 0)},
-        {"model.head_dim", static_cast<std::uint64_t>(m.head_dim)},
-        {"model.value_head_dim", static_cast<std::uint64_t>(m.value_head_dim)},
-        {"model.storage", static_cast<std::uint64_t>(m.storage)},
-        {"model.query_storage", static_cast<std::uint64_t>(m.query_storage)},
-        {"policy.kind", static_cast<std::uint64_t>(o.policy.kind())},
-        {"policy", policy.h, true},
-        {"per_head", budget.h, true},
-        {"heads", static_cast<std::uint64_t>(o.heads)},
-        {"adakv.alpha", bits(o.adakv.alpha)},
-        {"adakv.normalize", o.adakv.normalize ? 1u : 0u},
-        {"adakv.rule", static_cast<std::uint64_t>(o.adakv.rule)},
-        {"layers", static_cast<std::uint64_t>(o.layers)},
-        {"pyramid_beta", bits(o.pyramid_beta)},
-        {"scope", static_cast<std::uint64_t>(o.scope)},
-        {"combine", static_cast<std::uint64_t>(o.combine)},
-        {"lengths", static_cast<std::uint64_t>(o.lengths)},
-        {"compact", static_cast<std::uint64_t>(o.compact)},
-        {"limits.max_sequences", static_cast<std::uint64_t>(o.limits.max_sequences)},
-        {"limits.max_tokens", static_cast<std::uint64_t>(o.limits.max_tokens)},
-        {"limits.max_queries", static_cast<std::uint64_t>(o.limits.max_queries)},
-        {"chunked_prefill", o.chunked_prefill ? 1u : 0u},
-    };
-    static_assert(sizeof(fields) / sizeof(fields[0]) <= max_agreement_fields, "one agreement round");
-    return agree(*o.tensor_parallel, fn, "tensor_parallel", local, fields,
-                 static_cast<int>(sizeof(fields) / sizeof(fields[0])));
+    return detail::agree_plan(
+        options_, plan_policy_digest(window_, largest_selection(), defers<List>(), delay, feedback), local, fn);
   }
   /// Tensor parallelism: run()'s agreement round. Every rank passes the same layer, batch size
   /// and, per sequence, the same event, action, token counts and protected tail, or every rank

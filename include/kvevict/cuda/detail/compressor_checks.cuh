@@ -59,11 +59,7 @@ class compressor_checks : protected compressor_layout {
                         const launch_options& opt, detail::sequence_step* out) const {
     static constexpr const char* fn = "kvevict::cuda::compressor::run";
     using kvevict::detail::io_name;
-    if (io.event == sequence_event::prefill_chunk)
-      return status::error(errc::unsupported, fn, io_name(s, "event"),
-                           "prefill_chunk is not implemented on the GPU (hand the earlier chunks as idle and the whole "
-                           "window at prefill_end)");
-    if (static_cast<unsigned>(io.event) > 2u)
+    if (static_cast<unsigned>(io.event) > 3u)
       return status::error(errc::invalid_argument, fn, io_name(s, "event"), "expected a sequence_event value, got %d",
                            static_cast<int>(io.event));
     if (io.event == sequence_event::idle) return status();
@@ -71,6 +67,15 @@ class compressor_checks : protected compressor_layout {
     detail::sequence_step& p = *out;
     p.tokens = L;
     if (keeps_host_state()) KVEVICT_RETURN_IF_ERROR(check_states(io, s, opt));
+    if (buffers_windows() && io.event != sequence_event::decode) {
+      const detail::host_window_state w = *window_record(io.host_state, layer);
+      if (w.count < 0 || w.count > window_capacity_ || w.start < 0 || w.start >= window_capacity_ || w.seen < w.count)
+        return status::error(errc::invalid_state, fn, io_name(s, "host_state"),
+                             "layer %lld's prefill window was overwritten: reset_sequence() when the sequence starts",
+                             static_cast<long long>(layer));
+    }
+    if (io.event == sequence_event::prefill_chunk) return decide_chunk(layer, io, s, opt, &p);
+    if (io.event == sequence_event::prefill_end) p.observed = prefill_queries(io, layer, &p.held);
     if (defers()) {
       KVEVICT_RETURN_IF_ERROR(decide_deferkv(layer, io, s, &p));
     } else {
@@ -99,20 +104,33 @@ class compressor_checks : protected compressor_layout {
       const bool decode = io.event == sequence_event::decode;
       KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_sequence_queries(options_, scoring_params_of().domain, io.queries,
                                                                       decode, io.lse, io.lse_head_stride, s, fn));
-      // As on the CPU: a prefill chunk holding fewer than the window's queries is refused,
-      // never scored with fewer (chunked prefill: the engine hands the whole window).
-      if (!decode && observed_queries(io.queries.num_queries) > options_.limits.max_queries)
+      // As on the CPU: a last chunk holding fewer than the window's queries (with the earlier
+      // chunks' buffered rows, under chunked_prefill) is refused, never scored with fewer.
+      const std::int64_t held = decode || !buffers_windows() ? 0 : window_record(io.host_state, layer)->count;
+      if (!decode && p.observed > options_.limits.max_queries) {
+        if (held > 0)
+          return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
+                               "expected at most limits.max_queries = %lld with the earlier chunks' %lld, got %lld",
+                               static_cast<long long>(options_.limits.max_queries), static_cast<long long>(held),
+                               static_cast<long long>(io.queries.num_queries));
         return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
                              "expected at most limits.max_queries = %lld, got %lld",
                              static_cast<long long>(options_.limits.max_queries),
                              static_cast<long long>(io.queries.num_queries));
+      }
       // SnapKV: the window (or every query of a shorter prompt); DapQ: exactly its N pseudo
       // tokens; H2O: every prompt query.
       const policy_kind kind = options_.policy.kind();
       const bool every = kvevict::detail::every_prompt_query(kind);
       const bool pseudo = kvevict::detail::fixed_window(options_.policy);
       const std::int64_t need = every ? L : pseudo ? window_ : (L < window_ ? L : window_);
-      if (!decode && (io.queries.num_queries < need || io.queries.num_queries < 1))
+      if (!decode && held > 0 && held + io.queries.num_queries < need)
+        return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
+                             "expected %lld queries at prefill_end with the earlier chunks' %lld buffered, got %lld "
+                             "(the window holds the last %lld rows of the chunks)",
+                             static_cast<long long>(need), static_cast<long long>(held),
+                             static_cast<long long>(io.queries.num_queries), static_cast<long long>(window_capacity_));
+      if (!decode && (io.queries.num_queries < need - held || io.queries.num_queries < 1))
         return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
                              every ? "expected every prompt query at prefill_end (H2O: keys.num_tokens = %lld), got "
                                      "%lld"
@@ -151,6 +169,36 @@ class compressor_checks : protected compressor_layout {
                            static_cast<long long>(p.tokens));
     if (p.scores())
       p.budget = kvevict::detail::layer_budget_for(options_, base_budget(), layer, p.tokens, p.sel, host.layer_budgets);
+    return status();
+  }
+
+  /// prefill_chunk (kvevict::compressor's decide_chunk): refused without chunked_prefill in the
+  /// plan, and after DeferKV's prefill_end; the chunk's queries join the layer's window when the
+  /// policy keeps one (nothing for DapQ's pseudo tokens and the policies that read no queries).
+  template <class T, class Q>
+  status decide_chunk(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, const launch_options& opt,
+                      detail::sequence_step* p) const {
+    static constexpr const char* fn = "kvevict::cuda::compressor::run";
+    using kvevict::detail::io_name;
+    if (!options_.chunked_prefill)
+      return status::error(errc::invalid_argument, fn, io_name(s, "event"),
+                           "prefill_chunk needs compressor_options::chunked_prefill in the plan (or hand the earlier "
+                           "chunks as idle and the whole window at prefill_end)");
+    if (defers()) {
+      const std::int32_t phase = layer_record(io.host_state, layer)->phase;
+      if (phase != detail::phase_empty)
+        return status::error(errc::invalid_state, fn, io_name(s, "host_state"),
+                             phase < detail::phase_empty || phase > detail::phase_evicted
+                                 ? "layer %lld's record was overwritten: reset_sequence() when the sequence starts"
+                                 : "a prefill chunk after this sequence's prefill_end at layer %lld: reset_sequence() "
+                                   "for a new one",
+                             static_cast<long long>(layer));
+    }
+    if (!buffers_windows()) return status();
+    KVEVICT_RETURN_IF_ERROR(detail::validate_device_query_view(io.queries, opt, fn, io_name(s, "queries")));
+    KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_sequence_queries(options_, scoring_params_of().domain, io.queries,
+                                                                    false, nullptr, 0, s, fn));
+    p->buffer = true;
     return status();
   }
 
@@ -328,7 +376,7 @@ class compressor_checks : protected compressor_layout {
         return status::error(errc::invalid_state, fn, io_name(s, "host_state"),
                              "layer %lld already observed this sequence's prefill; reset_sequence() for a new one",
                              static_cast<long long>(layer));
-      const std::int64_t w = io.queries.num_queries < window_ ? io.queries.num_queries : window_;
+      const std::int64_t w = p->observed;  // the window's rows (with the earlier chunks')
       p->observe = detail::sequence_step::prefill;
       p->evict = !fed_back;
       p->after.prompt_tokens = L;

@@ -19,6 +19,7 @@
 
 #include "kvevict/budgets/layer_budget_params.hpp"
 #include "kvevict/budgets/pyramidkv.hpp"
+#include "kvevict/compressor/detail/state_layout.hpp"
 #include "kvevict/compressor/options.hpp"
 #include "kvevict/compressor/plan.hpp"
 #include "kvevict/compressor/sequence.hpp"
@@ -29,6 +30,7 @@
 #include "kvevict/cuda/detail/key_scorers.cuh"
 #include "kvevict/cuda/detail/launch.cuh"
 #include "kvevict/cuda/detail/observation_scorers.cuh"
+#include "kvevict/cuda/detail/prefill_window.cuh"
 #include "kvevict/cuda/finalize.cuh"
 #include "kvevict/cuda/observation_scores.cuh"
 #include "kvevict/cuda/observation_scores_batch.cuh"
@@ -86,6 +88,10 @@ struct sequence_step {
   /// The per-sequence scope: this layer's scores fold into the sequence's row (and, with
   /// evict, at the last layer, the keep set selected from it is applied to every layer).
   bool fold = false;
+  /// prefill_chunk under chunked_prefill: the chunk's last queries join the layer's window
+  bool buffer = false;
+  std::int64_t observed = 0;    ///< prefill_end: the queries observed (the window's, H2O every one)
+  std::int64_t held = 0;        ///< of which the window buffered by earlier chunks holds (chunked prefill)
   std::int64_t tokens = 0;      ///< L
   std::int64_t candidates = 0;  ///< DeferKV's C (prompt tokens before the window)
   selection_params sel;
@@ -200,9 +206,13 @@ class compressor_layout {
     /// combine_head_scores and select_shared, shared by the sequences in stream order.
     float* layer_row = nullptr;
     workspace_span scope;
-    /// What the stream found in device data the CPU refuses (DapQ's pseudo-token positions):
-    /// non-zero cancels the call's keep-list outputs and compaction.
+    /// What the stream found in device data the CPU refuses (DapQ's pseudo-token positions, a
+    /// prompt chunk out of order): non-zero cancels the call's keep-list outputs and compaction.
     std::uint32_t* cancel = nullptr;
+    /// Chunked prefill: each sequence's prefill_end window assembled from its layer's ring and
+    /// its own queries [Hq, window capacity, d] (of Q), and their positions [window capacity].
+    void* windows = nullptr;
+    std::int64_t* window_positions = nullptr;
   };
 
   template <class T, class Q>
@@ -233,8 +243,12 @@ class compressor_layout {
   bool defers() const noexcept { return kvevict::detail::defers(options_.policy.kind()); }
   /// One keep set for every layer of a sequence (selection_scope::per_sequence).
   bool folds_layers() const noexcept { return options_.scope == selection_scope::per_sequence; }
-  /// Whether a sequence keeps host bookkeeping (DeferKV's layers, the per-sequence scope).
-  bool keeps_host_state() const noexcept { return defers() || folds_layers(); }
+  /// Whether each layer of a sequence keeps the last queries of its prompt chunks
+  /// (chunked_prefill, for a policy that observes prompt queries: not DapQ's pseudo tokens).
+  bool buffers_windows() const noexcept { return window_capacity_ > 0; }
+  /// Whether a sequence keeps host bookkeeping (DeferKV's layers, the per-sequence scope, the
+  /// chunked-prefill windows).
+  bool keeps_host_state() const noexcept { return defers() || folds_layers() || buffers_windows(); }
   /// Compaction batches one run() may prepare: every layer's under the per-sequence scope
   /// (its last layer compacts them all), else the layer's own.
   std::int64_t compaction_batches() const noexcept {
@@ -318,10 +332,19 @@ class compressor_layout {
     return rerotates(&r) ? cuda::rotation_table_size(r) : 0;
   }
 
-  /// How many of a call's last `queries` observe at prefill_end: the window, or every one for a
-  /// policy whose every prompt query observes (H2O; at most limits.max_queries, checked).
-  std::int64_t observed_queries(std::int64_t queries) const noexcept {
-    return kvevict::detail::every_prompt_query(options_.policy.kind()) || queries < window_ ? queries : window_;
+  /// How many queries observe at prefill_end: the window's, or every one for a policy whose
+  /// every prompt query observes (H2O; at most limits.max_queries, checked), of the rows earlier
+  /// chunks buffered (chunked_prefill) followed by the call's; *from_ring: how many of them the
+  /// layer's window holds (0: the call's last queries are the window).
+  template <class T, class Q>
+  std::int64_t prefill_queries(const sequence_io<T, Q>& io, std::int64_t layer,
+                               std::int64_t* from_ring) const noexcept {
+    const std::int64_t held = buffers_windows() ? window_record(io.host_state, layer)->count : 0;
+    const std::int64_t n = io.queries.num_queries, all = held + n;
+    const std::int64_t total =
+        kvevict::detail::every_prompt_query(options_.policy.kind()) || all < window_ ? all : window_;
+    *from_ring = total - (n < total ? n : total);
+    return total;
   }
 
   /// The largest layer shape a call may see.
@@ -429,7 +452,12 @@ class compressor_layout {
     if (options_.layers == layer_allocation::pyramidkv) b.layer_candidates = tokens;
     out->select = kvevict::detail::take_bytes(a, cuda::select_layer_workspace_size(m.num_kv_heads, tokens, b), true);
     out->compact = kvevict::detail::take_bytes(a, compaction_workspace_size<T>(), true);
-    out->cancel = checks_positions() ? a.take<std::uint32_t>(1) : nullptr;
+    out->cancel = checks_positions() || buffers_windows() ? a.take<std::uint32_t>(1) : nullptr;
+    if (buffers_windows()) {
+      out->windows = a.take<Q>(
+          saturating_mul(seqs, saturating_mul(saturating_mul(m.num_query_heads, window_capacity_), m.head_dim)));
+      out->window_positions = a.take<std::int64_t>(saturating_mul(seqs, window_capacity_));
+    }
     if (folds_layers()) {
       out->layer_row = a.take<float>(tokens);
       const std::size_t combine = cuda::combine_head_scores_workspace_size(m.num_kv_heads);
@@ -511,12 +539,27 @@ class compressor_layout {
     const auto tokens = static_cast<std::size_t>(options_.limits.max_tokens);
     state_bytes_ = saturating_add(saturating_mul(scope_row_offset(), sizeof(float)),
                                   folds_layers() ? saturating_mul(tokens, sizeof(float)) : 0);
-    host_state_bytes_ = keeps_host_state()
-                            ? saturating_add(saturating_add(sizeof(detail::host_state_header),
-                                                            saturating_mul(static_cast<std::size_t>(m.num_layers),
-                                                                           sizeof(detail::host_layer_state))),
-                                             sizeof(detail::host_scope_state))
-                            : 0;
+    window_offset_ = 0;
+    window_layer_bytes_ = 0;
+    if (buffers_windows()) {  // each layer's ring after the rest, 64-byte aligned
+      const auto cap = static_cast<std::size_t>(window_capacity_);
+      window_offset_ = kvevict::detail::round_up_64(state_bytes_);
+      window_layer_bytes_ = saturating_add(
+          saturating_add(sizeof(detail::device_window_header), kvevict::detail::round_up_64(saturating_mul(cap, 8))),
+          kvevict::detail::round_up_64(
+              saturating_mul(saturating_mul(static_cast<std::size_t>(m.num_query_heads), cap),
+                             saturating_mul(static_cast<std::size_t>(m.head_dim), sizeof(Q)))));
+      state_bytes_ =
+          saturating_add(window_offset_, saturating_mul(static_cast<std::size_t>(m.num_layers), window_layer_bytes_));
+    }
+    host_state_bytes_ =
+        keeps_host_state()
+            ? saturating_add(saturating_add(saturating_add(sizeof(detail::host_state_header),
+                                                           saturating_mul(static_cast<std::size_t>(m.num_layers),
+                                                                          sizeof(detail::host_layer_state))),
+                                            sizeof(detail::host_scope_state)),
+                             saturating_mul(static_cast<std::size_t>(m.num_layers), sizeof(detail::host_window_state)))
+            : 0;
   }
 
   /// Where a sequence's folded row starts in its device state, in floats: after DeferKV's
@@ -545,6 +588,31 @@ class compressor_layout {
   detail::host_scope_state* scope_record(void* host_state) const noexcept {
     return reinterpret_cast<detail::host_scope_state*>(layer_record(host_state, options_.model.num_layers));
   }
+  /// Layer `layer`'s chunked-prefill record in a sequence's host state, after the scope's.
+  detail::host_window_state* window_record(void* host_state, std::int64_t layer) const noexcept {
+    return reinterpret_cast<detail::host_window_state*>(scope_record(host_state) + 1) + layer;
+  }
+  /// Layer `layer`'s ring in a sequence's device state.
+  template <class T, class Q>
+  detail::window_ring<Q> ring_of(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
+    unsigned char* base =
+        static_cast<unsigned char*>(io.state) + window_offset_ + static_cast<std::size_t>(layer) * window_layer_bytes_;
+    detail::window_ring<Q> r;
+    r.header = reinterpret_cast<detail::device_window_header*>(base);
+    r.positions = reinterpret_cast<std::int64_t*>(base + sizeof(detail::device_window_header));
+    r.rows = reinterpret_cast<Q*>(base + sizeof(detail::device_window_header) +
+                                  kvevict::detail::round_up_64(static_cast<std::size_t>(window_capacity_) * 8));
+    r.capacity = window_capacity_;
+    return r;
+  }
+  /// Sequence s's assembled prefill_end window [Hq, rows, d] in the workspace.
+  template <class Q>
+  query_view<const Q> assembled_window_of(const device_layout& dev, std::int64_t s, std::int64_t rows) const noexcept {
+    const std::int64_t cap = window_capacity_, heads = options_.model.num_query_heads, d = options_.model.head_dim;
+    return contiguous_queries<const Q>(static_cast<const Q*>(dev.windows) + s * heads * cap * d, heads, rows, d,
+                                       dev.window_positions + s * cap);
+  }
+
   /// The per-sequence scope's folded row [max_tokens] in a sequence's device state.
   template <class T, class Q>
   float* scope_row_of(const sequence_io<T, Q>& io) const noexcept {
@@ -581,6 +649,11 @@ class compressor_layout {
   std::size_t staging_bytes_ = 0;
   std::size_t state_bytes_ = 0;
   std::size_t host_state_bytes_ = 0;
+  std::int64_t first_head_ = 0;         ///< tensor parallelism: this rank's first KV head
+  std::int64_t total_heads_ = 0;        ///< tensor parallelism: the group's KV heads
+  std::int64_t window_capacity_ = 0;    ///< rows of a layer's chunked-prefill window (0: none)
+  std::size_t window_offset_ = 0;       ///< where layer 0's window starts in the device state
+  std::size_t window_layer_bytes_ = 0;  ///< a layer's window in the device state
 };
 
 }  // namespace detail
