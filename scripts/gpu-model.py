@@ -713,22 +713,49 @@ def compressor_chunked_kernels(s: Shape, g: Gpu, n):
             [cmemset, ccopy, start, validate, gather, scatter])
 
 
+def shared_batch_kernels(s: Shape, g: Gpu, n, select, fold):
+    """Keep sets shared by heads for n sequences of L/n tokens in one launch per kernel
+    (cuda/detail/shared_batch.cuh, the compressor's per-layer and per-sequence scopes, normalised
+    max): the descriptors copied; the bins cleared, every sequence's heads' exact magnitude sums
+    in one launch and one thread per row converting them; one kernel that combines each
+    sequence's heads (and folds the row into the sequence's); with `select`, the selection block
+    copied, every row selected in one launch (the wide selection from 16 Ki keys) and the sets
+    copied to the other heads in one."""
+    one = replace(s, tokens=s.tokens // n, budget=s.budget // n)
+    rows = one.hkv * n
+    jobs = Kernel("memcpy", "the batch's descriptors to the device (cudaMemcpyAsync)", 1, 1,
+                  chain_cycles=g.hbm_latency_cycles)
+    memset, binner, scales, _ = scope_kernels(one, g, rows)
+    binner = replace(binner, name="magnitude_bins_batch_kernel", times={})
+    touched = one.tokens * (12 if fold else 4)
+    combine = Kernel("combine_fold_batch_kernel", f"each sequence's {one.hkv} rows per token{', folded' if fold else ''}",
+                     ceil_div(one.tokens, 256) * n, 256, hbm_bytes=n * (one.hkv * one.tokens * 4 + touched),
+                     chain_cycles=one.hkv * g.hbm_latency_cycles / 4 + (g.hbm_latency_cycles if fold else 0))
+    kernels = [jobs, memset, binner, scales, combine]
+    if not select:
+        return kernels
+    copy = Kernel("memcpy", "row descriptors and offsets to the device (cudaMemcpyAsync)", 1, 1,
+                  chain_cycles=g.hbm_latency_cycles)
+    chosen = (select_wide_kernels(g, one.cand, n, n * one.budget) if one.tokens >= WIDE_FROM
+              else [select_kernels(one, g, n)[1]])
+    cast = Kernel("broadcast_keep_batch_kernel", f"each set -> its {one.hkv} heads",
+                  (one.hkv - 1) * ceil_div(one.budget, 256) * n, 256, hbm_bytes=n * one.hkv * one.budget * 8,
+                  l2_bytes=n * one.budget * 8, chain_cycles=g.hbm_latency_cycles)
+    return kernels + [copy] + chosen + [cast]
+
+
 def sequence_scope_kernels(s: Shape, g: Gpu, n, last):
     """cuda::compressor under the per-sequence scope (one keep set for every layer), one SnapKV
-    layer of n sequences of L/n tokens: the batched scoring, then per sequence
-    combine_head_scores (normalised max) and fold_layer_kernel into its row; at the last layer
-    also select_shared per sequence and the compaction of every layer's caches (one batch per
-    layer: the status word cleared, each layer's bitmaps cleared, descriptors copied and
-    validated, then each layer's descriptors copied again and its rows moved)."""
-    one = replace(s, tokens=s.tokens // n, budget=s.budget // n)
-    fold = Kernel("fold_layer_kernel", "the layer's row into the sequence's", ceil_div(one.tokens, 256), 256,
-                  hbm_bytes=one.tokens * 12, chain_cycles=g.hbm_latency_cycles)
-    kernels = obs_batch_kernels(s, g, n) + (scope_kernels(one, g, one.hkv) + [fold]) * n
+    layer of n sequences of L/n tokens: the batched scoring, then shared_batch_kernels (the
+    fold; at the last layer the selection) and, at the last layer, the compaction of every
+    layer's caches (one batch per layer: the status word cleared, each layer's bitmaps cleared,
+    descriptors copied and validated, then each layer's descriptors copied again and its rows
+    moved)."""
+    kernels = obs_batch_kernels(s, g, n) + shared_batch_kernels(s, g, n, last, True)
     if not last:
         return kernels
     memset, copy, validate, gather, scatter = compact_batch_kernels(s, g, n)
-    return (kernels + select_shared_kernels(one, g) * n + [memset] + [memset, copy, validate] * s.layers +
-            [copy, gather, scatter] * s.layers)
+    return kernels + [memset] + [memset, copy, validate] * s.layers + [copy, gather, scatter] * s.layers
 
 
 def calls(s: Shape, g: Gpu):
@@ -784,6 +811,10 @@ def calls(s: Shape, g: Gpu):
         "compressor_layer_chunked": (f"cuda::compressor chunk + prefill_end, {BATCH} sequences x "
                                      f"{s.tokens // BATCH} tokens (SnapKV, window across the chunks)",
                                      chunk_kernels(s, g, BATCH) + compressor_chunked_kernels(s, g, BATCH)),
+        "compressor_layer_scope": (f"cuda::compressor run, {BATCH} sequences x {s.tokens // BATCH} tokens, one keep "
+                                   "set per layer (SnapKV, normalised max, in place)",
+                                   obs_batch_kernels(s, g, BATCH) + shared_batch_kernels(s, g, BATCH, True, False) +
+                                   compact_batch_kernels(s, g, BATCH)),
         "sequence_scope_fold": (f"per-sequence scope, a layer before the last: {BATCH} sequences folded",
                                 sequence_scope_kernels(s, g, BATCH, False)),
         "sequence_scope_last": (f"per-sequence scope, the last layer: {BATCH} sequences, {s.layers} layers compacted",

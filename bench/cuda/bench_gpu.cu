@@ -874,6 +874,55 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaFree(ws));
     BENCH_CHECK(cudaFree(cpos));
   }
+  // One keep set per layer (cuda::compressor, SnapKV, normalised max, in place): 8 sequences of
+  // L/8 tokens at prefill_end -- the batched scoring, every sequence's heads combined and its
+  // row selected in one launch per kernel, the batched compaction.
+  {
+    constexpr std::int64_t batch = 8;
+    const std::int64_t ls = L / batch;
+    kvevict::compressor_options o;
+    o.model = {1, hq, hkv, d, d, kvevict::dtype::bf16, kvevict::dtype::bf16};
+    kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+    w.window = W;
+    o.policy = kvevict::policy::snapkv(w);
+    o.per_head = kvevict::budget::tokens(B / batch);
+    o.scope = kvevict::selection_scope::per_layer;
+    o.combine = kvevict::scope_combine::normalized_max;
+    o.limits.max_sequences = batch;
+    o.limits.max_tokens = ls;
+    o.sharing = kvevict::block_sharing::none;
+    kvevict::cuda::compressor c;
+    require_ok(kvevict::cuda::compressor::plan(o, &c));
+    std::vector<std::int64_t> cpos_h;
+    for (std::int64_t t = 0; t < W; ++t) cpos_h.push_back(ls - W + t);
+    std::int64_t* cpos = device_copy(cpos_h);
+    std::vector<kvevict::cuda::sequence_io<bf16, bf16>> seqs(static_cast<std::size_t>(batch));
+    for (std::int64_t s = 0; s < batch; ++s) {
+      auto& q = seqs[static_cast<std::size_t>(s)];
+      q.event = kvevict::sequence_event::prefill_end;
+      q.keys = kvevict::hf_contiguous(keys + s * hkv * ls * d, hkv, ls, d);
+      q.values = kvevict::hf_contiguous(values + s * hkv * ls * d, hkv, ls, d);
+      q.queries = kvevict::contiguous_queries(queries, hq, W, d, cpos);
+    }
+    std::vector<kvevict::sequence_report> reports(static_cast<std::size_t>(batch));
+    void* ws = device_bytes(c.workspace_size());
+    void* staging = nullptr;
+    BENCH_CHECK(cudaMallocHost(&staging, c.staging_size()));
+    const auto run = [&](const kvevict::cuda::launch_options& lo) {
+      require_ok(c.run(0, seqs.data(), batch, reports.data(), {ws, c.workspace_size()}, staging, c.staging_size(), lo));
+    };
+    const double us = median_us([&] { run(opt); }, reps);
+    time_each_kernel(
+        "compressor_layer_scope", capture_stream, [&] { run(capture_opt); }, reps);
+    std::printf(
+        "| cuda::compressor run, one keep set per layer, %lld sequences x %lld tokens (SnapKV, in place) | %.1f | | "
+        "|\n",
+        static_cast<long long>(batch), static_cast<long long>(ls), us);
+    result("compressor_layer_scope_us", us);
+    BENCH_CHECK(cudaFreeHost(staging));
+    BENCH_CHECK(cudaFree(ws));
+    BENCH_CHECK(cudaFree(cpos));
+  }
   // Chunked prefill (cuda::compressor, SnapKV, in place): 8 sequences of L/8 tokens; a prompt
   // chunk of W queries into each sequence's window ("compressor_chunk", repeated: its order
   // check flags the repeats, which changes nothing timed), then a chunk and a prefill_end of W/2

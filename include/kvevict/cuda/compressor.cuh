@@ -26,14 +26,15 @@
 //            cuda/detail/key_scorers.cuh)
 //   ChunkKV on top (policy.chunk_length): chunk_scores per sequence
 //   then the selection -- every evicting sequence's rows in one select_rows launch when the
-//   host knows their counts (uniform heads, per-head sets: B or PyramidKV's share), else one
-//   select_layer per sequence (AdaKV, per-layer sets) -- and the padded keep-list output, then
-//   one batched compaction of
+//   host knows their counts (uniform heads, per-head sets: B or PyramidKV's share); with a keep
+//   set shared by the heads, every sequence's heads combined and its row selected in one launch
+//   per kernel (detail/shared_batch.cuh); AdaKV one select_layer per sequence -- and the padded
+//   keep-list output, then one batched compaction of
 //   the layer (compact_batch in place, compact_into_batch into fresh blocks; none for
 //   keep_list_only). No synchronisation, no allocation, no host read of device memory.
 //   The per-sequence scope (one keep set for every layer) folds each layer's combined row
-//   into a row in the sequence's device state (combine_head_scores, fold_layer_scores); the
-//   last layer selects from it (select_shared) and compacts every layer's caches
+//   into a row in the sequence's device state (the same batch); the last layer selects from
+//   it and compacts every layer's caches
 //   (sequence_io::layers): one batch per layer, every one validated before any moves.
 //
 // The keep-lists equal kvevict::compressor's for the same scores; the scores are the GPU
@@ -353,7 +354,7 @@ class compressor : private detail::compressor_checks {
           cudaMemcpyAsync(dev.weights, host.weights, host.weights_bytes, cudaMemcpyHostToDevice, opt.stream), fn,
           "cudaMemcpyAsync"));
     const bool batched = selects_in_one_launch();
-    std::int64_t rows = 0;
+    std::int64_t rows = 0, jobs = 0, longest = 0;
     for (std::int64_t s = 0; s < n; ++s) {
       const detail::sequence_step& p = host.steps[s];
       if (p.observe == detail::sequence_step::prefill)
@@ -373,8 +374,10 @@ class compressor : private detail::compressor_checks {
       if (options_.policy.chunk_length > 0)  // ChunkKV on top of the policy's scores
         KVEVICT_RETURN_IF_ERROR(
             cuda::chunk_scores(scores_of(dev, s, p.tokens), p.sel.protected_tail, options_.policy.chunk_length, opt));
-      if (p.fold) {  // the per-sequence scope: into the sequence's row; its keep set at the last layer
-        KVEVICT_RETURN_IF_ERROR(enqueue_fold(seqs[s], s, p, layer, dev, opt));
+      if (shares_heads()) {  // combined (per-sequence scope: and folded) with the others below
+        const float* row = describe_job(seqs[s], s, p, layer, dev, host.jobs[jobs++]);
+        if (p.evict) rows += describe_rows(dev, host, s, p, rows, row);
+        longest = p.tokens > longest ? p.tokens : longest;
         continue;
       }
       if (batched) {
@@ -386,11 +389,15 @@ class compressor : private detail::compressor_checks {
           cuda::select_layer(const_score_view{scores.data, scores.rows, scores.cols, scores.row_stride}, p.sel,
                              p.budget, keep_of(dev, s), dev.select, opt));
     }
+    if (jobs > 0) KVEVICT_RETURN_IF_ERROR(enqueue_shared_rows(host.jobs, jobs, longest, dev, opt, fn));
     if (rows > 0) {  // every evicting sequence's rows, selected in one launch
       KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
           cudaMemcpyAsync(dev.rows, host.rows, selection_block_bytes(), cudaMemcpyHostToDevice, opt.stream), fn,
           "cudaMemcpyAsync"));
-      KVEVICT_RETURN_IF_ERROR(cuda::select_rows(dev.rows, rows, options_.limits.max_tokens, opt));
+      if (shares_heads())
+        KVEVICT_RETURN_IF_ERROR(enqueue_shared_selection(rows, jobs, longest, dev, opt, fn));
+      else
+        KVEVICT_RETURN_IF_ERROR(cuda::select_rows(dev.rows, rows, options_.limits.max_tokens, opt));
     }
     for (std::int64_t s = 0; s < n; ++s)
       if (host.steps[s].evict)
@@ -690,26 +697,83 @@ class compressor : private detail::compressor_checks {
         layer_record(host_state, l)->phase = detail::phase_evicted;
   }
 
-  /// The per-sequence scope at one layer of one sequence: its scores combined across heads and
-  /// folded into the sequence's row (kvevict::compressor's fold); at the last layer, the keep
-  /// set for every head (and layer) selected from the row, under the base budget.
+  /// Sequence s's part of the shared scopes' batch (detail/shared_batch.cuh): its scores
+  /// combined across heads (kvevict::compressor's combine) into its row of the workspace, and
+  /// under the per-sequence scope folded into the sequence's row (layer 0 overwrites it, the
+  /// last divides a mean by the layer count). Returns the row its keep set is selected from.
   template <class T, class Q>
-  status enqueue_fold(const sequence_io<T, Q>& io, std::int64_t s, const detail::sequence_step& p, std::int64_t layer,
-                      const device_layout& dev, const launch_options& opt) const {
+  const float* describe_job(const sequence_io<T, Q>& io, std::int64_t s, const detail::sequence_step& p,
+                            std::int64_t layer, const device_layout& dev, detail::shared_job& job) const noexcept {
     const score_view sc = scores_of(dev, s, p.tokens);
-    KVEVICT_RETURN_IF_ERROR(cuda::combine_head_scores(const_score_view{sc.data, sc.rows, sc.cols, sc.row_stride},
-                                                      p.sel.protected_tail, options_.combine, dev.layer_row, dev.scope,
-                                                      opt));
-    float* row = scope_row_of(io);
-    KVEVICT_RETURN_IF_ERROR(cuda::fold_layer_scores(dev.layer_row, row, p.tokens, p.sel.protected_tail,
-                                                    options_.combine, layer, options_.model.num_layers, opt));
-    if (!p.evict) return status();
-    const const_score_view folded{row, 1, p.tokens, p.tokens};
-    if (!kvevict::detail::allocates(p.budget))
-      return cuda::select_shared(folded, p.budget.per_head, p.sel, keep_of(dev, s), dev.scope, opt);
-    const selection_params on_top{p.sel.protected_tail, protected_mode::on_top_of_budget};
-    return cuda::select_shared(folded, budget::tokens(kvevict::detail::mean_candidates(p.budget, p.tokens, p.sel)),
-                               on_top, keep_of(dev, s), dev.scope, opt);
+    const bool by_max = kvevict::detail::combines_by_max(options_.combine);
+    job = detail::shared_job{};
+    job.scores = sc.data;
+    job.tokens = p.tokens;
+    job.row_stride = sc.row_stride;
+    job.candidates = p.tokens > p.sel.protected_tail ? p.tokens - p.sel.protected_tail : 0;
+    job.combined = dev.layer_rows + s * options_.limits.max_tokens;
+    if (p.fold) {
+      job.folded = scope_row_of(io);
+      job.first = layer == 0 ? 1 : 0;
+      job.mean_of = !by_max && layer == options_.model.num_layers - 1 ? options_.model.num_layers : 0;
+    }
+    if (p.evict) {
+      job.indices = dev.indices + s * keep_capacity_;
+      job.kept = kept_per_head(p);
+    }
+    return p.fold ? job.folded : job.combined;
+  }
+
+  /// Every sequence's combined (and folded) row in one launch per kernel: the descriptors
+  /// copied, then for the normalised rules the heads' exact magnitude sums (a memset and two
+  /// kernels), then one kernel that combines and folds.
+  status enqueue_shared_rows(const detail::shared_job* jobs, std::int64_t count, std::int64_t longest,
+                             const device_layout& dev, const launch_options& opt, const char* fn) const {
+    const scope_combine rule = options_.combine;  // the plan's rule, for both steps
+    const std::int64_t heads = options_.model.num_kv_heads;
+    KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
+        cudaMemcpyAsync(dev.jobs, jobs, static_cast<std::size_t>(count) * sizeof(detail::shared_job),
+                        cudaMemcpyHostToDevice, opt.stream),
+        fn, "cudaMemcpyAsync"));
+    if (longest == 0) return status();
+    const float* scales = nullptr;
+    if (kvevict::detail::normalizes(rule)) {
+      const std::int64_t rows = count * heads;
+      KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
+          cudaMemsetAsync(dev.scope.bins, 0,
+                          static_cast<std::size_t>(rows) * kvevict::detail::magnitude_bins * sizeof(unsigned long long),
+                          opt.stream),
+          fn, "cudaMemsetAsync"));
+      const auto chunks = static_cast<unsigned>((longest + detail::scope_chunk - 1) / detail::scope_chunk);
+      KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "magnitude_bins_batch_kernel",
+                                             {dim3(chunks, static_cast<unsigned>(heads), static_cast<unsigned>(count)),
+                                              dim3(detail::scope_threads), 0, opt.stream},
+                                             detail::magnitude_bins_batch_kernel<>, dev.jobs, dev.scope.bins));
+      KVEVICT_RETURN_IF_ERROR(detail::launch(
+          fn, "row_scales_kernel", {dim3(detail::token_blocks(rows)), dim3(detail::scope_threads), 0, opt.stream},
+          detail::row_scales_kernel<>, dev.scope.bins, rows, dev.scope.scales));
+      scales = dev.scope.scales;
+    }
+    return detail::launch(
+        fn, "combine_fold_batch_kernel",
+        {dim3(detail::token_blocks(longest), static_cast<unsigned>(count)), dim3(detail::scope_threads), 0, opt.stream},
+        detail::combine_fold_batch_kernel<>, dev.jobs, heads, kvevict::detail::combines_by_max(rule), scales);
+  }
+
+  /// The evicting sequences' shared rows (described in the selection block, copied) selected in
+  /// one launch -- the wide selection from 16 Ki keys, as select_shared's -- then each set
+  /// copied to the sequence's other heads.
+  status enqueue_shared_selection(std::int64_t rows, std::int64_t jobs, std::int64_t longest, const device_layout& dev,
+                                  const launch_options& opt, const char* fn) const {
+    KVEVICT_RETURN_IF_ERROR(detail::enqueue_select_rows(dev.rows, rows, longest, nullptr, dev.wide, opt, fn));
+    const std::int64_t heads = options_.model.num_kv_heads;
+    if (heads == 1) return status();
+    const unsigned chunks =
+        static_cast<unsigned>(detail::stride_grid(head_capacity_ > 0 ? head_capacity_ : 1, detail::scope_threads, 64));
+    return detail::launch(fn, "broadcast_keep_batch_kernel",
+                          {dim3(chunks, static_cast<unsigned>(heads - 1), static_cast<unsigned>(jobs)),
+                           dim3(detail::scope_threads), 0, opt.stream},
+                          detail::broadcast_keep_batch_kernel<>, dev.jobs);
   }
 
   /// The compaction batches of the call's evicting sequences (host.compacted_seq), prepared:

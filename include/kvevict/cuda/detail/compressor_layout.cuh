@@ -31,6 +31,7 @@
 #include "kvevict/cuda/detail/launch.cuh"
 #include "kvevict/cuda/detail/observation_scorers.cuh"
 #include "kvevict/cuda/detail/prefill_window.cuh"
+#include "kvevict/cuda/detail/shared_batch.cuh"
 #include "kvevict/cuda/finalize.cuh"
 #include "kvevict/cuda/observation_scores.cuh"
 #include "kvevict/cuda/observation_scores_batch.cuh"
@@ -202,10 +203,15 @@ class compressor_layout {
     double* rotation_tables = nullptr;
     workspace_span select;   ///< select_layer
     workspace_span compact;  ///< the compaction batch (every layer's in turn: the per-sequence scope)
-    /// The per-sequence scope: a layer's combined row [max_tokens] and the workspace of
-    /// combine_head_scores and select_shared, shared by the sequences in stream order.
-    float* layer_row = nullptr;
-    workspace_span scope;
+    /// Keep sets shared by heads (the per-layer and per-sequence scopes), every sequence in one
+    /// launch per kernel (detail/shared_batch.cuh): each sequence's combined row
+    /// [max_seq][max_tokens], the batch's descriptors [max_seq] (copied from the staging's),
+    /// the normalised rules' bins and scales for [max_seq * Hkv] rows, and the wide selection's
+    /// words for [max_seq] rows.
+    float* layer_rows = nullptr;
+    detail::shared_job* jobs = nullptr;
+    detail::scope_workspace scope;
+    detail::wide_row_words* wide = nullptr;
     /// What the stream found in device data the CPU refuses (DapQ's pseudo-token positions, a
     /// prompt chunk out of order): non-zero cancels the call's keep-list outputs and compaction.
     std::uint32_t* cancel = nullptr;
@@ -238,6 +244,7 @@ class compressor_layout {
     double* rotation_tables = nullptr;        ///< [max_seq][rotation_table_size], copied to the device's
     std::size_t rotation_tables_bytes = 0;
     query_view<const Q>* rotation_sources = nullptr;  ///< [max_seq] the windows to rotate, by sequence
+    detail::shared_job* jobs = nullptr;               ///< [max_seq] the shared scopes' batch, copied to the device's
   };
 
   bool defers() const noexcept { return kvevict::detail::defers(options_.policy.kind()); }
@@ -246,6 +253,8 @@ class compressor_layout {
   /// Whether each layer of a sequence keeps the last queries of its prompt chunks
   /// (chunked_prefill, for a policy that observes prompt queries: not DapQ's pseudo tokens).
   bool buffers_windows() const noexcept { return window_capacity_ > 0; }
+  /// Whether a layer's heads share one keep set (the per-layer and per-sequence scopes).
+  bool shares_heads() const noexcept { return options_.scope != selection_scope::per_head; }
   /// Whether a sequence keeps host bookkeeping (DeferKV's layers, the per-sequence scope, the
   /// chunked-prefill windows).
   bool keeps_host_state() const noexcept { return defers() || folds_layers() || buffers_windows(); }
@@ -359,7 +368,8 @@ class compressor_layout {
 
   /// Whether every evicting sequence's keep counts are known on the host (uniform heads, one
   /// keep set per head: B, or PyramidKV's share, plus the tail), so that one launch selects
-  /// all their rows; AdaKV and the per-layer scope select per sequence (select_layer).
+  /// all their rows; AdaKV selects per sequence (select_layer); the shared scopes select every
+  /// sequence's row in one launch too (describe_rows with its row, detail/shared_batch.cuh).
   bool selects_in_one_launch() const noexcept {
     return options_.heads == head_allocation::uniform && options_.scope == selection_scope::per_head;
   }
@@ -385,32 +395,47 @@ class compressor_layout {
                           saturating_mul(saturating_mul(seqs, heads + 1), sizeof(std::int64_t)));
   }
 
+  /// What each head of an evicting sequence keeps when the host knows the count (uniform heads,
+  /// or one set for every head): the budget b of its candidates, the selection, and the tokens.
+  std::int64_t kept_per_head(const detail::sequence_step& p, std::int64_t* b = nullptr,
+                             selection_params* sel = nullptr) const noexcept {
+    const bool allocates = kvevict::detail::allocates(p.budget);
+    const std::int64_t budget =
+        allocates ? kvevict::detail::mean_candidates(p.budget, p.tokens, p.sel) : p.budget.per_head.resolve(p.tokens);
+    const selection_params how{p.sel.protected_tail, allocates ? protected_mode::on_top_of_budget : p.sel.mode};
+    if (b != nullptr) *b = budget;
+    if (sel != nullptr) *sel = how;
+    return tokens_kept(budget, p.tokens, how);
+  }
+
   /// Sequence s's rows in the batched selection (from `first` on) and its offsets, on the host:
-  /// row h keeps tokens_kept(b, L, sel) tokens at h * that in its keep-list.
+  /// row h keeps tokens_kept(b, L, sel) tokens at h * that in its keep-list. With `shared` (the
+  /// sequence's combined or folded row, a keep set shared by its heads) one row selects head 0's
+  /// part, and the other heads' copies (broadcast_keep_batch_kernel) follow at the same offsets.
+  /// Returns the rows described.
   template <class H>
   std::int64_t describe_rows(const device_layout& dev, H& host, std::int64_t s, const detail::sequence_step& p,
-                             std::int64_t first) const noexcept {
+                             std::int64_t first, const float* shared = nullptr) const noexcept {
     const std::int64_t heads = options_.model.num_kv_heads;
-    const bool allocates = kvevict::detail::allocates(p.budget);
-    const std::int64_t b =
-        allocates ? kvevict::detail::mean_candidates(p.budget, p.tokens, p.sel) : p.budget.per_head.resolve(p.tokens);
-    const selection_params sel{p.sel.protected_tail, allocates ? protected_mode::on_top_of_budget : p.sel.mode};
-    const std::int64_t kept = tokens_kept(b, p.tokens, sel);
+    std::int64_t b = 0;
+    selection_params sel;
+    const std::int64_t kept = kept_per_head(p, &b, &sel);
     const score_view scores = scores_of(dev, s, p.tokens);
     std::int64_t* offsets = host.offsets + s * (heads + 1);
     for (std::int64_t h = 0; h < heads; ++h) {
+      offsets[h] = h * kept;
+      if (shared != nullptr && h > 0) continue;
       select_row& r = host.rows[first + h];
       r = select_row{};
-      r.scores = scores.data + h * scores.row_stride;
+      r.scores = shared != nullptr ? shared : scores.data + h * scores.row_stride;
       r.length = p.tokens;
       r.budget = b;
       r.protected_tail = sel.protected_tail;
       r.mode = sel.mode;
       r.out = dev.indices + s * keep_capacity_ + h * kept;
-      offsets[h] = h * kept;
     }
     offsets[heads] = heads * kept;
-    return heads;
+    return shared != nullptr ? 1 : heads;
   }
 
   template <class T, class Q>
@@ -450,7 +475,11 @@ class compressor_layout {
     }
     layer_budget b = base_budget();
     if (options_.layers == layer_allocation::pyramidkv) b.layer_candidates = tokens;
-    out->select = kvevict::detail::take_bytes(a, cuda::select_layer_workspace_size(m.num_kv_heads, tokens, b), true);
+    // select_layer serves AdaKV's per-head sets, one sequence at a time (the others select in one launch).
+    out->select =
+        !selects_in_one_launch() && !shares_heads()
+            ? kvevict::detail::take_bytes(a, cuda::select_layer_workspace_size(m.num_kv_heads, tokens, b), true)
+            : workspace_span{};
     out->compact = kvevict::detail::take_bytes(a, compaction_workspace_size<T>(), true);
     out->cancel = checks_positions() || buffers_windows() ? a.take<std::uint32_t>(1) : nullptr;
     if (buffers_windows()) {
@@ -458,11 +487,11 @@ class compressor_layout {
           saturating_mul(seqs, saturating_mul(saturating_mul(m.num_query_heads, window_capacity_), m.head_dim)));
       out->window_positions = a.take<std::int64_t>(saturating_mul(seqs, window_capacity_));
     }
-    if (folds_layers()) {
-      out->layer_row = a.take<float>(tokens);
-      const std::size_t combine = cuda::combine_head_scores_workspace_size(m.num_kv_heads);
-      const std::size_t select = cuda::select_shared_workspace_size();
-      out->scope = kvevict::detail::take_bytes(a, combine > select ? combine : select, true);
+    if (shares_heads()) {
+      out->layer_rows = a.take<float>(saturating_mul(seqs, tokens));
+      out->jobs = a.take<detail::shared_job>(seqs);
+      detail::carve_scope_workspace(a, saturating_mul(seqs, m.num_kv_heads), &out->scope);
+      detail::carve_wide_workspace(a, seqs, &out->wide);
     }
   }
 
@@ -515,6 +544,7 @@ class compressor_layout {
         saturating_mul(batches, static_cast<std::int64_t>(detail::compact_round_up(out->compact_staging_bytes))));
     out->compact_staging_bytes = detail::compact_round_up(out->compact_staging_bytes);
     out->batches = a.take<detail::batch_launch>(batches);
+    out->jobs = shares_heads() ? a.take<detail::shared_job>(seqs) : nullptr;
     if (rerotates()) {
       const std::int64_t doubles = saturating_mul(seqs, rotation_table_doubles());
       out->rotation_tables = a.take<double>(doubles);
