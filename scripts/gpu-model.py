@@ -595,6 +595,31 @@ def adakv_normalised_kernels(s: Shape, g: Gpu):
     return [rows] + per_head + [factor] + adakv_kernels(s, g)
 
 
+def adakv_batch_kernels(s: Shape, g: Gpu, n):
+    """AdaKV (the paper's rule) for n sequences of L/n tokens in one launch per step
+    (cuda/detail/adakv_batch.cuh): the descriptors copied, every sequence's candidates flattened
+    (grid chunks x n), every flattened row's global top in one selection (the wide one from
+    16 Ki keys), the counts and the heads' row descriptors (a block per sequence each), then
+    every head's selection in one launch."""
+    one = replace(s, tokens=s.tokens // n, budget=s.budget // n)
+    flat = one.hkv * one.cand
+    jobs = Kernel("memcpy", "the batch's descriptors to the device (cudaMemcpyAsync)", 1, 1,
+                  chain_cycles=g.hbm_latency_cycles)
+    flatten = Kernel("adakv_flatten_batch_kernel", "each sequence's candidates -> its row",
+                     min(ceil_div(flat, 256), 4096) * n, 256, hbm_bytes=n * flat * 4, l2_bytes=2 * n * flat * 4,
+                     chain_cycles=2 * g.hbm_latency_cycles)
+    if flat >= WIDE_FROM:
+        top = select_wide_kernels(g, flat, n, n * one.hkv * one.budget)
+    else:
+        top = [replace(adakv_kernels(one, g)[1], blocks=n, times={})]
+    count = Kernel("adakv_count_batch_kernel", "per-head picks -> budgets, a block per sequence", n, 256,
+                   chain_cycles=2 * math.ceil(math.log2(one.hkv * one.budget + 1)) * g.l2_latency_cycles)
+    prepare = Kernel("adakv_prepare_batch_kernel", "heads' kept counts, offsets, rows; a block per sequence", n, 1024,
+                     chain_cycles=4 * g.hbm_latency_cycles)
+    heads = per_head_select(replace(one, hkv=one.hkv * n), g, one.budget + one.window)
+    return [jobs, flatten] + top + [count, prepare] + heads
+
+
 def compact_batch_kernels(s: Shape, g: Gpu, n):
     """compact_batch: n sequences of L/n tokens keeping B/n per head; compact's kernels with
     the sequence as blockIdx.y (each block's work that of one sequence's call), after one
@@ -811,6 +836,10 @@ def calls(s: Shape, g: Gpu):
         "compressor_layer_chunked": (f"cuda::compressor chunk + prefill_end, {BATCH} sequences x "
                                      f"{s.tokens // BATCH} tokens (SnapKV, window across the chunks)",
                                      chunk_kernels(s, g, BATCH) + compressor_chunked_kernels(s, g, BATCH)),
+        "compressor_layer_adakv": (f"cuda::compressor run, {BATCH} sequences x {s.tokens // BATCH} tokens, AdaKV "
+                                   "heads (SnapKV, in place)",
+                                   obs_batch_kernels(s, g, BATCH) + adakv_batch_kernels(s, g, BATCH) +
+                                   compact_batch_kernels(s, g, BATCH)),
         "compressor_layer_scope": (f"cuda::compressor run, {BATCH} sequences x {s.tokens // BATCH} tokens, one keep "
                                    "set per layer (SnapKV, normalised max, in place)",
                                    obs_batch_kernels(s, g, BATCH) + shared_batch_kernels(s, g, BATCH, True, False) +

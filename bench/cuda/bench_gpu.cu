@@ -874,10 +874,10 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaFree(ws));
     BENCH_CHECK(cudaFree(cpos));
   }
-  // One keep set per layer (cuda::compressor, SnapKV, normalised max, in place): 8 sequences of
-  // L/8 tokens at prefill_end -- the batched scoring, every sequence's heads combined and its
-  // row selected in one launch per kernel, the batched compaction.
-  {
+  // AdaKV heads, and one keep set per layer (cuda::compressor, SnapKV, in place; normalised max):
+  // 8 sequences of L/8 tokens at prefill_end -- the batched scoring, every sequence's budgets
+  // and sets (or combined rows and sets) in one launch per step, the batched compaction.
+  for (const bool adakv : {true, false}) {
     constexpr std::int64_t batch = 8;
     const std::int64_t ls = L / batch;
     kvevict::compressor_options o;
@@ -886,8 +886,13 @@ int main(int argc, char** argv) {
     w.window = W;
     o.policy = kvevict::policy::snapkv(w);
     o.per_head = kvevict::budget::tokens(B / batch);
-    o.scope = kvevict::selection_scope::per_layer;
-    o.combine = kvevict::scope_combine::normalized_max;
+    if (adakv) {
+      o.heads = kvevict::head_allocation::adakv;
+    } else {
+      o.scope = kvevict::selection_scope::per_layer;
+      o.combine = kvevict::scope_combine::normalized_max;
+    }
+    const char* key = adakv ? "compressor_layer_adakv" : "compressor_layer_scope";
     o.limits.max_sequences = batch;
     o.limits.max_tokens = ls;
     o.sharing = kvevict::block_sharing::none;

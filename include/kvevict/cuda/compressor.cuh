@@ -28,7 +28,8 @@
 //   then the selection -- every evicting sequence's rows in one select_rows launch when the
 //   host knows their counts (uniform heads, per-head sets: B or PyramidKV's share); with a keep
 //   set shared by the heads, every sequence's heads combined and its row selected in one launch
-//   per kernel (detail/shared_batch.cuh); AdaKV one select_layer per sequence -- and the padded
+//   per kernel (detail/shared_batch.cuh); AdaKV's budgets and sets for every sequence in one
+//   launch per step (detail/adakv_batch.cuh) -- and the padded
 //   keep-list output, then one batched compaction of
 //   the layer (compact_batch in place, compact_into_batch into fresh blocks; none for
 //   keep_list_only). No synchronisation, no allocation, no host read of device memory.
@@ -384,12 +385,13 @@ class compressor : private detail::compressor_checks {
         rows += describe_rows(dev, host, s, p, rows);
         continue;
       }
-      const score_view scores = scores_of(dev, s, p.tokens);
-      KVEVICT_RETURN_IF_ERROR(
-          cuda::select_layer(const_score_view{scores.data, scores.rows, scores.cols, scores.row_stride}, p.sel,
-                             p.budget, keep_of(dev, s), dev.select, opt));
+      describe_adakv(s, p, dev, host.adakv_jobs[jobs++]);  // AdaKV: every sequence's heads below
+      longest = p.tokens > longest ? p.tokens : longest;
     }
-    if (jobs > 0) KVEVICT_RETURN_IF_ERROR(enqueue_shared_rows(host.jobs, jobs, longest, dev, opt, fn));
+    if (jobs > 0 && shares_heads())
+      KVEVICT_RETURN_IF_ERROR(enqueue_shared_rows(host.jobs, jobs, longest, dev, opt, fn));
+    if (jobs > 0 && allocates_heads())
+      KVEVICT_RETURN_IF_ERROR(enqueue_adakv(host.adakv_jobs, jobs, longest, dev, opt, fn));
     if (rows > 0) {  // every evicting sequence's rows, selected in one launch
       KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
           cudaMemcpyAsync(dev.rows, host.rows, selection_block_bytes(), cudaMemcpyHostToDevice, opt.stream), fn,
@@ -722,6 +724,83 @@ class compressor : private detail::compressor_checks {
       job.kept = kept_per_head(p);
     }
     return p.fold ? job.folded : job.combined;
+  }
+
+  /// Sequence s's part of AdaKV's batch (detail/adakv_batch.cuh): adakv_head_budgets'
+  /// arguments as select_layer passes them (the mean candidates B on top of the tail), and the
+  /// counts that function derives from them.
+  void describe_adakv(std::int64_t s, const detail::sequence_step& p, const device_layout& dev,
+                      detail::adakv_job& job) const noexcept {
+    const std::int64_t heads = options_.model.num_kv_heads, tokens = options_.limits.max_tokens;
+    const adakv_params& params = options_.adakv;
+    const score_view sc = scores_of(dev, s, p.tokens);
+    job = detail::adakv_job{};
+    job.scores = sc.data;
+    job.row_stride = sc.row_stride;
+    job.tokens = p.tokens;
+    job.tail = p.sel.protected_tail;
+    job.candidates = p.tokens > job.tail ? p.tokens - job.tail : 0;
+    job.budget = kvevict::detail::mean_candidates(p.budget, p.tokens, p.sel);
+    if (job.budget < job.candidates) {  // else every head keeps all its candidates
+      job.forced = params.rule == adakv_rule::kvpress_safeguard
+                       ? kvevict::detail::adakv_safeguard(job.budget, job.tail, params)
+                       : 0;
+      job.global = heads * (job.budget - job.forced);
+      job.normalises = params.normalize && job.budget > 0;
+      job.own = job.normalises ? job.budget : job.forced;
+    }
+    job.flat = dev.flat + s * heads * tokens;
+    job.picked = dev.picked + s * heads * tokens;
+    job.factors = dev.factors + s * heads;
+    job.budgets = dev.head_budgets + s * heads;
+    job.out = keep_of(dev, s);
+  }
+
+  /// AdaKV's per-head sets of every evicting sequence, one launch per step (adakv_head_budgets'
+  /// then select's, each with the sequence on a grid dimension): the descriptors copied; each
+  /// head's own top (the safeguard's f or the normalisation's B) in one selection; the factors;
+  /// the flattened candidates and their global top in one selection; the budgets; the heads'
+  /// rows and offsets, and every head's selection in one launch.
+  status enqueue_adakv(const detail::adakv_job* jobs, std::int64_t count, std::int64_t longest,
+                       const device_layout& dev, const launch_options& opt, const char* fn) const {
+    const std::int64_t heads = options_.model.num_kv_heads;
+    KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
+        cudaMemcpyAsync(dev.adakv_jobs, jobs, static_cast<std::size_t>(count) * sizeof(detail::adakv_job),
+                        cudaMemcpyHostToDevice, opt.stream),
+        fn, "cudaMemcpyAsync"));
+    std::int64_t own = 0, global = 0, normalises = 0, flat = 0;
+    for (std::int64_t i = 0; i < count; ++i) {
+      own = jobs[i].own > own ? jobs[i].own : own;
+      global = jobs[i].global > global ? jobs[i].global : global;
+      normalises += jobs[i].normalises ? 1 : 0;
+      const std::int64_t n = heads * (jobs[i].candidates - jobs[i].forced);
+      flat = jobs[i].global > 0 && n > flat ? n : flat;
+    }
+    const unsigned seqs = static_cast<unsigned>(count);
+    if (own > 0) {
+      KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "adakv_head_rows_batch_kernel", {dim3(seqs), dim3(256), 0, opt.stream},
+                                             detail::adakv_head_rows_batch_kernel<>, dev.adakv_jobs, heads,
+                                             dev.head_rows));
+      KVEVICT_RETURN_IF_ERROR(
+          detail::enqueue_select_rows(dev.head_rows, count * heads, longest, nullptr, dev.adakv_wide, opt, fn));
+    }
+    if (normalises > 0)
+      KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "adakv_factor_batch_kernel", {dim3(seqs), dim3(256), 0, opt.stream},
+                                             detail::adakv_factor_batch_kernel<>, dev.adakv_jobs, heads));
+    if (global > 0) {
+      KVEVICT_RETURN_IF_ERROR(detail::launch(
+          fn, "adakv_flatten_batch_kernel",
+          {dim3(static_cast<unsigned>(detail::stride_grid(flat, 256, 4096)), seqs), dim3(256), 0, opt.stream},
+          detail::adakv_flatten_batch_kernel<>, dev.adakv_jobs, heads, dev.flat_rows));
+      KVEVICT_RETURN_IF_ERROR(
+          detail::enqueue_select_rows(dev.flat_rows, count, flat, nullptr, dev.adakv_wide, opt, fn));
+    }
+    KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "adakv_count_batch_kernel", {dim3(seqs), dim3(256), 0, opt.stream},
+                                           detail::adakv_count_batch_kernel<>, dev.adakv_jobs, heads, options_.adakv));
+    KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "adakv_prepare_batch_kernel", {dim3(seqs), dim3(1024), 0, opt.stream},
+                                           detail::adakv_prepare_batch_kernel<>, dev.adakv_jobs, heads, dev.head_rows,
+                                           opt.device_flags));
+    return detail::enqueue_select_rows(dev.head_rows, count * heads, longest, nullptr, dev.adakv_wide, opt, fn);
   }
 
   /// Every sequence's combined (and folded) row in one launch per kernel: the descriptors

@@ -27,6 +27,7 @@
 #include "kvevict/cuda/common.cuh"
 #include "kvevict/cuda/compact_batch.cuh"
 #include "kvevict/cuda/decode_observation.cuh"
+#include "kvevict/cuda/detail/adakv_batch.cuh"
 #include "kvevict/cuda/detail/key_scorers.cuh"
 #include "kvevict/cuda/detail/launch.cuh"
 #include "kvevict/cuda/detail/observation_scorers.cuh"
@@ -201,7 +202,19 @@ class compressor_layout {
     void* rotated_queries = nullptr;
     std::int64_t* rotated_positions = nullptr;
     double* rotation_tables = nullptr;
-    workspace_span select;   ///< select_layer
+    /// AdaKV's per-head sets, every sequence at once (detail/adakv_batch.cuh): the batch's
+    /// descriptors [max_seq]; row descriptors for each head [max_seq * Hkv] and each sequence's
+    /// flattened row [max_seq]; per sequence the flattened candidates [Hkv * max_tokens] (float),
+    /// the picks [Hkv * max_tokens], the normalisation's factors [Hkv], the head budgets [Hkv];
+    /// the wide selection's words [max_seq * Hkv].
+    detail::adakv_job* adakv_jobs = nullptr;
+    select_row* head_rows = nullptr;
+    select_row* flat_rows = nullptr;
+    float* flat = nullptr;
+    std::int64_t* picked = nullptr;
+    double* factors = nullptr;
+    std::int64_t* head_budgets = nullptr;
+    detail::wide_row_words* adakv_wide = nullptr;
     workspace_span compact;  ///< the compaction batch (every layer's in turn: the per-sequence scope)
     /// Keep sets shared by heads (the per-layer and per-sequence scopes), every sequence in one
     /// launch per kernel (detail/shared_batch.cuh): each sequence's combined row
@@ -245,6 +258,7 @@ class compressor_layout {
     std::size_t rotation_tables_bytes = 0;
     query_view<const Q>* rotation_sources = nullptr;  ///< [max_seq] the windows to rotate, by sequence
     detail::shared_job* jobs = nullptr;               ///< [max_seq] the shared scopes' batch, copied to the device's
+    detail::adakv_job* adakv_jobs = nullptr;          ///< [max_seq] AdaKV's batch, copied to the device's
   };
 
   bool defers() const noexcept { return kvevict::detail::defers(options_.policy.kind()); }
@@ -253,6 +267,10 @@ class compressor_layout {
   /// Whether each layer of a sequence keeps the last queries of its prompt chunks
   /// (chunked_prefill, for a policy that observes prompt queries: not DapQ's pseudo tokens).
   bool buffers_windows() const noexcept { return window_capacity_ > 0; }
+  /// Whether each head keeps its own AdaKV share (AdaKV heads, per-head keep sets).
+  bool allocates_heads() const noexcept {
+    return options_.heads == head_allocation::adakv && options_.scope == selection_scope::per_head;
+  }
   /// Whether a layer's heads share one keep set (the per-layer and per-sequence scopes).
   bool shares_heads() const noexcept { return options_.scope != selection_scope::per_head; }
   /// Whether a sequence keeps host bookkeeping (DeferKV's layers, the per-sequence scope, the
@@ -368,8 +386,9 @@ class compressor_layout {
 
   /// Whether every evicting sequence's keep counts are known on the host (uniform heads, one
   /// keep set per head: B, or PyramidKV's share, plus the tail), so that one launch selects
-  /// all their rows; AdaKV selects per sequence (select_layer); the shared scopes select every
-  /// sequence's row in one launch too (describe_rows with its row, detail/shared_batch.cuh).
+  /// all their rows; the shared scopes select every sequence's row in one launch too
+  /// (describe_rows with its row, detail/shared_batch.cuh), and AdaKV every sequence's heads
+  /// once their budgets are on the device (detail/adakv_batch.cuh).
   bool selects_in_one_launch() const noexcept {
     return options_.heads == head_allocation::uniform && options_.scope == selection_scope::per_head;
   }
@@ -473,13 +492,18 @@ class compressor_layout {
       out->rotated_positions = a.take<std::int64_t>(saturating_mul(seqs, window_));
       out->rotation_tables = a.take<double>(saturating_mul(seqs, rotation_table_doubles()));
     }
-    layer_budget b = base_budget();
-    if (options_.layers == layer_allocation::pyramidkv) b.layer_candidates = tokens;
-    // select_layer serves AdaKV's per-head sets, one sequence at a time (the others select in one launch).
-    out->select =
-        !selects_in_one_launch() && !shares_heads()
-            ? kvevict::detail::take_bytes(a, cuda::select_layer_workspace_size(m.num_kv_heads, tokens, b), true)
-            : workspace_span{};
+    if (allocates_heads()) {
+      const std::int64_t rows = saturating_mul(seqs, m.num_kv_heads);
+      const std::int64_t keys = saturating_mul(rows, tokens);
+      out->adakv_jobs = a.take<detail::adakv_job>(seqs);
+      out->head_rows = a.take<select_row>(rows);
+      out->flat_rows = a.take<select_row>(seqs);
+      out->flat = a.take<float>(keys);
+      out->picked = a.take<std::int64_t>(keys);
+      out->factors = a.take<double>(rows);
+      out->head_budgets = a.take<std::int64_t>(rows);
+      detail::carve_wide_workspace(a, rows, &out->adakv_wide);
+    }
     out->compact = kvevict::detail::take_bytes(a, compaction_workspace_size<T>(), true);
     out->cancel = checks_positions() || buffers_windows() ? a.take<std::uint32_t>(1) : nullptr;
     if (buffers_windows()) {
@@ -545,6 +569,7 @@ class compressor_layout {
     out->compact_staging_bytes = detail::compact_round_up(out->compact_staging_bytes);
     out->batches = a.take<detail::batch_launch>(batches);
     out->jobs = shares_heads() ? a.take<detail::shared_job>(seqs) : nullptr;
+    out->adakv_jobs = allocates_heads() ? a.take<detail::adakv_job>(seqs) : nullptr;
     if (rerotates()) {
       const std::int64_t doubles = saturating_mul(seqs, rotation_table_doubles());
       out->rotation_tables = a.take<double>(doubles);
