@@ -1518,6 +1518,12 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
   cases.back().o.model.num_kv_heads = cases.back().o.model.num_query_heads = 70000;
   cases.push_back({base, kvevict::errc::overflow, "limits.max_tokens"});
   cases.back().o.limits.max_tokens = std::int64_t{1} << 31;
+  cases.push_back({base, kvevict::errc::overflow, "limits.max_sequences"});  // AdaKV: every head on a grid dimension
+  cases.back().o.heads = kvevict::head_allocation::adakv;
+  cases.back().o.limits.max_sequences = 32768;                               // x 2 KV heads
+  cases.push_back({base, kvevict::errc::overflow, "limits.max_sequences"});  // a shared set: every sequence
+  cases.back().o.scope = kvevict::selection_scope::per_layer;
+  cases.back().o.limits.max_sequences = 65536;
   cases.push_back({base, kvevict::errc::overflow, "limits.max_tokens"});  // AdaKV ranks Hkv x L in one row
   cases.back().o.heads = kvevict::head_allocation::adakv;
   cases.back().o.limits.max_tokens = std::int64_t{1} << 30;

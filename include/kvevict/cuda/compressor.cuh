@@ -468,6 +468,15 @@ class compressor : private detail::compressor_checks {
     if (o.model.num_kv_heads > 65535)
       return status::error(errc::overflow, fn, "model.num_kv_heads", "expected at most 65535 on the GPU, got %lld",
                            static_cast<long long>(o.model.num_kv_heads));
+    // The batched selections put a call's sequences (the shared scopes) or their heads (AdaKV)
+    // on a grid dimension of at most 65,535 blocks.
+    const std::int64_t batched_rows =
+        allocates_heads() ? kvevict::detail::saturating_mul(o.limits.max_sequences, o.model.num_kv_heads)
+                          : (shares_heads() ? o.limits.max_sequences : 0);
+    if (batched_rows > 65535)
+      return status::error(errc::overflow, fn, "limits.max_sequences", "expected %s at most 65535 on the GPU, got %lld",
+                           allocates_heads() ? "max_sequences x Hkv (AdaKV)" : "max_sequences (a shared keep set)",
+                           static_cast<long long>(batched_rows));
     const std::int64_t rows = o.heads == head_allocation::adakv ? o.model.num_kv_heads : 1;
     if (!detail::fits_int32(kvevict::detail::saturating_mul(rows, o.limits.max_tokens), detail::select_tile))
       return status::error(errc::overflow, fn, "limits.max_tokens",
