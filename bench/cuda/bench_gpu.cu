@@ -830,9 +830,23 @@ int main(int argc, char** argv) {
     for (std::int64_t* p : owned) BENCH_CHECK(cudaFree(p));
   }
   // The compressor's one call per layer (cuda::compressor, SnapKV, in place): 8 sequences of
-  // L/8 tokens at prefill_end, each keeping B/8 per head -- the batched scoring, one
-  // select_layer per sequence and the batched compaction.
-  {
+  // L/8 tokens at prefill_end, each keeping B/8 per head -- the batched scoring, the selection
+  // (uniform heads: every head's row in one launch; AdaKV heads: every sequence's budgets and
+  // sets in one launch per step; one keep set per layer, normalised max: every sequence's
+  // combined row, the same) and the batched compaction.
+  struct compressor_case {
+    const char* key;
+    const char* title;
+    kvevict::head_allocation heads;
+    kvevict::selection_scope scope;
+  };
+  for (const compressor_case& cc :
+       {compressor_case{"compressor_layer", "uniform heads", kvevict::head_allocation::uniform,
+                        kvevict::selection_scope::per_head},
+        compressor_case{"compressor_layer_adakv", "AdaKV heads", kvevict::head_allocation::adakv,
+                        kvevict::selection_scope::per_head},
+        compressor_case{"compressor_layer_scope", "one keep set per layer", kvevict::head_allocation::uniform,
+                        kvevict::selection_scope::per_layer}}) {
     constexpr std::int64_t batch = 8;
     const std::int64_t ls = L / batch;
     kvevict::compressor_options o;
@@ -841,6 +855,9 @@ int main(int argc, char** argv) {
     w.window = W;
     o.policy = kvevict::policy::snapkv(w);
     o.per_head = kvevict::budget::tokens(B / batch);
+    o.heads = cc.heads;
+    o.scope = cc.scope;
+    o.combine = kvevict::scope_combine::normalized_max;
     o.limits.max_sequences = batch;
     o.limits.max_tokens = ls;
     o.sharing = kvevict::block_sharing::none;  // the sequences share no block
@@ -866,64 +883,11 @@ int main(int argc, char** argv) {
     };
     const double us = median_us([&] { run(opt); }, reps);
     time_each_kernel(
-        "compressor_layer", capture_stream, [&] { run(capture_opt); }, reps);
-    std::printf("| cuda::compressor run, one layer of %lld sequences x %lld tokens (SnapKV, in place) | %.1f | | |\n",
-                static_cast<long long>(batch), static_cast<long long>(ls), us);
-    result("compressor_layer_us", us);
-    BENCH_CHECK(cudaFreeHost(staging));
-    BENCH_CHECK(cudaFree(ws));
-    BENCH_CHECK(cudaFree(cpos));
-  }
-  // AdaKV heads, and one keep set per layer (cuda::compressor, SnapKV, in place; normalised max):
-  // 8 sequences of L/8 tokens at prefill_end -- the batched scoring, every sequence's budgets
-  // and sets (or combined rows and sets) in one launch per step, the batched compaction.
-  for (const bool adakv : {true, false}) {
-    constexpr std::int64_t batch = 8;
-    const std::int64_t ls = L / batch;
-    kvevict::compressor_options o;
-    o.model = {1, hq, hkv, d, d, kvevict::dtype::bf16, kvevict::dtype::bf16};
-    kvevict::window_config w = kvevict::presets::kvpress_snapkv();
-    w.window = W;
-    o.policy = kvevict::policy::snapkv(w);
-    o.per_head = kvevict::budget::tokens(B / batch);
-    if (adakv) {
-      o.heads = kvevict::head_allocation::adakv;
-    } else {
-      o.scope = kvevict::selection_scope::per_layer;
-      o.combine = kvevict::scope_combine::normalized_max;
-    }
-    const char* key = adakv ? "compressor_layer_adakv" : "compressor_layer_scope";
-    o.limits.max_sequences = batch;
-    o.limits.max_tokens = ls;
-    o.sharing = kvevict::block_sharing::none;
-    kvevict::cuda::compressor c;
-    require_ok(kvevict::cuda::compressor::plan(o, &c));
-    std::vector<std::int64_t> cpos_h;
-    for (std::int64_t t = 0; t < W; ++t) cpos_h.push_back(ls - W + t);
-    std::int64_t* cpos = device_copy(cpos_h);
-    std::vector<kvevict::cuda::sequence_io<bf16, bf16>> seqs(static_cast<std::size_t>(batch));
-    for (std::int64_t s = 0; s < batch; ++s) {
-      auto& q = seqs[static_cast<std::size_t>(s)];
-      q.event = kvevict::sequence_event::prefill_end;
-      q.keys = kvevict::hf_contiguous(keys + s * hkv * ls * d, hkv, ls, d);
-      q.values = kvevict::hf_contiguous(values + s * hkv * ls * d, hkv, ls, d);
-      q.queries = kvevict::contiguous_queries(queries, hq, W, d, cpos);
-    }
-    std::vector<kvevict::sequence_report> reports(static_cast<std::size_t>(batch));
-    void* ws = device_bytes(c.workspace_size());
-    void* staging = nullptr;
-    BENCH_CHECK(cudaMallocHost(&staging, c.staging_size()));
-    const auto run = [&](const kvevict::cuda::launch_options& lo) {
-      require_ok(c.run(0, seqs.data(), batch, reports.data(), {ws, c.workspace_size()}, staging, c.staging_size(), lo));
-    };
-    const double us = median_us([&] { run(opt); }, reps);
-    time_each_kernel(
-        "compressor_layer_scope", capture_stream, [&] { run(capture_opt); }, reps);
+        cc.key, capture_stream, [&] { run(capture_opt); }, reps);
     std::printf(
-        "| cuda::compressor run, one keep set per layer, %lld sequences x %lld tokens (SnapKV, in place) | %.1f | | "
-        "|\n",
-        static_cast<long long>(batch), static_cast<long long>(ls), us);
-    result("compressor_layer_scope_us", us);
+        "| cuda::compressor run, one layer of %lld sequences x %lld tokens (SnapKV, %s, in place) | %.1f | | |\n",
+        static_cast<long long>(batch), static_cast<long long>(ls), cc.title, us);
+    result((std::string(cc.key) + "_us").c_str(), us);
     BENCH_CHECK(cudaFreeHost(staging));
     BENCH_CHECK(cudaFree(ws));
     BENCH_CHECK(cudaFree(cpos));

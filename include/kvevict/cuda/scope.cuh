@@ -64,18 +64,13 @@ __device__ __forceinline__ float scope_nan_max(float a, float b) {
   return (b != b || b > a) ? b : a;
 }
 
-template <int Unused = 0>
-__global__ void __launch_bounds__(scope_threads)
-    magnitude_bins_kernel(const float* scores, std::int64_t row_stride, std::int64_t candidates,
-                          unsigned long long* bins) {
-  KVEVICT_SHARED_ARRAY(unsigned long long, local, kvevict::detail::magnitude_bins);
+/// One block's share of a row's exact magnitude sum: keys [j0, j1) of x into the block's
+/// shared bins `local`, then added to the row's bins `out` (every thread of the block calls it).
+__device__ inline void add_magnitude_bins(const float* x, std::int64_t j0, std::int64_t j1, unsigned long long* local,
+                                          unsigned long long* out) {
   const int tid = static_cast<int>(threadIdx.x);
   for (int b = tid; b < kvevict::detail::magnitude_bins; b += scope_threads) local[b] = 0;
   __syncthreads();
-  const std::int64_t row = blockIdx.y;
-  const float* x = scores + row * row_stride;
-  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * scope_chunk;
-  const std::int64_t j1 = j0 + scope_chunk < candidates ? j0 + scope_chunk : candidates;
   for (std::int64_t j = j0 + tid; j < j1; j += scope_threads) {
     int bin = 0;
     std::uint64_t significand = 0;
@@ -83,9 +78,19 @@ __global__ void __launch_bounds__(scope_threads)
       atomicAdd(&local[bin], static_cast<unsigned long long>(significand));
   }
   __syncthreads();
-  unsigned long long* out = bins + row * kvevict::detail::magnitude_bins;
   for (int b = tid; b < kvevict::detail::magnitude_bins; b += scope_threads)
     if (local[b] != 0) atomicAdd(&out[b], local[b]);
+}
+
+template <int Unused = 0>
+__global__ void __launch_bounds__(scope_threads)
+    magnitude_bins_kernel(const float* scores, std::int64_t row_stride, std::int64_t candidates,
+                          unsigned long long* bins) {
+  KVEVICT_SHARED_ARRAY(unsigned long long, local, kvevict::detail::magnitude_bins);
+  const std::int64_t row = blockIdx.y;
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * scope_chunk;
+  const std::int64_t j1 = j0 + scope_chunk < candidates ? j0 + scope_chunk : candidates;
+  add_magnitude_bins(scores + row * row_stride, j0, j1, local, bins + row * kvevict::detail::magnitude_bins);
 }
 
 template <int Unused = 0>

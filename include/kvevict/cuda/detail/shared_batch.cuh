@@ -48,23 +48,11 @@ __global__ void __launch_bounds__(scope_threads)
   KVEVICT_SHARED_ARRAY(unsigned long long, local, kvevict::detail::magnitude_bins);
   const shared_job job = jobs[blockIdx.z];
   const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * scope_chunk;
-  if (j0 >= job.candidates) return;  // (the whole block: no barrier below is skipped by part of it)
-  const int tid = static_cast<int>(threadIdx.x);
-  for (int b = tid; b < kvevict::detail::magnitude_bins; b += scope_threads) local[b] = 0;
-  __syncthreads();
-  const float* x = job.scores + static_cast<std::int64_t>(blockIdx.y) * job.row_stride;
+  if (j0 >= job.candidates) return;  // (the whole block: no barrier inside is skipped by part of it)
   const std::int64_t j1 = j0 + scope_chunk < job.candidates ? j0 + scope_chunk : job.candidates;
-  for (std::int64_t j = j0 + tid; j < j1; j += scope_threads) {
-    int bin = 0;
-    std::uint64_t significand = 0;
-    if (kvevict::detail::magnitude_parts(x[j], &bin, &significand))
-      atomicAdd(&local[bin], static_cast<unsigned long long>(significand));
-  }
-  __syncthreads();
-  unsigned long long* out =
-      bins + (static_cast<std::int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * kvevict::detail::magnitude_bins;
-  for (int b = tid; b < kvevict::detail::magnitude_bins; b += scope_threads)
-    if (local[b] != 0) atomicAdd(&out[b], local[b]);
+  add_magnitude_bins(
+      job.scores + static_cast<std::int64_t>(blockIdx.y) * job.row_stride, j0, j1, local,
+      bins + (static_cast<std::int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * kvevict::detail::magnitude_bins);
 }
 
 /// combine_rows_kernel, then (per-sequence scope) fold_layer_kernel's step on the same value,
