@@ -1032,14 +1032,41 @@ TEST_CASE("GPU compressor: chunked prefill refuses as the CPU does; a chunk out 
     std::swap(sc.calls[0].seqs[0].queries, sc.calls[2].seqs[0].queries);
     std::swap(sc.calls[1].seqs[0].queries, sc.calls[3].seqs[0].queries);
     const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(d, sc.calls, 4);
-    for (std::size_t i = 0; i < 8; ++i) {
+    for (std::size_t i = 0; i < 8; ++i) {  // the late chunk, then the eviction (prefill_end only observes)
       INFO("call " << i << ": " << g.calls[i].st.message());
       REQUIRE(g.calls[i].st.ok());
-      REQUIRE(g.calls[i].flags == (i < 2 ? 0u : kvevict::cuda::flag_query_position));
+      const bool flagged = i == 2 || i == 3 || i == 6 || i == 7;
+      REQUIRE(g.calls[i].flags == (flagged ? kvevict::cuda::flag_query_position : 0u));
     }
     REQUIRE(sc.calls[6].seqs[0].event == kvevict::sequence_event::decode);  // step 1 evicts every layer
     require_untouched(sc, g, 6);
     require_untouched(sc, g, 7);
+  }
+  SECTION("DeferKV delay 1: a late chunk of a sequence that only observes cancels only its own eviction") {
+    kvevict::compressor_options d = deferkv_options(dtype::bf16, dtype::bf16, 1);
+    d.chunked_prefill = true;
+    scenario<bf16, bf16> sc(d, false, 2, 96, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+    chunk_prompts(sc, {{25, 58}, {}, {}, {4, 8}});
+    std::swap(sc.calls[0].seqs[3].queries, sc.calls[2].seqs[3].queries);  // sequence 3: [4, 8) before [0, 4)
+    std::swap(sc.calls[1].seqs[3].queries, sc.calls[3].seqs[3].queries);
+    const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(d, sc.calls, 4);
+    // Calls 6 and 7 (step 1): sequences 0 and 2 evict, sequence 3's prefill_end only observes.
+    REQUIRE(sc.calls[6].seqs[3].event == kvevict::sequence_event::prefill_end);
+    for (std::size_t i = 0; i < sc.calls.size(); ++i) {
+      INFO("call " << i << ": " << g.calls[i].st.message());
+      REQUIRE(g.calls[i].st.ok());
+      const bool flagged = i == 2 || i == 3 || i == 8 || i == 9;  // the late chunk, then its eviction
+      REQUIRE(g.calls[i].flags == (flagged ? kvevict::cuda::flag_query_position : 0u));
+    }
+    for (std::size_t i : {std::size_t{6}, std::size_t{7}})  // the others' sets written
+      for (std::size_t s : {std::size_t{0}, std::size_t{2}}) REQUIRE(g.calls[i].seqs[s].head_lengths[0] >= 0);
+    for (std::size_t i : {std::size_t{8}, std::size_t{9}}) {  // sequence 3's eviction: nothing of it written
+      const gpu::compressor_sequence<bf16, bf16>& q = sc.calls[i].seqs[3];
+      REQUIRE(q.event == kvevict::sequence_event::decode);
+      require_bytes<bf16>(g.calls[i].seqs[3].keys, q.k.buf);
+      require_bytes<bf16>(g.calls[i].seqs[3].values, q.v.buf);
+      for (std::int64_t x : g.calls[i].seqs[3].head_lengths) REQUIRE(x == -7);
+    }
   }
 }
 
@@ -1516,6 +1543,9 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
   cases.back().o.model.num_kv_heads = 0;
   cases.push_back({base, kvevict::errc::overflow, "model.num_kv_heads"});  // the kernels' limits
   cases.back().o.model.num_kv_heads = cases.back().o.model.num_query_heads = 70000;
+  cases.push_back({base, kvevict::errc::overflow, "model.num_query_heads"});  // chunked prefill: the window's grid
+  cases.back().o.chunked_prefill = true;
+  cases.back().o.model.num_query_heads = 70000;
   cases.push_back({base, kvevict::errc::overflow, "limits.max_tokens"});
   cases.back().o.limits.max_tokens = std::int64_t{1} << 31;
   cases.push_back({base, kvevict::errc::overflow, "limits.max_sequences"});  // AdaKV: every head on a grid dimension

@@ -171,11 +171,13 @@ class compressor : private detail::compressor_checks {
   /// (one staging buffer per run in flight).
   std::size_t staging_size() const noexcept { return staging_bytes_; }
   /// Device bytes of state per sequence: DeferKV's running sums [layers, Hkv, max_tokens]
-  /// floats, then the per-sequence scope's folded row [max_tokens]; 0 for SnapKV with another
-  /// scope (sequence_io::state may be null then). Needs no initialisation.
+  /// floats, then the per-sequence scope's folded row [max_tokens], then with chunked_prefill
+  /// each layer's window of the chunks' queries; 0 for SnapKV with another scope and no chunks
+  /// (sequence_io::state may be null then). Needs no initialisation.
   std::size_t sequence_state_size() const noexcept { return state_bytes_; }
   /// Host bytes of bookkeeping per sequence (sequence_io::host_state: DeferKV's layers, the
-  /// per-sequence scope's record); 0 for SnapKV with another scope.
+  /// per-sequence scope's record, each layer's chunk window counts); 0 when the device state
+  /// is (both are then needed on every call that is not idle).
   std::size_t host_state_size() const noexcept { return host_state_bytes_; }
   /// Entries of sequence_io::kept_positions one eviction may write.
   std::int64_t keep_capacity() const noexcept { return keep_capacity_; }
@@ -468,6 +470,10 @@ class compressor : private detail::compressor_checks {
     if (o.model.num_kv_heads > 65535)
       return status::error(errc::overflow, fn, "model.num_kv_heads", "expected at most 65535 on the GPU, got %lld",
                            static_cast<long long>(o.model.num_kv_heads));
+    if (buffers_windows() && o.model.num_query_heads > 65535)  // the window kernels' grid y
+      return status::error(errc::overflow, fn, "model.num_query_heads",
+                           "expected at most 65535 on the GPU with chunked_prefill, got %lld",
+                           static_cast<long long>(o.model.num_query_heads));
     // The batched selections put a call's sequences (the shared scopes) or their heads (AdaKV)
     // on a grid dimension of at most 65,535 blocks.
     const std::int64_t batched_rows =
@@ -551,10 +557,13 @@ class compressor : private detail::compressor_checks {
                          detail::window_append_kernel<Q>, chunk, kvevict::detail::last_queries(io.queries, take),
                          ring_of(io, layer), slot, w.seen > 0, opt.device_flags));
     }
+    // A prefill_end that only observes (DeferKV fed back, a fold before the last layer) keeps
+    // its verdict for the call that evicts, whose cancel word is its own (window_verdicts_kernel).
     if (prefill)
       KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "window_order_kernel", {dim3(1), dim3(1), 0, opt.stream},
                                              detail::window_order_kernel<>, ring_of(io, layer).header,
-                                             io.queries.positions, n - 1, w.seen > 0, dev.cancel, opt.device_flags));
+                                             io.queries.positions, n - 1, w.seen > 0, p.evict ? dev.cancel : nullptr,
+                                             opt.device_flags));
     if (!p.evict || (!p.fold && io.event != sequence_event::decode)) return status();
     const std::int64_t first = p.fold ? 0 : layer, layers = p.fold ? options_.model.num_layers : 1;
     return detail::launch(fn, "window_verdicts_kernel", {dim3(1), dim3(32), 0, opt.stream},
