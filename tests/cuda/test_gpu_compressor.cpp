@@ -1573,6 +1573,11 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
   cases.push_back({base, kvevict::errc::unsupported, "tensor_parallel"});
   cases.back().o.tensor_parallel = &alone;
   cases.back().o.scope = kvevict::selection_scope::per_layer;
+  // Decode-time budgets are the CPU compressor's: the GPU plan refuses them rather than let
+  // the cache grow while reporting success.
+  cases.push_back({base, kvevict::errc::unsupported, "decoding"});
+  cases.back().o.decoding.target = kvevict::budget::tokens(16);
+  cases.back().o.decoding.interval = 8;
   for (const expect& c : cases) {
     const kvevict::status st = gpu::compressor_plan(c.o);
     INFO(c.arg << ": " << st.message());

@@ -395,6 +395,46 @@ void run_shape(i64 d, i64 group, i64 w, i64 l) {
       }
       return report.action == kvevict::sequence_action::evicted;
     });
+    // Decode-time budgets: the compressor planned and its state sized outside the count.
+    kvevict::compressor_options dopt;
+    dopt.model = {1, hq, hkv, d, 0, kvevict::dtype_of<T>::value};
+    dopt.sharing = kvevict::block_sharing::none;
+    dopt.policy = kvevict::policy::snapkv(kvevict::presets::snapkv_paper());
+    dopt.policy.config<kvevict::snapkv_traits>().window = w;
+    dopt.per_head = kvevict::budget::tokens(l / 2);
+    kvevict::window_config dw = kvevict::presets::kvpress_snapkv();
+    dw.window = 2;
+    dopt.decoding.policy = kvevict::policy::snapkv(dw);
+    dopt.decoding.target = kvevict::budget::tokens(l / 4);
+    dopt.decoding.interval = 1;
+    dopt.limits.max_tokens = l + 2;
+    dopt.exec = *e;
+    kvevict::compressor decoding;
+    if (!kvevict::compressor::plan(dopt, &decoding).ok() || decoding.workspace_size() > ws.size()) ++failures;
+    std::vector<std::uint64_t> decoding_state(decoding.sequence_state_size() / 8 + 1);
+    no_alloc("compressor: decode-time budgets, prefill and three decode steps with rounds " + x, [&] {
+      if (!decoding.reset_sequence(decoding_state.data(), decoding_state.size() * 8).ok()) return false;
+      kvevict::sequence_io<T> io;
+      io.event = kvevict::sequence_event::prefill_end;
+      io.keys = compressor_keys.view.first_tokens(l);
+      io.values = compressor_values.view.first_tokens(l);
+      io.queries = queries.view;
+      io.state = decoding_state.data();
+      kvevict::sequence_report report;
+      if (!decoding.run(0, &io, 1, &report, ws).ok()) return false;
+      io.event = kvevict::sequence_event::decode;
+      i64 rounds = 0;
+      for (i64 step = 0; step < 3; ++step) {
+        const i64 pos = l + step;
+        io.queries = decode_q.view;
+        io.queries.positions = &pos;
+        io.keys = compressor_keys.view.first_tokens(report.length + 1);
+        io.values = compressor_values.view.first_tokens(report.length + 1);
+        if (!decoding.run(0, &io, 1, &report, ws).ok()) return false;
+        rounds += report.action == kvevict::sequence_action::evicted ? 1 : 0;
+      }
+      return rounds > 0;
+    });
     // Failing calls build their message in the status itself: no allocation either.
     no_alloc("errors " + x, [&] {
       kvevict::layer_inputs<T> bad = in;

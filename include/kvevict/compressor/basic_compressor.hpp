@@ -79,6 +79,11 @@ class basic_compressor : private detail::compressor_steps {
       st = status::error(errc::unsupported, fn, "policy.kind",
                          "%s is not in this compressor's policy list (plan a basic_compressor whose list holds it)",
                          to_string(options.policy.kind()));
+    if (st.ok() && options.decoding.enabled() &&
+        !detail::lists_kind(Policies{}, static_cast<std::size_t>(options.decoding.policy.kind())))
+      st = status::error(errc::unsupported, fn, "decoding.policy.kind",
+                         "%s is not in this compressor's policy list (plan a basic_compressor whose list holds it)",
+                         to_string(options.decoding.policy.kind()));
     if (group != nullptr) KVEVICT_RETURN_IF_ERROR(c.learn_heads(st, fn));  // all ranks fail here together
     KVEVICT_RETURN_IF_ERROR(st);
     c.total_heads_ = group != nullptr ? c.total_heads_ : options.model.num_kv_heads;
@@ -266,7 +271,8 @@ status basic_compressor<Policies>::run(std::int64_t layer, const sequence_io<T, 
   detail::run_layout lay;
   const status checked = check_run<Policies>(layer, seqs, num_seqs, reports, ws, &lay);
   // Tensor parallelism: one agreement round for the batch, failed or not (design.md §15).
-  if (selects_across_ranks()) KVEVICT_RETURN_IF_ERROR(agree_run<Policies>(layer, seqs, num_seqs, checked));
+  if (selects_across_ranks())
+    KVEVICT_RETURN_IF_ERROR(agree_run<Policies>(layer, seqs, num_seqs, checked, lay.layer_budgets));
   KVEVICT_RETURN_IF_ERROR(checked);
 
   run_trace trace;

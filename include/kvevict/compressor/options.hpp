@@ -12,6 +12,7 @@
 
 #include "kvevict/budgets/adakv_params.hpp"
 #include "kvevict/budgets/layer_budget_params.hpp"
+#include "kvevict/compressor/decode_budget.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/dtype.hpp"
 #include "kvevict/executor.hpp"
@@ -163,6 +164,11 @@ struct compressor_options {
   /// sequence_state_size() grows by [Hq, rows, d] queries per layer), so the last chunk may
   /// hold fewer than the window and the keep set is the unchunked one.
   bool chunked_prefill = false;
+  /// Long generation: compress each layer again while decoding, every interval tokens, back to
+  /// a target, with a decode scorer (compressor/decode_budget.hpp). Off by default. Each
+  /// layer's state keeps the scorer's last decode queries (sequence_state_size() grows by
+  /// [Hq, rows, d] queries per layer, as for chunked_prefill; the two share the rows).
+  decode_budget decoding;
   executor exec;  ///< heads run through it; scratch is sized for its workers
   compressor_tracer tracer;
   /// Tensor parallelism (design.md §15): the engine's group of ranks that split the model's KV

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 
@@ -116,6 +117,96 @@ inline status check_policy(compressor_options* options, std::int64_t* window, co
                             [&](auto traits) { return decltype(traits)::check(options, window, fn); });
 }
 
+/// An error about the decode scorer's configuration, named under `decoding.` (a check of the
+/// options' policy names "policy.x"; here it is "decoding.policy.x").
+inline status decoding_named(const status& st, const char* fn) noexcept {
+  if (st.ok()) return st;
+  char name[2 * status::max_argument];  // (the status keeps its first max_argument bytes)
+  std::snprintf(name, sizeof(name), "decoding.%s", st.argument());
+  const char* text = std::strstr(st.message(), ": ");
+  text = text != nullptr ? std::strstr(text + 2, ": ") : nullptr;  // past "function: argument: "
+  return status::error(st.code(), fn, name, "%s", text != nullptr ? text + 2 : st.message());
+}
+
+/// The options a decode-time compression runs under: the plan's, with the decode scorer as the
+/// policy and the decode target as the per-head budget (so the budget arithmetic, PyramidKV's
+/// shares and the keep capacities are the prefill's functions).
+inline compressor_options decoding_options(const compressor_options& o) noexcept {
+  compressor_options d = o;
+  d.policy = o.decoding.policy;
+  d.per_head = o.decoding.target;
+  d.chunked_prefill = false;
+  d.decoding = decode_budget{};
+  return d;
+}
+
+/// The decode queries each layer keeps for the decode scorer: H2O's `window`, else the
+/// scorer's own observation window (0 when it reads none, or maintenance is off). `o` is
+/// validated.
+inline std::int64_t decoding_window(const compressor_options& o) noexcept {
+  if (!o.decoding.enabled() || !reads_queries(o.decoding.policy.kind())) return 0;
+  if (every_prompt_query(o.decoding.policy.kind())) return o.decoding.window;
+  compressor_options d = decoding_options(o);
+  std::int64_t window = 0;
+  (void)check_policy(&d, &window, "");
+  return window;
+}
+
+/// The plan's checks of compressor_options::decoding.
+inline status check_decoding(const compressor_options& o, const char* fn) noexcept {
+  const decode_budget& dec = o.decoding;
+  const budget& t = dec.target;
+  if (t.type != budget::kind::tokens && t.type != budget::kind::ratio)
+    return status::error(errc::invalid_argument, fn, "decoding.target.type", "expected tokens or ratio, got %d",
+                         static_cast<int>(t.type));
+  if (!dec.enabled()) return status();
+  if (t.type == budget::kind::tokens && t.count < 0)
+    return status::error(errc::invalid_argument, fn, "decoding.target",
+                         "expected a token count >= 1 (0: no decode-time compression), got %lld",
+                         static_cast<long long>(t.count));
+  if (t.type == budget::kind::ratio && !(t.compression_ratio > 0.0 && t.compression_ratio <= 1.0))
+    return status::error(errc::invalid_argument, fn, "decoding.target",
+                         "expected a compression ratio in (0, 1], got %g", t.compression_ratio);
+  if (dec.interval < 1)
+    return status::error(errc::invalid_argument, fn, "decoding.interval",
+                         "expected N >= 1 (a layer is compressed when it holds more than target + N tokens), got %lld",
+                         static_cast<long long>(dec.interval));
+  const policy_kind k = dec.policy.kind();
+  if (static_cast<unsigned>(k) >= default_policies::size)
+    return status::error(errc::invalid_argument, fn, "decoding.policy.kind", "expected a policy_kind value, got %d",
+                         static_cast<int>(k));
+  if (defers(k) || reuses_positions(k) || fixed_window(dec.policy))
+    return status::error(errc::unsupported, fn, "decoding.policy.kind",
+                         "%s observes the prompt (deferred eviction, pseudo queries): a decode scorer scores the "
+                         "cache from the last decode queries (SnapKV, TOVA, H2O, KNorm, StreamingLLM, KeyDiff)",
+                         to_string(k));
+  const bool h2o = every_prompt_query(k);
+  if (h2o && dec.window < 1)
+    return status::error(errc::invalid_argument, fn, "decoding.window",
+                         "expected the decode queries H2O accumulates over (>= 1), got %lld",
+                         static_cast<long long>(dec.window));
+  if (!h2o && dec.window != 0)
+    return status::error(errc::invalid_argument, fn, "decoding.window",
+                         "expected 0: %s observes with its configuration's window (decoding.window is H2O's), got %lld",
+                         to_string(k), static_cast<long long>(dec.window));
+  if (o.heads == head_allocation::adakv)
+    return status::error(errc::unsupported, fn, "decoding",
+                         "AdaKV leaves the heads of a layer with different lengths, which a cache view (one "
+                         "num_tokens per layer) cannot describe at the next compression: use uniform heads");
+  if (o.tensor_parallel != nullptr && o.scope != selection_scope::per_head)
+    return status::error(errc::unsupported, fn, "decoding",
+                         "decode-time compression of a keep set shared by heads across tensor-parallel ranks is not "
+                         "implemented (per-head keep sets need no exchange)");
+  compressor_options d = decoding_options(o);
+  std::int64_t window = 0;
+  KVEVICT_RETURN_IF_ERROR(decoding_named(check_policy(&d, &window, fn), fn));
+  if (t.type == budget::kind::tokens && t.count > o.limits.max_tokens)
+    return status::error(errc::invalid_argument, fn, "decoding.target",
+                         "expected at most limits.max_tokens = %lld tokens, got %lld",
+                         static_cast<long long>(o.limits.max_tokens), static_cast<long long>(t.count));
+  return status();
+}
+
 /// An error of validate_layer_budget about the budget built from the options, named by the
 /// options' own fields ("budget.heads" becomes "heads", "budget.adakv.alpha" "adakv.alpha").
 inline status options_named(const status& st, const char* fn) noexcept {
@@ -187,6 +278,7 @@ inline status check_compressor_options(compressor_options* options, const layer_
     return status::error(errc::invalid_argument, fn, "pyramid_beta", "expected a finite beta >= 1, got %g",
                          o.pyramid_beta);
   KVEVICT_RETURN_IF_ERROR(check_contracts(o, fn));
+  KVEVICT_RETURN_IF_ERROR(check_decoding(o, fn));
   if (o.limits.max_queries == 0) o.limits.max_queries = *window;
   if (*window > o.limits.max_queries)
     return status::error(errc::invalid_shape, fn, "limits.max_queries",

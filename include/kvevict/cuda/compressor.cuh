@@ -461,6 +461,12 @@ class compressor : private detail::compressor_checks {
       return status::error(errc::unsupported, fn, "tensor_parallel",
                            "AdaKV and keep sets shared by heads select across tensor-parallel ranks, which the GPU "
                            "does not (per-head keep sets under uniform or PyramidKV budgets need no exchange)");
+    // Decode-time budgets (compressor_options::decoding) run on the CPU compressor only: a
+    // device plan that accepted them would let the cache grow while reporting success.
+    if (o.decoding.enabled())
+      return status::error(errc::unsupported, fn, "decoding",
+                           "decode-time budget maintenance is implemented by kvevict::compressor (the CPU); the "
+                           "GPU compressor compresses once per sequence");
     // Chunked prefill: each layer keeps the window's rows (H2O: every prompt query it may see),
     // as the CPU compressor; DapQ's pseudo queries come whole with prefill_end.
     if (o.chunked_prefill && kvevict::detail::reads_queries(o.policy.kind()) &&

@@ -48,8 +48,8 @@ class compressor_agreement : protected compressor_lifecycle {
   /// and, per sequence, the same event, action, token counts and protected tail, or every rank
   /// gets the same error; a rank whose checks failed makes every rank return.
   template <class List, class T, class Q>
-  status agree_run(std::int64_t layer, const sequence_io<T, Q>* seqs, std::int64_t num_seqs,
-                   const status& local) const {
+  status agree_run(std::int64_t layer, const sequence_io<T, Q>* seqs, std::int64_t num_seqs, const status& local,
+                   std::int64_t* layer_budgets) const {
     static constexpr const char* fn = "kvevict::compressor::run";
     digest batch;
     std::uint64_t tokens = 0;
@@ -57,9 +57,10 @@ class compressor_agreement : protected compressor_lifecycle {
       for (std::int64_t s = 0; s < num_seqs; ++s) {
         const sequence_io<T, Q>& io = seqs[s];
         plan_step what;
-        (void)decide<List>(layer, io, s, &what);  // checked: cannot fail
+        (void)decide<List>(layer, io, s, &what, layer_budgets);  // checked: cannot fail
         batch.add(static_cast<std::uint64_t>(io.event));
         batch.add(what.observe ? 1u : 0u);
+        batch.add(what.decode_round ? 1u : 0u);
         batch.add(static_cast<std::uint64_t>(what.action));
         if (!what.observe && what.action == act::none) continue;
         tokens += static_cast<std::uint64_t>(io.keys.num_tokens);

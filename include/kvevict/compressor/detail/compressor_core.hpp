@@ -43,7 +43,13 @@ class compressor_core {
   std::int64_t keep_capacity_per_head(std::int64_t tokens) const noexcept {
     if (!planned_) return 0;
     const std::int64_t t = tokens < options_.limits.max_tokens ? tokens : options_.limits.max_tokens;
-    const std::int64_t rows = head_keep_bound(options_, base_budget(), t);
+    std::int64_t rows = head_keep_bound(options_, base_budget(), t);
+    if (maintains()) {
+      layer_budget b = base_layer_budget(decode_options_);
+      b.shard = shard();
+      const std::int64_t decoded = head_keep_bound(decode_options_, b, t);
+      rows = decoded > rows ? decoded : rows;
+    }
     return rows < head_capacity_ ? rows : head_capacity_;
   }
 
@@ -129,7 +135,11 @@ class compressor_core {
   /// the kind.
   template <class List, class T, class Q, class F>
   status with_scoring_policy(F&& f) const {
-    const policy_config& p = options_.policy;
+    return with_scoring_policy<List, T, Q>(options_.policy, static_cast<F&&>(f));
+  }
+  /// The same for the policy of `p` (the decode scorer, compressor_options::decoding).
+  template <class List, class T, class Q, class F>
+  status with_scoring_policy(const policy_config& p, F&& f) const {
     return visit_listed(List{}, static_cast<std::size_t>(p.kind()), status(), [&](auto traits) -> status {
       using Tr = decltype(traits);
       if constexpr (Tr::deferred) {
@@ -143,6 +153,35 @@ class compressor_core {
         return f(traits, base);
       }
     });
+  }
+
+  // ---- decode-time budgets (compressor_options::decoding) ------------------------------
+
+  bool maintains() const noexcept { return options_.decoding.enabled(); }
+  /// The decode scorer's selection (its protected tail).
+  template <class List, class T, class Q>
+  selection_params decode_selection() const {
+    selection_params sel;
+    (void)with_scoring_policy<List, T, Q>(options_.decoding.policy, [&](auto, const auto& policy) {
+      sel = policy.selection();
+      return status();
+    });
+    return sel;
+  }
+  /// The budget of a decode-time compression of layer `layer` at `tokens` tokens: the plan's
+  /// budget arithmetic with the decode target (layer_budgets: [num_layers] scratch, PyramidKV).
+  layer_budget decode_budget_for(std::int64_t layer, std::int64_t tokens, const selection_params& sel,
+                                 std::int64_t* layer_budgets) const noexcept {
+    layer_budget b = base_layer_budget(decode_options_);
+    b.shard = shard();
+    return layer_budget_for(decode_options_, b, layer, tokens, sel, layer_budgets);
+  }
+  /// Whether a decode step that leaves layer `layer` holding `tokens` tokens per head compresses
+  /// it: more than the rows a compression keeps there plus the interval N.
+  bool decode_compresses(std::int64_t layer, std::int64_t tokens, const selection_params& sel,
+                         std::int64_t* layer_budgets) const noexcept {
+    const std::int64_t rows = layer_keep_capacity(1, tokens, sel, decode_budget_for(layer, tokens, sel, layer_budgets));
+    return tokens - rows > options_.decoding.interval;
   }
 
   // ---- running -----------------------------------------------------------------------
@@ -219,6 +258,8 @@ class compressor_core {
     if (options_.layers == layer_allocation::pyramidkv) b.layer_candidates = lim.max_tokens;
     const executor& exec = options_.exec;
     keep_capacities(options_, base_budget(), &keep_capacity_, &head_capacity_);
+    decode_options_ = decoding_options(options_);
+    decode_window_ = decoding_window(options_);
     std::size_t evict_bytes = 0, score_bytes = 0;
     layer_state_bytes_ = 0;
     if constexpr (has_deferred_v<List>) {
@@ -237,6 +278,21 @@ class compressor_core {
         return status();
       });
     }
+    if (maintains()) {  // the decode scorer's compressions, over its window of decode queries
+      layer_budget db = base_layer_budget(decode_options_);
+      db.shard = shard();
+      if (options_.layers == layer_allocation::pyramidkv) db.layer_candidates = lim.max_tokens;
+      const layer_shape dshape{m.num_query_heads, m.num_kv_heads, m.head_dim, lim.max_tokens, decode_window_};
+      (void)with_scoring_policy<List, T, Q>(options_.decoding.policy, [&](auto traits, const auto& policy) {
+        evict_bytes = std::max(evict_bytes, policy.evict_workspace_size(dshape, db, exec));
+        score_bytes = std::max(score_bytes, decltype(traits)::score_workspace_size(policy, dshape, exec));
+        return status();
+      });
+      std::int64_t keep = 0, per_head = 0;
+      keep_capacities(decode_options_, db, &keep, &per_head);
+      keep_capacity_ = std::max(keep_capacity_, keep);
+      head_capacity_ = std::max(head_capacity_, per_head);
+    }
     policy_bytes_ = evict_bytes;
     if (options_.scope == selection_scope::per_sequence) {
       arena a;
@@ -252,10 +308,16 @@ class compressor_core {
     // chunked prefill: each layer keeps the window's rows (H2O: every prompt query it may see)
     window_bytes_ = 0;
     window_capacity_ = 0;
+    chunk_rows_ = 0;
     window_scratch_bytes_ = 0;
     // (DapQ's pseudo queries come whole with prefill_end: its prompt chunks keep nothing)
-    if (options_.chunked_prefill && reads_queries(options_.policy.kind()) && !fixed_window(options_.policy)) {
-      window_capacity_ = every_prompt_query(options_.policy.kind()) ? lim.max_queries : window_;
+    const bool chunks =
+        options_.chunked_prefill && reads_queries(options_.policy.kind()) && !fixed_window(options_.policy);
+    // decode-time budgets: the same rows hold the last decode queries after prefill_end (the
+    // header alone, which marks prefill_end, when the decode scorer reads none)
+    if (chunks || maintains()) {
+      if (chunks) chunk_rows_ = every_prompt_query(options_.policy.kind()) ? lim.max_queries : window_;
+      window_capacity_ = std::max(chunk_rows_, decode_window_);
       window_scratch_bytes_ = round_up_64(saturating_mul(
           saturating_mul(static_cast<std::size_t>(m.num_query_heads), static_cast<std::size_t>(window_capacity_)),
           saturating_mul(static_cast<std::size_t>(m.head_dim), sizeof(Q))));
@@ -288,6 +350,9 @@ class compressor_core {
   std::size_t window_bytes_ = 0;          ///< a layer's chunked-prefill window in the state
   std::size_t window_scratch_bytes_ = 0;  ///< its queries (and the workspace's assembled window)
   std::int64_t window_capacity_ = 0;      ///< rows it holds
+  std::int64_t chunk_rows_ = 0;           ///< rows prompt chunks buffer (0: prefill_chunk keeps none)
+  compressor_options decode_options_;     ///< decoding_options(options_): the decode scorer's plan
+  std::int64_t decode_window_ = 0;        ///< decode queries the decode scorer observes with
   std::size_t state_bytes_ = 0;
   std::int64_t keep_capacity_ = 0;
   std::int64_t head_capacity_ = 0;

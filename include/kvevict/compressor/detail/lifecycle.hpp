@@ -50,24 +50,50 @@ class compressor_lifecycle : protected compressor_window {
   }
 
   /// Decides what the event does; for a deferred policy and the sequence scope also checks
-  /// the state.
+  /// the state. `layer_budgets`: [num_layers] scratch (PyramidKV's shares, decode-time budgets).
   template <class List, class T, class Q>
-  status decide(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, plan_step* out) const {
+  status decide(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, plan_step* out,
+                std::int64_t* layer_budgets) const {
     static constexpr const char* fn = "kvevict::compressor::run";
     *out = plan_step{};
     if (io.event == sequence_event::idle) return status();
     if (state_bytes_ > 0) KVEVICT_RETURN_IF_ERROR(check_state(io.state, s));
-    if (window_bytes_ > 0 && io.event != sequence_event::decode && !window_intact(io.state, layer))
+    const bool decode = io.event == sequence_event::decode;
+    if (window_bytes_ > 0 && (!decode || maintains()) && !window_intact(io.state, layer))
       return status::error(errc::invalid_state, fn, io_name(s, "state"),
-                           "layer %lld's prefill window was overwritten: reset_sequence() when the sequence starts",
+                           "layer %lld's query window was overwritten: reset_sequence() when the sequence starts",
                            static_cast<long long>(layer));
     if (io.event == sequence_event::prefill_chunk) return decide_chunk<List>(layer, io, s, out);
+    if (decode && maintains()) {
+      if (!decoding_started(io.state, layer))
+        return status::error(errc::invalid_state, fn, io_name(s, "event"),
+                             "a decode step before this sequence's prefill_end at layer %lld (decode-time budgets "
+                             "start after the prompt's compression)",
+                             static_cast<long long>(layer));
+      out->buffer_decode = decode_window_ > 0;
+    }
     if (!defers<List>()) {
       if (io.event == sequence_event::prefill_end) out->action = scores_act(layer);
     } else if constexpr (has_deferred_v<List>) {
       KVEVICT_RETURN_IF_ERROR(decide_deferred<List>(layer, io, s, out));
     }
-    if (out->action == act::fold || out->action == act::fold_and_evict_all) {
+    // Decode-time budgets, once the prompt's compression is done (DeferKV's at its step d;
+    // then its decode steps neither observe nor act).
+    if (decode && maintains() && !out->observe && out->action == act::none &&
+        decode_compresses(layer, io.keys.num_tokens, decode_selection<List, T, Q>(), layer_budgets)) {
+      out->action = scores_act(layer);
+      out->decode_round = true;
+    }
+    if ((out->action == act::fold || out->action == act::fold_and_evict_all) && out->decode_round) {
+      // Every decode-time compression of a keep set shared by every layer folds the layers
+      // again, at one step: layer 0 starts the round, the others continue it.
+      const scope_state* sc = scope_header(io.state);
+      if (layer > 0 && (sc->done != 0 || sc->folded != layer))
+        return status::error(errc::invalid_state, fn, io_name(s, "state"),
+                             "a decode-time compression shared by every layer folds the layers in order at one step: "
+                             "expected layer %lld, got %lld",
+                             static_cast<long long>(sc->done != 0 ? 0 : sc->folded), static_cast<long long>(layer));
+    } else if (out->action == act::fold || out->action == act::fold_and_evict_all) {
       const scope_state* sc = scope_header(io.state);
       if (sc->done != 0) {  // the sequence's keep set was applied: nothing more to do
         *out = plan_step{};
@@ -116,7 +142,7 @@ class compressor_lifecycle : protected compressor_window {
                                static_cast<long long>(layer));
       }
     }
-    out->buffer = window_bytes_ > 0;
+    out->buffer = chunk_rows_ > 0;
     return status();
   }
 

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "kvevict/compressor/options.hpp"
+#include "kvevict/compressor/plan.hpp"
 #include "kvevict/config.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/parallel/agreement.hpp"
@@ -68,6 +69,19 @@ inline status agree_plan(const compressor_options& o, std::uint64_t policy, cons
   budget.add(static_cast<std::uint64_t>(o.per_head.type));
   budget.add(static_cast<std::uint64_t>(o.per_head.count));
   budget.add(bits(o.per_head.compression_ratio));
+  digest decoding;  // decode-time budgets: the target, N and the scorer's window and protected tail
+  if (o.decoding.enabled()) {
+    const selection_params tail = largest_selection(decoding_options(o));
+    decoding.add(static_cast<std::uint64_t>(o.decoding.target.type));
+    decoding.add(static_cast<std::uint64_t>(o.decoding.target.count));
+    decoding.add(bits(o.decoding.target.compression_ratio));
+    decoding.add(static_cast<std::uint64_t>(o.decoding.interval));
+    decoding.add(static_cast<std::uint64_t>(o.decoding.policy.kind()));
+    decoding.add(static_cast<std::uint64_t>(o.decoding.policy.chunk_length));
+    decoding.add(static_cast<std::uint64_t>(decoding_window(o)));
+    decoding.add(static_cast<std::uint64_t>(tail.protected_tail));
+    decoding.add(static_cast<std::uint64_t>(tail.mode));
+  }
   const agreement_field fields[] = {
       {"model.num_layers", static_cast<std::uint64_t>(m.num_layers)},
       {"model.num_query_heads",
@@ -93,6 +107,7 @@ inline status agree_plan(const compressor_options& o, std::uint64_t policy, cons
       {"limits.max_tokens", static_cast<std::uint64_t>(o.limits.max_tokens)},
       {"limits.max_queries", static_cast<std::uint64_t>(o.limits.max_queries)},
       {"chunked_prefill", o.chunked_prefill ? 1u : 0u},
+      {"decoding", decoding.h, true},
   };
   static_assert(sizeof(fields) / sizeof(fields[0]) <= max_agreement_fields, "one agreement round");
   return agree(*o.tensor_parallel, fn, "tensor_parallel", local, fields,

@@ -2,12 +2,14 @@
 #ifndef KVEVICT_COMPRESSOR_DETAIL_PREFILL_WINDOW_HPP
 #define KVEVICT_COMPRESSOR_DETAIL_PREFILL_WINDOW_HPP
 
-// The queries a sequence observes with at prefill_end. With chunked prefill
-// (compressor_options::chunked_prefill) each layer's state keeps the last queries of the
-// chunks handed so far (prefill_chunk), and prefill_end's window is those rows followed by the
-// last chunk's: the rows the unchunked prompt would have handed, in the same order, so the
-// keep set is the unchunked one bit for bit. Without chunks it is a view of the call's last
-// queries.
+// The queries a sequence observes with at prefill_end, and at a decode-time compression. With
+// chunked prefill (compressor_options::chunked_prefill) each layer's state keeps the last
+// queries of the chunks handed so far (prefill_chunk), and prefill_end's window is those rows
+// followed by the last chunk's: the rows the unchunked prompt would have handed, in the same
+// order, so the keep set is the unchunked one bit for bit. Without chunks it is a view of the
+// call's last queries. After prefill_end the same rows keep the last decode queries, a ring
+// (compressor_options::decoding), and a decode-time compression observes with the newest of
+// them followed by the step's own.
 
 #include <cstdint>
 #include <cstring>
@@ -112,16 +114,94 @@ class compressor_window : protected compressor_core {
     w->seen += n;
     w->last_position = tail.positions[take - 1];
   }
-  /// A layer's window header as buffer_chunk leaves it: rows within the capacity and within
-  /// the queries seen (an overwritten state would send the copies out of bounds).
+  /// A layer's window header as buffer_chunk and buffer_decode leave it: rows within the
+  /// capacity and within the queries seen, the ring's start within it (an overwritten state
+  /// would send the copies out of bounds).
   bool window_intact(void* state, std::int64_t layer) const noexcept {
     const window_state* w = window_header(state, layer);
-    return w->count >= 0 && w->count <= window_capacity_ && w->count <= w->seen && w->seen >= 0;
+    return w->count >= 0 && w->count <= window_capacity_ && w->count <= w->seen && w->seen >= 0 && w->oldest >= 0 &&
+           (w->oldest == 0 || w->oldest < window_capacity_) && (w->decoding == 0 || w->decoding == 1);
   }
-  /// prefill_end: the window was used; the next prompt starts from none.
+  /// prefill_end: the window was used; the next prompt starts from none, and decode queries
+  /// (decode-time budgets) from an empty ring.
   template <class T, class Q>
   void clear_window(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
-    if (window_bytes_ > 0 && io.event == sequence_event::prefill_end) *window_header(io.state, layer) = window_state{};
+    if (window_bytes_ == 0 || io.event != sequence_event::prefill_end) return;
+    window_state* w = window_header(io.state, layer);
+    *w = window_state{};
+    w->decoding = 1;
+  }
+  /// Whether the layer's prefill_end ran (decode-time budgets start after it).
+  bool decoding_started(void* state, std::int64_t layer) const noexcept {
+    return window_header(state, layer)->decoding == 1;
+  }
+
+  /// A decode step's queries join the layer's ring of decode queries (the oldest leave it).
+  template <class T, class Q>
+  void buffer_decode(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
+    window_state* w = window_header(io.state, layer);
+    const std::int64_t cap = window_capacity_, d = options_.model.head_dim, n = io.queries.num_queries;
+    if (cap > 0 && n > 0) {
+      const std::int64_t take = n < cap ? n : cap;
+      const query_view<const Q> tail = last_queries(io.queries, take);
+      Q* rows = window_rows<Q>(w);
+      std::int64_t* positions = window_positions(w);
+      for (std::int64_t t = 0; t < take; ++t) {
+        std::int64_t slot = w->oldest + w->count;
+        if (w->count == cap) {  // full: the newest replaces the oldest
+          slot = w->oldest;
+          w->oldest = w->oldest + 1 == cap ? 0 : w->oldest + 1;
+        } else {
+          ++w->count;
+        }
+        slot = slot >= cap ? slot - cap : slot;
+        for (std::int64_t h = 0; h < options_.model.num_query_heads; ++h)
+          for (std::int64_t c = 0; c < d; ++c) rows[(h * cap + slot) * d + c] = tail.at(h, t, c);
+        positions[slot] = tail.positions[t];
+      }
+    }
+    w->seen += n;
+    if (n > 0 && io.queries.positions != nullptr) w->last_position = io.queries.positions[n - 1];
+  }
+  /// The queries a decode-time compression observes with: the newest decode_window_ of the
+  /// ring's rows followed by this step's (fewer early in the generation), assembled in the
+  /// workspace. The ring is not changed (buffer_decode adds the step's after the compression).
+  template <class T, class Q>
+  query_view<const Q> decode_queries(const sequence_io<T, Q>& io, std::int64_t layer,
+                                     const run_layout& lay) const noexcept {
+    const std::int64_t heads = options_.model.num_query_heads, d = options_.model.head_dim, cap = window_capacity_;
+    query_view<const Q> v;
+    v.num_heads = heads;
+    v.head_dim = d;
+    v.head_stride = cap * d;
+    v.query_stride = d;
+    v.dim_stride = 1;
+    if (decode_window_ == 0) return v;  // the scorer reads no queries
+    const window_state* w = window_header(io.state, layer);
+    const std::int64_t n = io.queries.num_queries;
+    const std::int64_t total = w->count + n < decode_window_ ? w->count + n : decode_window_;
+    const std::int64_t from_call = n < total ? n : total;
+    const std::int64_t from_state = total - from_call;
+    const Q* kept = window_rows<Q>(const_cast<window_state*>(w));
+    const std::int64_t* kept_positions = window_positions(const_cast<window_state*>(w));
+    Q* out = static_cast<Q*>(lay.window_queries);
+    const query_view<const Q> tail = last_queries(io.queries, from_call);
+    for (std::int64_t t = 0; t < from_state; ++t) {
+      std::int64_t slot = w->oldest + (w->count - from_state + t);
+      slot = slot >= cap ? slot - cap : slot;
+      for (std::int64_t h = 0; h < heads; ++h)
+        std::memcpy(out + (h * cap + t) * d, kept + (h * cap + slot) * d, static_cast<std::size_t>(d) * sizeof(Q));
+      lay.window_positions[t] = kept_positions[slot];
+    }
+    for (std::int64_t t = 0; t < from_call; ++t) {
+      for (std::int64_t h = 0; h < heads; ++h)
+        for (std::int64_t c = 0; c < d; ++c) out[(h * cap + from_state + t) * d + c] = tail.at(h, t, c);
+      lay.window_positions[from_state + t] = tail.positions[t];
+    }
+    v.data = out;
+    v.num_queries = total;
+    v.positions = lay.window_positions;
+    return v;
   }
 
   /// Tokens the layer's scores cover: L, or DapQ's prompt length.

@@ -70,7 +70,7 @@ class compressor_checks : protected compressor_agreement {
       const sequence_io<T, Q>& io = seqs[s];
       if (!io.keys.is_paged() && !io.values.is_paged()) return false;
       plan_step what;
-      (void)decide<List>(layer, io, s, &what);  // checked: cannot fail
+      (void)decide<List>(layer, io, s, &what, lay.layer_budgets);  // checked: cannot fail
       return what.action == act::evict || what.action == act::fold_and_evict_all;
     };
     std::int64_t ids = 0;
@@ -101,8 +101,9 @@ class compressor_checks : protected compressor_agreement {
       return status::error(errc::invalid_argument, fn, io_name(s, "event"), "expected a sequence_event value, got %d",
                            static_cast<int>(io.event));
     plan_step what;
-    KVEVICT_RETURN_IF_ERROR(decide<List>(layer, io, s, &what));
+    KVEVICT_RETURN_IF_ERROR(decide<List>(layer, io, s, &what, lay.layer_budgets));
     if (what.buffer) return check_chunk(layer, io, s);
+    if (what.buffer_decode) KVEVICT_RETURN_IF_ERROR(check_decode_queries(layer, io, s));
     if (!what.observe && what.action == act::none) return status();
     KVEVICT_RETURN_IF_ERROR(
         check_layer_cache(io.cache(), s, "", what.action != act::none && what.action != act::fold, lay.policy));
@@ -110,7 +111,8 @@ class compressor_checks : protected compressor_agreement {
       return status::error(
           errc::invalid_shape, fn, io_name(s, "keys.num_tokens"), "expected at most limits.max_tokens = %lld, got %lld",
           static_cast<long long>(options_.limits.max_tokens), static_cast<long long>(io.keys.num_tokens));
-    KVEVICT_RETURN_IF_ERROR(check_queries<List>(layer, io, s, what, lay));
+    KVEVICT_RETURN_IF_ERROR(what.decode_round ? check_decode_round<List>(layer, io, s, what, lay)
+                                              : check_queries<List>(layer, io, s, what, lay));
     if (what.action == act::fold_and_evict_all && options_.compact != compaction::keep_list_only) {
       if (io.layers == nullptr)
         return status::error(errc::null_pointer, fn, io_name(s, "layers"),
@@ -216,6 +218,59 @@ class compressor_checks : protected compressor_agreement {
       KVEVICT_RETURN_IF_ERROR(in_sequence(check_shared_writes(c.keys, all, opt, fn, "keys"), s, fn, prefix));
       KVEVICT_RETURN_IF_ERROR(in_sequence(check_shared_writes(c.values, all, opt, fn, "values"), s, fn, prefix));
     }
+    return status();
+  }
+  /// A decode step's queries for the layer's ring of decode queries (decode-time budgets): the
+  /// model's heads, at most limits.max_queries, in time order after the ring's newest.
+  template <class T, class Q>
+  status check_decode_queries(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s) const {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    KVEVICT_RETURN_IF_ERROR(validate_query_view(io.queries, fn, io_name(s, "queries")));
+    KVEVICT_RETURN_IF_ERROR(check_sequence_queries(options_, scoring_domain(), io.queries, true, nullptr, 0, s, fn,
+                                                   /*multi_token_steps=*/true));
+    if (io.queries.num_queries > options_.limits.max_queries)
+      return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
+                           "expected at most limits.max_queries = %lld, got %lld",
+                           static_cast<long long>(options_.limits.max_queries),
+                           static_cast<long long>(io.queries.num_queries));
+    const window_state* w = window_header(io.state, layer);
+    for (std::int64_t t = 0; t < io.queries.num_queries; ++t) {
+      const std::int64_t before = t > 0 ? io.queries.positions[t - 1] : w->last_position;
+      if ((t > 0 || w->seen > 0) && io.queries.positions[t] <= before) {
+        char name[status::max_argument];
+        std::snprintf(name, sizeof(name), "queries.positions[%lld]", static_cast<long long>(t));
+        return status::error(errc::invalid_argument, fn, io_name(s, name),
+                             "expected a position after the previous decode query's (%lld), got %lld: each step once, "
+                             "in order",
+                             static_cast<long long>(before), static_cast<long long>(io.queries.positions[t]));
+      }
+    }
+    return status();
+  }
+  /// A decode-time compression: the decode scorer's checks of its window (the ring's newest rows
+  /// and the step's), and under the per-sequence scope every layer of the round at one length.
+  template <class List, class T, class Q>
+  status check_decode_round(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, const plan_step& what,
+                            const run_layout& lay) const {
+    static constexpr const char* fn = "kvevict::compressor::run";
+    const query_view<const Q> q = decode_queries(io, layer, lay);
+    const policy_config& p = options_.decoding.policy;
+    KVEVICT_RETURN_IF_ERROR(
+        visit_listed(List{}, static_cast<std::size_t>(p.kind()), status(), [&](auto traits) -> status {
+          using Tr = decltype(traits);
+          if constexpr (Tr::deferred) {
+            return status();
+          } else {
+            using P = typename Tr::template policy<T, Q>;
+            return Tr::check_observation(P(Tr::config(p)), io.keys.num_tokens, q, s, fn);
+          }
+        }));
+    if ((what.action == act::fold || what.action == act::fold_and_evict_all) && layer > 0 &&
+        io.keys.num_tokens != scope_header(io.state)->tokens)
+      return status::error(errc::invalid_shape, fn, io_name(s, "keys.num_tokens"),
+                           "expected layer 0's %lld tokens at this decode-time compression, got %lld",
+                           static_cast<long long>(scope_header(io.state)->tokens),
+                           static_cast<long long>(io.keys.num_tokens));
     return status();
   }
   /// prefill_chunk: the chunk's queries, after the window's newest (a chunk handed twice, or

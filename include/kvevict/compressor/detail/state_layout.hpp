@@ -33,14 +33,18 @@ struct scope_state {
   std::int64_t done = 0;
   std::int64_t reserved[5] = {};
 };
-/// A layer's chunked-prefill window (compressor_options::chunked_prefill): the last queries
-/// of the prompt chunks seen so far, in time order; positions [capacity] (int64) and the
-/// queries [Hq, capacity, d] (the plan's query type) follow. prefill_end empties it.
+/// A layer's window of queries: before prefill_end the last queries of the prompt chunks seen
+/// so far (compressor_options::chunked_prefill), in time order from row 0; after it the last
+/// decode queries (compressor_options::decoding), a ring from row `oldest`. Positions
+/// [capacity] (int64) and the queries [Hq, capacity, d] (the plan's query type) follow.
+/// prefill_end empties it and marks the sequence decoding.
 struct window_state {
-  std::int64_t count = 0;          ///< rows held (the newest ones of the chunks so far)
+  std::int64_t count = 0;          ///< rows held (the newest ones seen)
   std::int64_t last_position = 0;  ///< the newest buffered query's position (when seen > 0)
-  std::int64_t seen = 0;           ///< queries of every chunk so far (past the capacity too)
-  std::int64_t reserved[5] = {};
+  std::int64_t seen = 0;           ///< queries of every chunk (or decode step) so far, past the capacity too
+  std::int64_t oldest = 0;         ///< the ring's oldest row (decode queries; 0 for chunks)
+  std::int64_t decoding = 0;       ///< 1 once the layer's prefill_end ran
+  std::int64_t reserved[3] = {};
 };
 constexpr std::uint64_t sequence_state_magic = 0x7173766576656b76ull;  // "vkevevsq"
 constexpr std::size_t sequence_state_offset = 64;
@@ -79,6 +83,10 @@ enum class step_act { none, evict, fold, fold_and_evict_all };
 struct plan_step {
   bool buffer = false;  ///< prefill_chunk: the chunk's last queries into the layer's window
   bool observe = false;
+  /// decode-time budgets: the step's queries join the layer's window of decode queries
+  bool buffer_decode = false;
+  /// the action is a decode-time compression: the decode scorer, its window and target
+  bool decode_round = false;
   step_act action = step_act::none;
 };
 

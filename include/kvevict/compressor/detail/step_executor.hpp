@@ -37,10 +37,18 @@ class compressor_steps : protected compressor_checks {
   /// The layer's scores [Hkv, scored] for the sequence scope, from the policy's own scoring.
   template <class List, class T, class Q>
   status layer_scores(const sequence_io<T, Q>& io, std::int64_t layer, const query_view<const Q>& window,
-                      policy_state st, const shared_layout& sh, score_view* out, selection_params* sel) const {
+                      policy_state st, const plan_step& what, const shared_layout& sh, score_view* out,
+                      selection_params* sel) const {
     const layer_cache<T> cache = io.cache();
-    const std::int64_t scored = scored_tokens<List>(io, layer);
+    const std::int64_t scored = what.decode_round ? io.keys.num_tokens : scored_tokens<List>(io, layer);
     *out = score_view{sh.scores, io.keys.num_heads, scored, scored};
+    if (what.decode_round) {  // the decode scorer over its window of decode queries
+      const layer_observations<Q> o = observations_of(io, window, policy_state{}, true);
+      return with_scoring_policy<List, T, Q>(options_.decoding.policy, [&](auto traits, const auto& policy) {
+        *sel = policy.selection();
+        return decltype(traits)::score_layer(policy, cache, o, *out, sh.score, options_.exec);
+      });
+    }
     if constexpr (has_deferred_v<List>) {
       if (defers<List>()) {
         const deferred_policy<List, T, Q> d(deferred_config<List>());
@@ -63,8 +71,8 @@ class compressor_steps : protected compressor_checks {
   template <class T, class Q>
   void count_nonfinite(const sequence_io<T, Q>& io, const query_view<const Q>& q, const plan_step& what,
                        const run_layout& lay, sequence_report* r) const {
-    const policy_kind kind = options_.policy.kind();
-    const bool prefill = io.event == sequence_event::prefill_end;
+    const policy_kind kind = what.decode_round ? options_.decoding.policy.kind() : options_.policy.kind();
+    const bool prefill = io.event == sequence_event::prefill_end || what.decode_round;  // every key scored
     if (!prefill && !what.observe) return;  // DeferKV evicting from its state: nothing read
     if (reads_queries(kind)) {
       std::int64_t n = 0;
@@ -97,7 +105,7 @@ class compressor_steps : protected compressor_checks {
   template <class List, class T, class Q>
   status step(std::int64_t layer, const sequence_io<T, Q>& io, const run_layout& lay, sequence_report* r) const {
     plan_step what;
-    KVEVICT_RETURN_IF_ERROR(decide<List>(layer, io, 0, &what));
+    KVEVICT_RETURN_IF_ERROR(decide<List>(layer, io, 0, &what, lay.layer_budgets));
     r->length = io.keys.num_tokens;
     r->next_slot = io.keys.num_tokens;
     r->next_position = next_position_after(io);
@@ -106,9 +114,13 @@ class compressor_steps : protected compressor_checks {
       r->action = sequence_action::observed;
       return status();
     }
-    const status acted = apply_step<List>(layer, io, lay, what, r);
-    if (acted.ok()) clear_window(io, layer);  // prefill_end used the chunks' window
-    return acted;
+    KVEVICT_RETURN_IF_ERROR(apply_step<List>(layer, io, lay, what, r));
+    clear_window(io, layer);   // prefill_end used the chunks' window
+    if (what.buffer_decode) {  // after a compression, which observed with the ring as it was
+      buffer_decode(io, layer);
+      if (r->action == sequence_action::none) r->action = sequence_action::observed;
+    }
+    return status();
   }
 
   /// What the step does at the end of prefill or a decode step, with the window of queries
@@ -118,8 +130,11 @@ class compressor_steps : protected compressor_checks {
                     sequence_report* r) const {
     if (!what.observe && what.action == act::none) return status();
     const bool prefill = io.event == sequence_event::prefill_end;
-    const bool assembled = assembles_window(io, layer);
-    const query_view<const Q> window = prefill ? prefill_queries(io, layer, lay) : io.queries;
+    const bool round = what.decode_round;  // a decode-time compression (compressor_options::decoding)
+    const bool assembled = round || assembles_window(io, layer);
+    const query_view<const Q> window = prefill ? prefill_queries(io, layer, lay)
+                                       : round ? decode_queries(io, layer, lay)
+                                               : io.queries;
     count_nonfinite(io, window, what, lay, r);
     eviction_result result;
     result.head_lengths = io.head_lengths != nullptr ? io.head_lengths : lay.head_lengths;
@@ -131,6 +146,7 @@ class compressor_steps : protected compressor_checks {
     cache.compact = options_.compact != compaction::keep_list_only;
     const executor& exec = options_.exec;
     const bool defer = defers<List>();
+    const bool from_state = defer && !round;  // DeferKV evicts from its state; a decode round scores anew
     const policy_state st = defer ? layer_state(io.state, layer) : policy_state{};
     if constexpr (has_deferred_v<List>) {
       if (what.observe) {
@@ -153,7 +169,7 @@ class compressor_steps : protected compressor_checks {
     if (what.action == act::evict) {
       bool evicted_from_state = false;
       if constexpr (has_deferred_v<List>) {
-        if (defer) {
+        if (from_state) {
           const deferred_policy<List, T, Q> d(deferred_config<List>());
           layer_observations<Q> o;
           o.observation.key_positions = io.key_positions;
@@ -166,9 +182,12 @@ class compressor_steps : protected compressor_checks {
       if (!evicted_from_state) {
         const query_view<const Q> q = window;
         const layer_observations<Q> o = observations_of(io, q, policy_state{}, assembled);
-        const status evicted = with_scoring_policy<List, T, Q>([&](auto traits, const auto& policy) {
+        const policy_config& scorer = round ? options_.decoding.policy : options_.policy;
+        const status evicted = with_scoring_policy<List, T, Q>(scorer, [&](auto traits, const auto& policy) {
           scored = decltype(traits)::scored_tokens(policy, io.keys.num_tokens, q.num_queries);
-          return policy.evict(cache, o, budget_for(layer, scored, policy.selection(), lay), result, lay.policy, exec);
+          const layer_budget b = round ? decode_budget_for(layer, scored, policy.selection(), lay.layer_budgets)
+                                       : budget_for(layer, scored, policy.selection(), lay);
+          return policy.evict(cache, o, b, result, lay.policy, exec);
         });
         KVEVICT_RETURN_IF_ERROR(evicted);
       }
@@ -180,7 +199,7 @@ class compressor_steps : protected compressor_checks {
       carve_shared(a, shared_score_bytes_, &sh);
       score_view scores;
       selection_params sel;
-      const status scored_ok = layer_scores<List>(io, layer, window, st, sh, &scores, &sel);
+      const status scored_ok = layer_scores<List>(io, layer, window, st, what, sh, &scores, &sel);
       const bool sharded = options_.tensor_parallel != nullptr;
       if (!sharded) KVEVICT_RETURN_IF_ERROR(scored_ok);
       scored = scores.cols;
@@ -197,6 +216,7 @@ class compressor_steps : protected compressor_checks {
       // Layers fold as more heads of the same combination: no second normalisation.
       const scope_combine across = combines_by_max(options_.combine) ? scope_combine::max : scope_combine::mean;
       fold_row(row, sh.row, scored, candidates, across, layer == 0);
+      if (layer == 0) sc->done = 0;  // a decode-time round folds the layers anew
       sc->folded = layer + 1;
       sc->tokens = scored;
       if (what.action == act::fold) {
@@ -205,7 +225,12 @@ class compressor_steps : protected compressor_checks {
       }
       finish_mean(row, candidates, options_.model.num_layers, across);
       const keep_list_view keep{io.keys.num_heads, sh.offsets, sh.indices, keep_capacity_};
-      KVEVICT_RETURN_IF_ERROR(select_shared(const_score_view{row, 1, scored, scored}, sel, base_budget(), keep,
+      layer_budget shared_budget = base_budget();
+      if (round) {
+        shared_budget = base_layer_budget(decode_options_);
+        shared_budget.shard = shard();
+      }
+      KVEVICT_RETURN_IF_ERROR(select_shared(const_score_view{row, 1, scored, scored}, sel, shared_budget, keep,
                                             sh.one_head, sh.select, exec));
       if (options_.compact == compaction::keep_list_only) {
         KVEVICT_RETURN_IF_ERROR(
@@ -220,7 +245,7 @@ class compressor_steps : protected compressor_checks {
         }
       }
       if constexpr (has_deferred_v<List>) {
-        if (defer) {
+        if (from_state) {
           const deferred_policy<List, T, Q> d(deferred_config<List>());
           for (std::int64_t l = 0; l < options_.model.num_layers; ++l)
             KVEVICT_RETURN_IF_ERROR(d.mark_evicted(layer_state(io.state, l)));
@@ -237,7 +262,7 @@ class compressor_steps : protected compressor_checks {
     if (what.action == act::evict) r->nonfinite_scores = result.nonfinite_scores;
     r->kept = 0;
     for (std::int64_t h = 0; h < io.keys.num_heads; ++h) r->kept += result.head_lengths[h];
-    if (reuses_positions(options_.policy.kind())) r->next_position = scored;
+    if (reuses_positions(options_.policy.kind()) && !round) r->next_position = scored;
     if (io.padded_indices != nullptr) {
       std::int64_t k = 0;
       for (std::int64_t h = 0; h < io.keys.num_heads; ++h) {
