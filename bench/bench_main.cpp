@@ -13,7 +13,8 @@
 //   compact/*           in-place compaction of K and V: GB/s copied, fraction of memcpy
 //   snapkv|deferkv|dapq/*  whole per-layer pipelines: scoring (+ decode steps), select, evict
 //   long_generation/*   decode-time budgets: one period of N + 1 decode steps (N = 16, 64, 256)
-//                       whose last compresses; tokens/s and the attention bound to set it against
+//                       whose last compresses, for three decode scorers; µs per token and the
+//                       attention bound to set it against
 //
 // Counters (per iteration, CPU time): GFLOP and GB are rates (Google Benchmark prints them
 // as ".../s"), ns_per_elem is CPU time per element (K element for scoring and pipelines,
@@ -25,12 +26,12 @@
 // Benchmark's own): --kvevict_quick (L in {4K, 32K}, shorter rooflines).
 #include <benchmark/benchmark.h>
 
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cases.hpp"
@@ -242,32 +243,39 @@ void register_all(bool quick) {
   // A long generation under decode-time budgets: one period of N + 1 decode steps of one layer
   // (B = 2048 rows per head, SnapKV over the last 8 decode queries), its cost per decoded token
   // against the least time that step's attention needs (K and V read once at read bandwidth).
-  for (std::int64_t n : {std::int64_t{16}, std::int64_t{64}, std::int64_t{256}}) {
-    const std::string name = "long_generation/bf16/B:2048/N:" + std::to_string(n);
-    benchmark::RegisterBenchmark(name.c_str(), [name, n](benchmark::State& s) {
-      auto& c = cached_case<kb::decode_period<kb::bf16>>(name, [n] {
-        drop_layer();
-        return std::make_shared<kb::decode_period<kb::bf16>>(kb::reference_model, kb::reference_budget, n);
-      });
-      double seconds = 0.0;  // the periods' own time (wall clock: one thread), for the ratio
-      std::int64_t periods = 0;
-      for (auto _ : s) {
-        s.PauseTiming();
-        c.restart();
-        s.ResumeTiming();
-        const auto t0 = std::chrono::steady_clock::now();
-        c.run();
-        seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        ++periods;
-      }
-      const double per_token_us =
-          seconds / static_cast<double>(periods > 0 ? periods : 1) / static_cast<double>(n + 1) * 1e6;
-      const double bound_us = c.attention_bytes() / (g_roof.read_gbs * 1e9) * 1e6;
-      s.counters["per_token_us"] = per_token_us;
-      s.counters["attention_bound_us"] = bound_us;
-      s.counters["of_attention_bound"] = per_token_us / bound_us;
-    })->Unit(benchmark::kMicrosecond);
-  }
+  // The scorers: SnapKV over 8 decode queries, TOVA (the newest query), KNorm (keys alone).
+  const std::pair<const char*, kvevict::policy_config> scorers[] = {
+      {"snapkv_w8", kvevict::policy::snapkv(kb::reference_snapkv(8))},
+      {"tova", kvevict::policy::tova()},
+      {"knorm", kvevict::policy::knorm()}};
+  for (const auto& scorer : scorers)
+    for (std::int64_t n : {std::int64_t{16}, std::int64_t{64}, std::int64_t{256}}) {
+      const std::string name = std::string("long_generation/") + scorer.first + "/bf16/B:2048/N:" + std::to_string(n);
+      const kvevict::policy_config policy = scorer.second;
+      benchmark::RegisterBenchmark(name.c_str(), [name, n, policy](benchmark::State& s) {
+        auto& c = cached_case<kb::decode_period<kb::bf16>>(name, [n, &policy] {
+          drop_layer();
+          return std::make_shared<kb::decode_period<kb::bf16>>(kb::reference_model, kb::reference_budget, n, &policy);
+        });
+        double seconds = 0.0;  // the periods' own CPU time (one thread, as every row), for the ratio
+        std::int64_t periods = 0;
+        for (auto _ : s) {
+          s.PauseTiming();
+          c.restart();
+          s.ResumeTiming();
+          const double t0 = kb::thread_seconds();
+          c.run();
+          seconds += kb::thread_seconds() - t0;
+          ++periods;
+        }
+        const double per_token_us =
+            seconds / static_cast<double>(periods > 0 ? periods : 1) / static_cast<double>(n + 1) * 1e6;
+        const double bound_us = c.attention_bytes() / (g_roof.read_gbs * 1e9) * 1e6;
+        s.counters["per_token_us"] = per_token_us;
+        s.counters["attention_bound_us"] = bound_us;
+        s.counters["of_attention_bound"] = per_token_us / bound_us;
+      })->Unit(benchmark::kMicrosecond);
+    }
   // The rooflines as benchmarks too, so every report carries them next to the kernels.
   benchmark::RegisterBenchmark("roofline/fma_peak", [](benchmark::State& s) {
     volatile float seed = 1.0f;  // read per call: the kernel is pure and would be hoisted

@@ -10,12 +10,20 @@
 // least (reading the layer's K and V once at the measured read bandwidth).
 
 #include <cstring>
+#include <ctime>
 #include <vector>
 
 #include "cases.hpp"
 #include "common.hpp"
 
 namespace kb {
+
+/// This thread's CPU time in seconds (the period's own, whatever else the machine runs).
+inline double thread_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
 
 template <class T>
 struct decode_period {
@@ -28,7 +36,8 @@ struct decode_period {
   std::vector<std::uint64_t> state, state0;
   std::vector<std::int64_t> positions;
 
-  decode_period(const model_shape& s, std::int64_t b, std::int64_t n)
+  /// `scorer`: the decode scorer (SnapKV over the last `window` decode queries by default).
+  decode_period(const model_shape& s, std::int64_t b, std::int64_t n, const kvevict::policy_config* scorer = nullptr)
       : shape(s), target(b), interval(n), capacity(b + n + 1) {
     const std::size_t rows = static_cast<std::size_t>(s.hkv * capacity * s.d);
     k.resize(rows);
@@ -44,8 +53,7 @@ struct decode_period {
     opt.policy = kvevict::policy::snapkv(reference_snapkv(reference_window));
     opt.per_head = kvevict::budget::tokens(b);
     opt.limits.max_tokens = capacity;
-    kvevict::window_config scorer = reference_snapkv(window);
-    opt.decoding.policy = kvevict::policy::snapkv(scorer);
+    opt.decoding.policy = scorer != nullptr ? *scorer : kvevict::policy::snapkv(reference_snapkv(window));
     opt.decoding.target = kvevict::budget::tokens(b);
     opt.decoding.interval = n;
     die("compressor::plan", kvevict::compressor::plan(opt, &compressor));

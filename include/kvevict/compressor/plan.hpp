@@ -140,6 +140,16 @@ inline compressor_options decoding_options(const compressor_options& o) noexcept
   return d;
 }
 
+/// Whether two policies are the same policy with the same configuration, byte for byte (a copy
+/// of one value is; two values built apart may differ in padding and compare unequal).
+inline bool same_policy(const policy_config& a, const policy_config& b) noexcept {
+  if (a.kind() != b.kind() || a.chunk_length != b.chunk_length) return false;
+  return with_policy_traits(a.kind(), false, [&](auto traits) {
+    using Tr = decltype(traits);
+    return std::memcmp(&Tr::config(a), &Tr::config(b), sizeof(typename Tr::config_type)) == 0;
+  });
+}
+
 /// The decode queries each layer keeps for the decode scorer: H2O's `window`, else the
 /// scorer's own observation window (0 when it reads none, or maintenance is off). `o` is
 /// validated.

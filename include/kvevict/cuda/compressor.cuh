@@ -129,6 +129,12 @@ class compressor : private detail::compressor_checks {
     if (group == nullptr) c.total_heads_ = c.options_.model.num_kv_heads;
     const compressor_options& o = c.options_;
     kvevict::detail::keep_capacities(o, c.base_budget(), &c.keep_capacity_, &c.head_capacity_);
+    if (c.maintains()) {  // a decode-time compression may keep more (its target) than the prompt's
+      std::int64_t keep = 0, per_head = 0;
+      kvevict::detail::keep_capacities(c.decode_options_, c.decode_base_budget(), &keep, &per_head);
+      c.keep_capacity_ = keep > c.keep_capacity_ ? keep : c.keep_capacity_;
+      c.head_capacity_ = per_head > c.head_capacity_ ? per_head : c.head_capacity_;
+    }
     (void)kvevict::detail::with_types(o.model.storage, o.model.query_storage, [&c](auto t, auto q) {
       c.size<typename decltype(t)::type, typename decltype(q)::type>();
       return 0;
@@ -208,7 +214,7 @@ class compressor : private detail::compressor_checks {
     std::memcpy(host_state, &h, sizeof(h));
     for (std::int64_t l = 0; l < options_.model.num_layers; ++l) *layer_record(host_state, l) = {};
     *scope_record(host_state) = {};
-    if (buffers_windows())
+    if (buffers_windows() || maintains())
       for (std::int64_t l = 0; l < options_.model.num_layers; ++l) *window_record(host_state, l) = {};
     return status();
   }
@@ -294,7 +300,8 @@ class compressor : private detail::compressor_checks {
         q.keys = io.keys.first_tokens(p.tokens);  // DapQ: the prompt before its pseudo tokens
         q.scores = scores_of(dev, s, p.tokens);
         q.inputs.key_positions = io.key_positions;
-        if (io.lse != nullptr && p.held == 0) {  // an assembled window is normalised here, as on the CPU
+        // an assembled window is normalised here, as on the CPU; decode steps never read the LSE
+        if (io.lse != nullptr && p.held == 0 && io.event == sequence_event::prefill_end) {
           const std::int64_t stride = io.lse_head_stride != 0 ? io.lse_head_stride : io.queries.num_queries;
           q.inputs.lse = io.lse + (io.queries.num_queries - q.queries.num_queries);
           q.inputs.lse_head_stride = stride;
@@ -421,7 +428,7 @@ class compressor : private detail::compressor_checks {
       if (defer && (p.observe != detail::sequence_step::none || p.scores()))
         *layer_record(seqs[s].host_state, layer) = p.after;
       if (p.fold) commit_fold(seqs[s].host_state, layer, p);
-      if (buffers_windows()) commit_window(seqs[s], layer, p);
+      if (buffers_windows() || maintains()) commit_window(seqs[s], layer, p);
       trace.observed += reports[s].action == sequence_action::observed ? 1 : 0;
       trace.evicted += reports[s].action == sequence_action::evicted ? 1 : 0;
     }
@@ -461,17 +468,28 @@ class compressor : private detail::compressor_checks {
       return status::error(errc::unsupported, fn, "tensor_parallel",
                            "AdaKV and keep sets shared by heads select across tensor-parallel ranks, which the GPU "
                            "does not (per-head keep sets under uniform or PyramidKV budgets need no exchange)");
-    // Decode-time budgets (compressor_options::decoding) run on the CPU compressor only: a
-    // device plan that accepted them would let the cache grow while reporting success.
-    if (o.decoding.enabled())
-      return status::error(errc::unsupported, fn, "decoding",
-                           "decode-time budget maintenance is implemented by kvevict::compressor (the CPU); the "
-                           "GPU compressor compresses once per sequence");
+    // Decode-time budgets (compressor_options::decoding): the GPU compresses again with the
+    // prompt policy itself (one scoring batch, one policy per plan), so the decode scorer must
+    // be it; the ring of decode queries is the chunk window's.
+    decode_options_ = kvevict::detail::decoding_options(o);
+    decode_window_ = kvevict::detail::decoding_window(o);
+    if (o.decoding.enabled()) {
+      if (!kvevict::detail::same_policy(o.decoding.policy, o.policy))
+        return status::error(errc::unsupported, fn, "decoding.policy",
+                             "the GPU compressor compresses while decoding with its prompt policy: expected %s with "
+                             "the same configuration (a copy of `policy`), got %s",
+                             to_string(o.policy.kind()), to_string(o.decoding.policy.kind()));
+      if (decode_window_ > o.limits.max_queries)
+        return status::error(errc::invalid_shape, fn, "decoding.window",
+                             "expected at most limits.max_queries = %lld decode queries on the GPU, got %lld",
+                             static_cast<long long>(o.limits.max_queries), static_cast<long long>(decode_window_));
+    }
     // Chunked prefill: each layer keeps the window's rows (H2O: every prompt query it may see),
     // as the CPU compressor; DapQ's pseudo queries come whole with prefill_end.
     if (o.chunked_prefill && kvevict::detail::reads_queries(o.policy.kind()) &&
         !kvevict::detail::fixed_window(o.policy))
       window_capacity_ = kvevict::detail::every_prompt_query(o.policy.kind()) ? o.limits.max_queries : window_;
+    window_capacity_ = window_capacity_ > decode_window_ ? window_capacity_ : decode_window_;
     KVEVICT_RETURN_IF_ERROR(detail::check_pooling_fits(scoring_params_of().pool, fn));
     if (o.model.num_kv_heads > 65535)
       return status::error(errc::overflow, fn, "model.num_kv_heads", "expected at most 65535 on the GPU, got %lld",
@@ -515,6 +533,7 @@ class compressor : private detail::compressor_checks {
     const std::int64_t take = n < cap ? n : cap;
     const std::int64_t keep = w.count < cap - take ? w.count : cap - take;
     detail::host_window_state next;
+    next.decoding = w.decoding;
     next.start = (w.start + w.count - keep) % cap;
     next.count = keep + take;
     next.seen = w.seen + n;
@@ -585,7 +604,12 @@ class compressor : private detail::compressor_checks {
     if (!p.buffer && io.event != sequence_event::prefill_end) return;  // (an idle sequence has no host state)
     detail::host_window_state* w = window_record(io.host_state, layer);
     std::int64_t slot = 0;
-    *w = p.buffer ? after_chunk(*w, io.queries.num_queries, &slot) : detail::host_window_state{};
+    if (p.buffer) {
+      *w = after_chunk(*w, io.queries.num_queries, &slot);
+      return;
+    }
+    *w = detail::host_window_state{};
+    w->decoding = maintains() ? 1 : 0;  // decode-time budgets: the decode steps' ring starts empty
   }
 
   /// The scores of a policy that reads no queries, by its key_scorer (validated arguments).
@@ -716,8 +740,8 @@ class compressor : private detail::compressor_checks {
     detail::host_scope_state* sc = scope_record(host_state);
     sc->folded = layer + 1;
     sc->tokens = p.tokens;
+    sc->done = p.evict ? 1 : 0;  // (a decode-time round folds again after the prompt's set was applied)
     if (!p.evict) return;
-    sc->done = 1;
     if (defers())
       for (std::int64_t l = 0; l < options_.model.num_layers; ++l)
         layer_record(host_state, l)->phase = detail::phase_evicted;
@@ -907,8 +931,7 @@ class compressor : private detail::compressor_checks {
         }
         // The CPU compressor checks the marks of the destination rows a head of this length may
         // keep at most: the destination cut there (no head writes past it) is checked whole.
-        const std::int64_t most = kvevict::detail::head_keep_bound(options_, base_budget(), c.keys.num_tokens);
-        const std::int64_t rows = most < head_capacity_ ? most : head_capacity_;
+        const std::int64_t rows = head_rows_bound(c.keys.num_tokens);
         compaction_into_sequence<T, T>& into = host.into[i];
         into = compaction_into_sequence<T, T>{};
         into.src_keys = c.keys;

@@ -67,11 +67,13 @@ class compressor_checks : protected compressor_layout {
     detail::sequence_step& p = *out;
     p.tokens = L;
     if (keeps_host_state()) KVEVICT_RETURN_IF_ERROR(check_states(io, s, opt));
-    if (buffers_windows() && io.event != sequence_event::decode) {
+    if ((buffers_windows() && io.event != sequence_event::decode) || maintains()) {
       const detail::host_window_state w = *window_record(io.host_state, layer);
-      if (w.count < 0 || w.count > window_capacity_ || w.start < 0 || w.start >= window_capacity_ || w.seen < w.count)
+      const bool ring_bad = buffers_windows() && (w.count < 0 || w.count > window_capacity_ || w.start < 0 ||
+                                                  w.start >= window_capacity_ || w.seen < w.count);
+      if (ring_bad || (w.decoding != 0 && w.decoding != 1))
         return status::error(errc::invalid_state, fn, io_name(s, "host_state"),
-                             "layer %lld's prefill window was overwritten: reset_sequence() when the sequence starts",
+                             "layer %lld's query window was overwritten: reset_sequence() when the sequence starts",
                              static_cast<long long>(layer));
     }
     if (io.event == sequence_event::prefill_chunk) return decide_chunk(layer, io, s, opt, &p);
@@ -81,6 +83,8 @@ class compressor_checks : protected compressor_layout {
     } else {
       p.evict = io.event == sequence_event::prefill_end;
       p.sel = kvevict::detail::largest_selection(options_);  // a policy without state: its own
+      if (io.event == sequence_event::decode && maintains())
+        KVEVICT_RETURN_IF_ERROR(decide_decode(layer, io, s, host, opt, &p));
     }
     if (folds_layers() && p.evict) KVEVICT_RETURN_IF_ERROR(decide_fold(layer, io, s, &p));
     if (p.observe == detail::sequence_step::none && !p.scores()) return status();
@@ -102,8 +106,10 @@ class compressor_checks : protected compressor_layout {
     const bool reads_queries = defers() ? p.observe != detail::sequence_step::none : p.scores() && scores_in_batch();
     if (reads_queries) {
       const bool decode = io.event == sequence_event::decode;
-      KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_sequence_queries(options_, scoring_params_of().domain, io.queries,
-                                                                      decode, io.lse, io.lse_head_stride, s, fn));
+      // (decode-time budgets: a decode step's LSE is not read, and a step may carry k tokens)
+      KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_sequence_queries(
+          options_, scoring_params_of().domain, io.queries, decode, p.round ? nullptr : io.lse, io.lse_head_stride, s,
+          fn, /*multi_token_steps=*/p.round));
       // As on the CPU: a last chunk holding fewer than the window's queries (with the earlier
       // chunks' buffered rows, under chunked_prefill) is refused, never scored with fewer.
       const std::int64_t held = decode || !buffers_windows() ? 0 : window_record(io.host_state, layer)->count;
@@ -168,7 +174,51 @@ class compressor_checks : protected compressor_layout {
                            static_cast<long long>(scope_record(io.host_state)->tokens),
                            static_cast<long long>(p.tokens));
     if (p.scores())
-      p.budget = kvevict::detail::layer_budget_for(options_, base_budget(), layer, p.tokens, p.sel, host.layer_budgets);
+      p.budget = p.round ? kvevict::detail::layer_budget_for(decode_options_, decode_base_budget(), layer, p.tokens,
+                                                             p.sel, host.layer_budgets)
+                         : kvevict::detail::layer_budget_for(options_, base_budget(), layer, p.tokens, p.sel,
+                                                             host.layer_budgets);
+    return status();
+  }
+
+  /// A decode step under decode-time budgets (kvevict::compressor's decide and
+  /// check_decode_queries): after the layer's prefill_end, its queries join the ring (the
+  /// policy reads queries), and the step that leaves the layer more than N tokens over the rows
+  /// a compression keeps compresses it with the window of the ring's newest rows and its own.
+  /// The queries' order is device data: checked on the device (window_append_kernel), a step
+  /// out of order cancelling the compressions its rows feed.
+  template <class T, class Q, class H>
+  status decide_decode(std::int64_t layer, const sequence_io<T, Q>& io, std::int64_t s, const H& host,
+                       const launch_options& opt, detail::sequence_step* p) const {
+    static constexpr const char* fn = "kvevict::cuda::compressor::run";
+    using kvevict::detail::io_name;
+    const detail::host_window_state w = *window_record(io.host_state, layer);
+    if (w.decoding != 1)
+      return status::error(errc::invalid_state, fn, io_name(s, "event"),
+                           "a decode step before this sequence's prefill_end at layer %lld (decode-time budgets "
+                           "start after the prompt's compression)",
+                           static_cast<long long>(layer));
+    const std::int64_t n = io.queries.num_queries;
+    if (decode_window_ > 0) {
+      KVEVICT_RETURN_IF_ERROR(detail::validate_device_query_view(io.queries, opt, fn, io_name(s, "queries")));
+      KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_sequence_queries(options_, scoring_params_of().domain, io.queries,
+                                                                      true, nullptr, 0, s, fn, true));
+      if (n > options_.limits.max_queries)
+        return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
+                             "expected at most limits.max_queries = %lld, got %lld",
+                             static_cast<long long>(options_.limits.max_queries), static_cast<long long>(n));
+      p->buffer = true;
+    }
+    const std::int64_t L = io.keys.num_tokens;
+    const layer_budget b =
+        kvevict::detail::layer_budget_for(decode_options_, decode_base_budget(), layer, L, p->sel, host.layer_budgets);
+    if (L - kvevict::detail::layer_keep_capacity(1, L, p->sel, b) <= options_.decoding.interval) return status();
+    p->evict = true;
+    p->round = true;
+    if (decode_window_ > 0) {
+      p->observed = w.count + n < decode_window_ ? w.count + n : decode_window_;
+      p->held = p->observed - (n < p->observed ? n : p->observed);
+    }
     return status();
   }
 
@@ -325,6 +375,16 @@ class compressor_checks : protected compressor_layout {
       return status::error(errc::invalid_state, fn, io_name(s, "host_state"),
                            "the per-sequence scope's record was overwritten: reset_sequence() when the sequence "
                            "starts");
+    if (p->round) {  // a decode-time compression folds every layer again at one step: layer 0 starts it
+      if (layer > 0 && (sc.done != 0 || sc.folded != layer))
+        return status::error(errc::invalid_state, fn, io_name(s, "state"),
+                             "a decode-time compression shared by every layer folds the layers in order at one step: "
+                             "expected layer %lld, got %lld",
+                             static_cast<long long>(sc.done != 0 ? 0 : sc.folded), static_cast<long long>(layer));
+      p->fold = true;
+      p->evict = layer == layers - 1;
+      return status();
+    }
     if (sc.done != 0) {  // the sequence's keep set was applied: nothing more to do
       const std::int64_t L = p->tokens;
       *p = detail::sequence_step{};

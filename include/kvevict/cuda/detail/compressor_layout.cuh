@@ -90,8 +90,12 @@ struct sequence_step {
   /// The per-sequence scope: this layer's scores fold into the sequence's row (and, with
   /// evict, at the last layer, the keep set selected from it is applied to every layer).
   bool fold = false;
-  /// prefill_chunk under chunked_prefill: the chunk's last queries join the layer's window
+  /// prefill_chunk under chunked_prefill: the chunk's last queries join the layer's window (a
+  /// decode step under decode-time budgets: its queries join the ring of decode queries)
   bool buffer = false;
+  /// a decode-time compression (compressor_options::decoding): the decode target's budget, the
+  /// window the ring's newest rows and the step's queries
+  bool round = false;
   std::int64_t observed = 0;    ///< prefill_end: the queries observed (the window's, H2O every one)
   std::int64_t held = 0;        ///< of which the window buffered by earlier chunks holds (chunked prefill)
   std::int64_t tokens = 0;      ///< L
@@ -275,7 +279,22 @@ class compressor_layout {
   bool shares_heads() const noexcept { return options_.scope != selection_scope::per_head; }
   /// Whether a sequence keeps host bookkeeping (DeferKV's layers, the per-sequence scope, the
   /// chunked-prefill windows).
-  bool keeps_host_state() const noexcept { return defers() || folds_layers() || buffers_windows(); }
+  bool keeps_host_state() const noexcept { return defers() || folds_layers() || buffers_windows() || maintains(); }
+  /// Decode-time budgets (compressor_options::decoding): each layer compressed again while the
+  /// sequence decodes, by the prompt policy over the ring of the last decode queries.
+  bool maintains() const noexcept { return options_.decoding.enabled(); }
+  /// The budget a decode-time compression of a layer starts from: the plan's, with the target.
+  layer_budget decode_base_budget() const noexcept { return kvevict::detail::base_layer_budget(decode_options_); }
+  /// The most rows a head keeps at a call of `tokens` tokens: the prompt's compression or a
+  /// decode-time one (kvevict::compressor's keep_capacity_per_head(tokens)).
+  std::int64_t head_rows_bound(std::int64_t tokens) const noexcept {
+    std::int64_t most = kvevict::detail::head_keep_bound(options_, base_budget(), tokens);
+    if (maintains()) {
+      const std::int64_t decoded = kvevict::detail::head_keep_bound(decode_options_, decode_base_budget(), tokens);
+      most = decoded > most ? decoded : most;
+    }
+    return most < head_capacity_ ? most : head_capacity_;
+  }
   /// Compaction batches one run() may prepare: every layer's under the per-sequence scope
   /// (its last layer compacts them all), else the layer's own.
   std::int64_t compaction_batches() const noexcept {
@@ -706,7 +725,9 @@ class compressor_layout {
   std::size_t host_state_bytes_ = 0;
   std::int64_t first_head_ = 0;         ///< tensor parallelism: this rank's first KV head
   std::int64_t total_heads_ = 0;        ///< tensor parallelism: the group's KV heads
-  std::int64_t window_capacity_ = 0;    ///< rows of a layer's chunked-prefill window (0: none)
+  std::int64_t window_capacity_ = 0;    ///< rows of a layer's ring: chunk queries, then decode queries (0: none)
+  std::int64_t decode_window_ = 0;      ///< decode queries a decode-time compression observes with
+  compressor_options decode_options_;   ///< kvevict::detail::decoding_options(options_)
   std::size_t window_offset_ = 0;       ///< where layer 0's window starts in the device state
   std::size_t window_layer_bytes_ = 0;  ///< a layer's window in the device state
 };

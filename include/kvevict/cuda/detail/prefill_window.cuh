@@ -42,11 +42,13 @@ struct device_window_header {
 };
 static_assert(sizeof(device_window_header) == 64, "the window's rows start 64 bytes in");
 
-/// A layer's window in the host state: what the host knows of the ring.
+/// A layer's window in the host state: what the host knows of the ring (the prompt chunks'
+/// rows before prefill_end; the decode steps' after it, under decode-time budgets).
 struct host_window_state {
-  std::int64_t count = 0;  ///< rows held (the newest of the chunks so far)
-  std::int64_t start = 0;  ///< the slot of the oldest
-  std::int64_t seen = 0;   ///< queries of every chunk so far
+  std::int64_t count = 0;     ///< rows held (the newest so far)
+  std::int64_t start = 0;     ///< the slot of the oldest
+  std::int64_t seen = 0;      ///< queries of every chunk (or decode step) so far
+  std::int64_t decoding = 0;  ///< 1 once the layer's prefill_end ran (compressor_options::decoding)
 };
 
 /// One layer's ring in a sequence's device state.
