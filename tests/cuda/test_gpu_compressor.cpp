@@ -980,7 +980,8 @@ gpu::compressor_sequence<T, Q> generation_sequence(scenario<T, Q>& sc, std::int6
 /// the target and target + N bring the same keys again at every period).
 template <class T, class Q>
 std::int64_t build_generation(scenario<T, Q>& twin, scenario<T, Q>& sc, std::int64_t* evictions,
-                              std::size_t* first_round = nullptr) {
+                              std::size_t* first_round = nullptr,
+                              std::vector<test::test_queries<Q>>* turn_queries = nullptr) {
   kvevict::compressor cpu;
   REQUIRE(kvevict::compressor::plan(sc.options, &cpu).ok());
   kvevict::workspace ws(cpu.workspace_size());
@@ -993,6 +994,35 @@ std::int64_t build_generation(scenario<T, Q>& twin, scenario<T, Q>& sc, std::int
   std::int64_t rounds = 0;
   *evictions = 0;
   sc.calls.clear();
+  const bool pyramid = sc.options.layers == kvevict::layer_allocation::pyramidkv;
+  // The CPU's call on the twin, its lengths kept for the next call's views.
+  const auto play = [&](std::int64_t l, gpu::compressor_call<T, Q>& mine, gpu::compressor_call<T, Q>& theirs) {
+    std::vector<kvevict::sequence_io<T, Q>> io(sc.seqs());
+    std::vector<std::vector<kvevict::layer_cache<T>>> layers(sc.seqs());
+    cpu_inputs(theirs, &states, &layers, io.data());
+    std::vector<kvevict::sequence_report> reports(sc.seqs());
+    const kvevict::status st = cpu.run(l, io.data(), static_cast<std::int64_t>(sc.seqs()), reports.data(), ws);
+    INFO(st.message());
+    REQUIRE(st.ok());
+    for (std::size_t s = 0; s < sc.seqs(); ++s) {
+      if (theirs.seqs[s].event == kvevict::sequence_event::idle) continue;
+      const kvevict::sequence_report& r = reports[s];
+      const bool evicted = r.action == kvevict::sequence_action::evicted;
+      const bool decode = theirs.seqs[s].event == kvevict::sequence_event::decode;
+      length[static_cast<std::size_t>(l)][s] = r.next_slot;
+      if (evicted && sc.options.scope == kvevict::selection_scope::per_sequence)  // every layer compacted
+        for (auto& layer_lengths : length) layer_lengths[s] = r.next_slot;
+      rounds += evicted && decode ? 1 : 0;
+      if (first_round != nullptr && *first_round == 0 && s == 0 && evicted && decode)
+        *first_round = sc.calls.size();  // (this call's index once pushed)
+      *evictions += evicted ? 1 : 0;
+      // the target, and the target + N between compressions (PyramidKV: each layer's share)
+      if (!pyramid && evicted && decode) REQUIRE(r.next_slot <= 24);
+      if (!pyramid && !evicted && decode && sc.options.scope != kvevict::selection_scope::per_sequence)
+        REQUIRE(r.next_slot <= 24 + 5);
+    }
+    sc.calls.push_back(mine);
+  };
   for (std::int64_t step = 0; step <= sc.steps; ++step)
     for (std::int64_t l = 0; l < kLayers; ++l) {
       gpu::compressor_call<T, Q> mine, theirs;
@@ -1009,34 +1039,44 @@ std::int64_t build_generation(scenario<T, Q>& twin, scenario<T, Q>& sc, std::int
         mine.seqs.push_back(generation_sequence(sc, l, s, e, n, k));
         theirs.seqs.push_back(generation_sequence(twin, l, s, e, n, k));
       }
-      std::vector<kvevict::sequence_io<T, Q>> io(sc.seqs());
-      std::vector<std::vector<kvevict::layer_cache<T>>> layers(sc.seqs());
-      cpu_inputs(theirs, &states, &layers, io.data());
-      std::vector<kvevict::sequence_report> reports(sc.seqs());
-      const kvevict::status st = cpu.run(l, io.data(), static_cast<std::int64_t>(sc.seqs()), reports.data(), ws);
-      INFO(st.message());
-      REQUIRE(st.ok());
-      const bool pyramid = sc.options.layers == kvevict::layer_allocation::pyramidkv;
-      for (std::size_t s = 0; s < sc.seqs(); ++s) {
-        if (theirs.seqs[s].event == kvevict::sequence_event::idle) continue;
-        const kvevict::sequence_report& r = reports[s];
-        const bool evicted = r.action == kvevict::sequence_action::evicted;
-        length[static_cast<std::size_t>(l)][s] = r.next_slot;
-        if (evicted && sc.options.scope == kvevict::selection_scope::per_sequence)  // every layer compacted
-          for (auto& layer_lengths : length) layer_lengths[s] = r.next_slot;
-        rounds += evicted && theirs.seqs[s].event == kvevict::sequence_event::decode ? 1 : 0;
-        if (first_round != nullptr && *first_round == 0 && s == 0 && evicted &&
-            theirs.seqs[s].event == kvevict::sequence_event::decode)
-          *first_round = sc.calls.size();  // (this call's index once pushed)
-        *evictions += evicted ? 1 : 0;
-        // the target, and the target + N between compressions (PyramidKV: each layer's share)
-        if (!pyramid && evicted && theirs.seqs[s].event == kvevict::sequence_event::decode) REQUIRE(r.next_slot <= 24);
-        if (!pyramid && !evicted && theirs.seqs[s].event == kvevict::sequence_event::decode &&
-            sc.options.scope != kvevict::selection_scope::per_sequence)
-          REQUIRE(r.next_slot <= 24 + 5);
-      }
-      sc.calls.push_back(mine);
+      play(l, mine, theirs);
     }
+  if (turn_queries == nullptr) return rounds;
+  // A new prompt turn of 9 tokens after the answer, compressed at its prefill_end with the
+  // window of its own last queries (the ring's decode rows are not its).
+  const std::int64_t turn = 9, w = std::max<std::int64_t>(1, cpu.observation_window());
+  turn_queries->clear();
+  turn_queries->reserve(static_cast<std::size_t>(kLayers) * sc.seqs());
+  for (std::int64_t l = 0; l < kLayers; ++l)
+    for (std::size_t s = 0; s < sc.seqs(); ++s) {
+      const std::int64_t first = sc.prompts[s] + sc.steps + turn - w;
+      std::vector<std::int64_t> pos;
+      for (std::int64_t t = 0; t < w; ++t) pos.push_back(first + t);
+      turn_queries->push_back(test::make_queries<Q>(
+          kHq, w, kDim,
+          test::normal(static_cast<std::size_t>(kHq * w * kDim), 700 + 10 * static_cast<std::uint64_t>(l) + s, 2.0),
+          pos));
+    }
+  for (std::int64_t l = 0; l < kLayers; ++l) {
+    gpu::compressor_call<T, Q> mine, theirs;
+    mine.layer = theirs.layer = l;
+    for (std::size_t s = 0; s < sc.seqs(); ++s) {
+      if (sc.idle(s)) {
+        mine.seqs.emplace_back();
+        theirs.seqs.emplace_back();
+        continue;
+      }
+      const std::int64_t n = length[static_cast<std::size_t>(l)][s] + turn;
+      mine.seqs.push_back(generation_sequence(sc, l, s, kvevict::sequence_event::prefill_end, n, 0));
+      theirs.seqs.push_back(generation_sequence(twin, l, s, kvevict::sequence_event::prefill_end, n, 0));
+      const test::test_queries<Q>& tq = (*turn_queries)[static_cast<std::size_t>(l) * sc.seqs() + s];
+      for (auto* q : {&mine.seqs.back(), &theirs.seqs.back()}) {
+        q->queries = tq.view;
+        q->qbuf = gpu::buffer_of(tq.buffer);
+      }
+    }
+    play(l, mine, theirs);
+  }
   return rounds;
 }
 }  // namespace
@@ -1081,6 +1121,21 @@ TEST_CASE("GPU compressor: decode-time budgets hold a long generation at target 
     o.policy = kvevict::policy::knorm(k);
     o.scope = kvevict::selection_scope::per_sequence;
     generation(o, true, 63, 6);
+  }
+  SECTION("a new prompt turn after the answer observes with its own window, not the decode rows") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+    w.window = 6;
+    w.scoring.pool = {kvevict::pooling_kind::none, 1, true};
+    o.policy = kvevict::policy::snapkv(w);
+    o.decoding.target = kvevict::budget::tokens(24);
+    o.decoding.interval = 5;
+    o.decoding.policy = o.policy;
+    scenario<bf16, bf16> twin(o, true, 40, 65), sc(o, true, 40, 65);
+    std::int64_t evictions = 0;
+    std::vector<test::test_queries<bf16>> turn;
+    CHECK(build_generation(twin, sc, &evictions, nullptr, &turn) >= 12);
+    check_against_cpu(sc, evictions);
   }
   SECTION("a decode query out of order raises flag_query_position and cancels the compression it feeds") {
     kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);

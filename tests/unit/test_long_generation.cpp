@@ -652,3 +652,79 @@ TEST_CASE("decode-time budgets: the same rounds under every executor", "[decodin
     }
   }
 }
+
+TEST_CASE("a new prompt turn after decoding observes with its own queries, as on a fresh state", "[decoding]") {
+  // Multi-turn: after an answer decoded under decode-time budgets, the next user turn is
+  // prefilled into the same cache and compressed at its prefill_end. The ring of decode queries
+  // is not the turn's window: the result equals the same call on a state that never decoded.
+  const i64 prompt = 31, steps = 40, turn = 9;
+  for (bool chunked : {false, true}) {
+    INFO("chunked " << chunked);
+    kvevict::compressor_options o = generation_options(kvevict::dtype::bf16, 2, prompt + steps + turn);
+    o.chunked_prefill = chunked;
+    planned<bf16> a(o), fresh(o);
+    generation<bf16> ga(test::layout::paged_nhd, 2, 4, 2, 7, prompt + steps + turn, 31);
+    generation<bf16> gb(test::layout::paged_nhd, 2, 4, 2, 7, prompt + steps + turn, 31);
+    i64 rounds = 0;
+    for (generation<bf16>* g : {&ga, &gb})
+      for (i64 l = 0; l < 2; ++l) {
+        for (i64 p = 0; p < prompt; ++p) g->append(l, p);
+        a.run(*g, l, kvevict::sequence_event::prefill_end, prompt - 5, 5);
+      }
+    // (gb's state is reset below: its prompt eviction above went through `a`'s plan alike)
+    for (i64 t = 0; t < steps; ++t)
+      for (i64 l = 0; l < 2; ++l) {
+        ga.append(l, prompt + t);
+        gb.append(l, prompt + t);
+        rounds +=
+            a.run(ga, l, kvevict::sequence_event::decode, prompt + t, 1).action == kvevict::sequence_action::evicted
+                ? 1
+                : 0;
+      }
+    REQUIRE(rounds > 0);
+    // gb: the same cache as ga (its rows replayed from ga's), on a state that never decoded.
+    for (i64 l = 0; l < 2; ++l) {
+      gb.rows[static_cast<std::size_t>(l)] = ga.rows[static_cast<std::size_t>(l)];
+      gb.length[static_cast<std::size_t>(l)] = ga.length[static_cast<std::size_t>(l)];
+      gb.keys[static_cast<std::size_t>(l)].buffer = ga.keys[static_cast<std::size_t>(l)].buffer;
+      gb.values[static_cast<std::size_t>(l)].buffer = ga.values[static_cast<std::size_t>(l)].buffer;
+    }
+    const i64 first = prompt + steps;
+    for (i64 l = 0; l < 2; ++l)
+      for (i64 p = first; p < first + turn; ++p) {
+        ga.append(l, p);
+        gb.append(l, p);
+      }
+    for (i64 l = 0; l < 2; ++l) {
+      i64 last = 5;   // queries prefill_end hands: the window, or its last one after a chunk of 8
+      if (chunked) {  // the turn in two chunks, the window across them
+        REQUIRE(a.run(ga, l, kvevict::sequence_event::prefill_chunk, first, turn - 1).action ==
+                kvevict::sequence_action::observed);
+        REQUIRE(fresh.run(gb, l, kvevict::sequence_event::prefill_chunk, first, turn - 1).action ==
+                kvevict::sequence_action::observed);
+        last = 1;
+      } else {  // the decode rows do not make up a short window: refused, nothing changed
+        layer_call<bf16> x =
+            make_call(ga, l, kvevict::sequence_event::prefill_end, first + turn - 2, 2, a.state.data(), 1);
+        const auto before = ga.stored(l);
+        kvevict::sequence_report r;
+        const kvevict::status st = a.c.run(l, &x.io, 1, &r, a.ws);
+        REQUIRE(st.code() == kvevict::errc::invalid_shape);
+        CHECK(std::string(st.argument()) == "seqs[0].queries.num_queries");
+        CHECK(ga.stored(l) == before);
+      }
+      const kvevict::sequence_report ra = a.run(ga, l, kvevict::sequence_event::prefill_end, first + turn - last, last);
+      const kvevict::sequence_report rb =
+          fresh.run(gb, l, kvevict::sequence_event::prefill_end, first + turn - last, last);
+      REQUIRE(ra.action == kvevict::sequence_action::evicted);
+      REQUIRE(ra.length == rb.length);
+      REQUIRE(ga.rows[static_cast<std::size_t>(l)] == gb.rows[static_cast<std::size_t>(l)]);
+      REQUIRE(ga.stored(l) == gb.stored(l));
+    }
+    // Decoding goes on after the turn, with its rounds.
+    for (i64 l = 0; l < 2; ++l) {
+      ga.append(l, first + turn);
+      REQUIRE(a.run(ga, l, kvevict::sequence_event::decode, first + turn, 1).action != kvevict::sequence_action::none);
+    }
+  }
+}

@@ -568,8 +568,7 @@ class compressor : private detail::compressor_checks {
     const std::int64_t n = io.queries.num_queries;
     const bool prefill =
         io.event == sequence_event::prefill_end && (p.observe != detail::sequence_step::none || p.scores());
-    const detail::host_window_state w =
-        p.buffer || prefill ? *window_record(io.host_state, layer) : detail::host_window_state{};
+    const detail::host_window_state w = p.buffer || prefill ? ring_record(io, layer) : detail::host_window_state{};
     if (p.buffer) {
       std::int64_t slot = 0;
       (void)after_chunk(w, n, &slot);
@@ -597,6 +596,14 @@ class compressor : private detail::compressor_checks {
                           layers, dev.cancel, opt.device_flags);
   }
 
+  /// The ring's host record as a call's rows find it: a prompt chunk after decoding (a new turn)
+  /// starts from an empty ring, the decode rows not being its.
+  template <class T, class Q>
+  detail::host_window_state ring_record(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
+    const detail::host_window_state w = *window_record(io.host_state, layer);
+    return io.event == sequence_event::prefill_chunk && w.decoding != 0 ? detail::host_window_state{} : w;
+  }
+
   /// The window's host record once the call succeeded: a chunk's rows joined it; prefill_end
   /// used it, and the next prompt starts from none (kvevict::compressor's clear_window).
   template <class T, class Q>
@@ -605,7 +612,7 @@ class compressor : private detail::compressor_checks {
     detail::host_window_state* w = window_record(io.host_state, layer);
     std::int64_t slot = 0;
     if (p.buffer) {
-      *w = after_chunk(*w, io.queries.num_queries, &slot);
+      *w = after_chunk(ring_record(io, layer), io.queries.num_queries, &slot);
       return;
     }
     *w = detail::host_window_state{};

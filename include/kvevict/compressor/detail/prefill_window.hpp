@@ -41,7 +41,8 @@ class compressor_window : protected compressor_core {
   template <class T, class Q>
   std::int64_t buffered_rows(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
     if (window_bytes_ == 0 || io.event != sequence_event::prefill_end || io.state == nullptr) return 0;
-    return window_header(io.state, layer)->count;
+    const window_state* w = window_header(io.state, layer);
+    return w->decoding != 0 ? 0 : w->count;  // a new prompt turn after decoding: the decode rows are not its
   }
   /// How many queries a prefill_end observation uses: the policy's window (H2O: all) of the
   /// buffered rows followed by this call's.
@@ -95,6 +96,7 @@ class compressor_window : protected compressor_core {
   template <class T, class Q>
   void buffer_chunk(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
     window_state* w = window_header(io.state, layer);
+    if (w->decoding != 0) *w = window_state{};  // a new prompt turn after decoding: its chunks start anew
     const std::int64_t cap = window_capacity_, d = options_.model.head_dim;
     const std::int64_t n = io.queries.num_queries;
     const std::int64_t take = n < cap ? n : cap;

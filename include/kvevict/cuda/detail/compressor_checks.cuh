@@ -112,7 +112,7 @@ class compressor_checks : protected compressor_layout {
           fn, /*multi_token_steps=*/p.round));
       // As on the CPU: a last chunk holding fewer than the window's queries (with the earlier
       // chunks' buffered rows, under chunked_prefill) is refused, never scored with fewer.
-      const std::int64_t held = decode || !buffers_windows() ? 0 : window_record(io.host_state, layer)->count;
+      const std::int64_t held = decode ? 0 : chunk_rows(io, layer);
       if (!decode && p.observed > options_.limits.max_queries) {
         if (held > 0)
           return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),

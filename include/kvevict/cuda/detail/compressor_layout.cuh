@@ -378,6 +378,14 @@ class compressor_layout {
     return rerotates(&r) ? cuda::rotation_table_size(r) : 0;
   }
 
+  /// The rows earlier chunks of this prompt left in the layer's ring (none after decoding: a new
+  /// prompt turn's window is its own, the decode rows are not its).
+  template <class T, class Q>
+  std::int64_t chunk_rows(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
+    if (!buffers_windows()) return 0;
+    const detail::host_window_state* w = window_record(io.host_state, layer);
+    return w->decoding == 0 ? w->count : 0;
+  }
   /// How many queries observe at prefill_end: the window's, or every one for a policy whose
   /// every prompt query observes (H2O; at most limits.max_queries, checked), of the rows earlier
   /// chunks buffered (chunked_prefill) followed by the call's; *from_ring: how many of them the
@@ -385,7 +393,7 @@ class compressor_layout {
   template <class T, class Q>
   std::int64_t prefill_queries(const sequence_io<T, Q>& io, std::int64_t layer,
                                std::int64_t* from_ring) const noexcept {
-    const std::int64_t held = buffers_windows() ? window_record(io.host_state, layer)->count : 0;
+    const std::int64_t held = chunk_rows(io, layer);
     const std::int64_t n = io.queries.num_queries, all = held + n;
     const std::int64_t total =
         kvevict::detail::every_prompt_query(options_.policy.kind()) || all < window_ ? all : window_;
