@@ -5,6 +5,12 @@
 //   kvevict_tinylm --bench [--per-task N] [--budgets 0.5,0.25] [--policies a,b] [--json out]
 //   kvevict_tinylm --ci                       2 prompts per task, 2 budgets, every policy
 //   kvevict_tinylm --demo                     logits check + a few prompts, printed
+//   kvevict_tinylm --long-generation [--tasks longchain] [--per-task N] [--setup P:F:T,..:N]..
+//                  [--scorers a,b|none] [--json out] [--markdown out]
+//                                             decode-time budgets on the 4-layer model's longchain
+//                                             (a setup: the prompt's policy none|h2o|snapkv, the
+//                                             fraction of the prompt it keeps, targets, N)
+//   kvevict_tinylm --long-generation-ci       the same, 2 prompts, one target, every scorer
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -17,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "long_generation.hpp"
 #include "model.hpp"
 #include "policies.hpp"
 
@@ -326,6 +333,422 @@ int bench(const model& m, const std::vector<prompt_case>& all, std::int64_t per_
   return full_wrong;
 }
 
+std::vector<std::int64_t> parse_ints(const std::string& s) {
+  std::vector<std::int64_t> v;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) v.push_back(std::stoll(item));
+  return v;
+}
+
+std::vector<std::string> parse_names(const std::string& s) {
+  std::vector<std::string> v;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) v.push_back(item);
+  return v;
+}
+
+/// What one row of the long-generation tables adds up over a task's prompts at one target.
+struct generation_cell {
+  std::int64_t prompts = 0, exact = 0, tokens = 0, tokens_right = 0, rounds = 0, most_rows = 0;
+  std::int64_t first_rows = 0, first_dropped = 0, first_unread = 0, first_unread_dropped = 0;
+};
+
+/// For each prompt position inside a statement `[VAR] src -> dst` of the asked chain
+/// (vartrack, longchain), the index of dst in the answer; -1 elsewhere and for other tasks.
+std::vector<std::int64_t> chain_statements(const prompt_case& pc) {
+  std::vector<std::int64_t> at(pc.ids.size(), -1);
+  if (pc.task != "longchain" && pc.task != "vartrack") return at;
+  constexpr std::int32_t kVar = 5;  // [VAR] (MODEL.md, vocabulary)
+  for (std::size_t q = 0; q + 3 < pc.ids.size(); ++q) {
+    if (pc.ids[q] != kVar) continue;
+    const auto it = std::find(pc.answer.begin(), pc.answer.end(), pc.ids[q + 3]);
+    if (it != pc.answer.end())
+      for (std::size_t k = 0; k < 4; ++k) at[q + k] = it - pc.answer.begin();
+  }
+  return at;
+}
+
+/// One table of the long-generation bench: the prompt's policy and budget, then the decode
+/// targets at one interval N. "none" keeps the whole prompt (per_head = ratio(0)).
+struct generation_setup {
+  std::string prompt_policy = "none";
+  double prompt_fraction = 0;  // of the prompt, kept per KV head at prefill_end; 0 with "none"
+  std::vector<std::int64_t> targets;
+  std::int64_t interval = 4;
+};
+
+/// POLICY:FRACTION:TARGETS[:N], e.g. h2o:0.5:384,256,128,64:4.
+generation_setup parse_setup(const std::string& text) {
+  std::vector<std::string> parts;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ':')) parts.push_back(item);
+  if (parts.size() < 3 || parts.size() > 4)
+    throw std::runtime_error("--setup " + text + ": expected POLICY:FRACTION:TARGETS[:N]");
+  generation_setup s;
+  s.prompt_policy = parts[0];
+  s.prompt_fraction = std::stod(parts[1]);
+  s.targets = parse_ints(parts[2]);
+  if (parts.size() == 4) s.interval = std::stoll(parts[3]);
+  if ((s.prompt_policy == "none") != (s.prompt_fraction == 0) || s.prompt_fraction < 0 || s.prompt_fraction >= 1)
+    throw std::runtime_error("--setup " + text + ": \"none\" keeps the whole prompt (fraction 0); " +
+                             "a policy compresses it to a fraction in (0, 1)");
+  if (s.targets.empty() || s.interval < 1) throw std::runtime_error("--setup " + text + ": no targets, or N < 1");
+  (void)prompt_policy(s.prompt_policy == "none" ? "snapkv" : s.prompt_policy);  // refuses an unknown name
+  return s;
+}
+
+std::string setup_text(const generation_setup& s) {
+  char fraction[32];
+  std::snprintf(fraction, sizeof(fraction), "%g", s.prompt_fraction);
+  std::string t = s.prompt_policy + ":" + fraction + ":";
+  for (std::size_t i = 0; i < s.targets.size(); ++i) t += (i ? "," : "") + std::to_string(s.targets[i]);
+  return t + ":" + std::to_string(s.interval);
+}
+
+struct long_generation_settings {
+  std::vector<std::string> tasks = {"longchain"};
+  std::int64_t per_task = 100;
+  // The whole prompt kept, then decode-time budgets only, N = 4 (compressions at decode steps 1,
+  // 6 and 11 of the 16-token answer) and N = 16 (one compression, at step 1); the prompt
+  // compressed by H2O to half of it, then targets below that; the same with SnapKV, the main
+  // bench's prompt policy, whose window of the last 8 prompt queries sees the question but not
+  // the chain.
+  std::vector<generation_setup> setups = {{"none", 0, {1016, 960, 896, 768, 512, 256}, 4},
+                                          {"none", 0, {960, 768, 512}, 16},
+                                          {"h2o", 0.5, {448, 384, 256, 128}, 4},
+                                          {"snapkv", 0.5, {384, 128}, 4}};
+  std::vector<std::string> scorers;  // empty: every decode scorer; {"none"}: none (full KV, prompt only)
+  std::string weights_name, prompts_name;
+};
+
+/// The engine's command line that reproduces a run with these settings.
+std::string long_generation_command(const long_generation_settings& s) {
+  auto join = [](const std::vector<std::string>& v) {
+    std::string out;
+    for (std::size_t i = 0; i < v.size(); ++i) out += (i ? "," : "") + v[i];
+    return out;
+  };
+  std::string c =
+      "kvevict_tinylm --long-generation --tasks " + join(s.tasks) + " --per-task " + std::to_string(s.per_task);
+  for (const auto& setup : s.setups) c += " --setup " + setup_text(setup);
+  if (!s.scorers.empty()) c += " --scorers " + join(s.scorers);
+  return c;
+}
+
+/// The long-generation bench: per prompt, full KV, and per setup the prompt compressed once
+/// (decoding off) and every decode scorer at every target. Returns the number of full-KV
+/// wrong answers; with `smoke`, -1 unless every decoding row compressed during the answer and
+/// stayed within target + N rows.
+int long_generation(const model& m, const std::vector<prompt_case>& all, const long_generation_settings& s,
+                    const std::string& json_path, const std::string& markdown_path, bool verbose, bool smoke) {
+  std::vector<decode_scorer> scorers;
+  for (const auto& sc : decode_scorers())
+    if (s.scorers.empty() || std::find(s.scorers.begin(), s.scorers.end(), sc.name) != s.scorers.end())
+      scorers.push_back(sc);
+  for (const auto& name : s.scorers) {
+    const auto known = decode_scorers();
+    if (name != "none" &&
+        std::none_of(known.begin(), known.end(), [&](const decode_scorer& k) { return k.name == name; }))
+      throw std::runtime_error("--scorers: no decode scorer " + name);
+  }
+  std::map<std::string, std::int64_t> taken;
+  std::vector<prompt_case> prompts;
+  for (const auto& pc : all)
+    if (std::find(s.tasks.begin(), s.tasks.end(), pc.task) != s.tasks.end() && taken[pc.task] < s.per_task) {
+      ++taken[pc.task];
+      prompts.push_back(pc);
+    }
+  if (prompts.empty()) throw std::runtime_error("no prompts of the tasks asked for");
+  std::vector<std::string> tasks;
+  for (const auto& t : s.tasks)
+    if (taken[t] > 0) tasks.push_back(t);
+  std::vector<std::string> rows = {"prompt_only"};
+  for (const auto& sc : scorers) rows.push_back(sc.name);
+  // full[task]; cells[task][setup][row][target index] (prompt_only fills index 0).
+  std::map<std::string, generation_cell> full;
+  std::map<std::string, std::vector<std::map<std::string, std::vector<generation_cell>>>> cells;
+  std::map<std::string, std::int64_t> prompt_tokens, answer_tokens;
+  std::map<std::string, std::vector<std::int64_t>> prompt_rows;  // [task][setup]
+  auto add = [](generation_cell& c, const prompt_case& pc, const generation_result& r) {
+    const std::size_t n = pc.answer.size();
+    ++c.prompts;
+    c.exact += r.generated == pc.answer ? 1 : 0;
+    c.tokens += static_cast<std::int64_t>(n);
+    for (std::size_t t = 0; t < n; ++t) c.tokens_right += r.generated[t] == pc.answer[t] ? 1 : 0;
+    c.rounds += r.rounds;
+    c.most_rows = std::max(c.most_rows, r.most_rows);
+    c.first_rows += r.first_rows;
+    c.first_dropped += r.first_dropped;
+    c.first_unread += r.first_unread;
+    c.first_unread_dropped += r.first_unread_dropped;
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    const prompt_case& pc = prompts[i];
+    const prefill_state p = prefill(m, pc, false);
+    const std::size_t n = pc.answer.size();
+    const std::vector<std::int64_t> chain = chain_statements(pc);
+    prompt_tokens[pc.task] = p.prompt_tokens;
+    answer_tokens[pc.task] = static_cast<std::int64_t>(n);
+    generation_config config;
+    add(full[pc.task], pc, run_generation(m, p, n, config));
+    auto& per_setup = cells[pc.task];
+    per_setup.resize(s.setups.size());
+    prompt_rows[pc.task].assign(s.setups.size(), 0);
+    for (std::size_t u = 0; u < s.setups.size(); ++u) {
+      const generation_setup& setup = s.setups[u];
+      config.prompt = prompt_policy(setup.prompt_policy == "none" ? "snapkv" : setup.prompt_policy);
+      config.prompt_budget = setup.prompt_fraction > 0 ? budget_tokens(setup.prompt_fraction, p.prompt_tokens) : 0;
+      prompt_rows[pc.task][u] = config.prompt_budget > 0 ? config.prompt_budget : p.prompt_tokens;
+      for (const auto& row : rows) per_setup[u][row].resize(setup.targets.size());
+      config.mode = generation_config::kind::prompt_only;
+      add(per_setup[u]["prompt_only"][0], pc, run_generation(m, p, n, config, &chain));
+      config.mode = generation_config::kind::decoding;
+      config.interval = setup.interval;
+      for (const auto& sc : scorers) {
+        config.scorer = &sc;
+        for (std::size_t b = 0; b < setup.targets.size(); ++b) {
+          config.target = setup.targets[b];
+          add(per_setup[u][sc.name][b], pc, run_generation(m, p, n, config, &chain));
+        }
+      }
+    }
+    if (verbose && (i + 1) % 10 == 0)
+      std::fprintf(stderr, "  %zu/%zu prompts (%.0f s)\n", i + 1, prompts.size(),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  auto exact = [](const generation_cell& c) {
+    return 100.0 * static_cast<double>(c.exact) / static_cast<double>(c.prompts);
+  };
+  auto per_token = [](const generation_cell& c) {
+    return 100.0 * static_cast<double>(c.tokens_right) / static_cast<double>(c.tokens);
+  };
+  auto cell_of = [&](const std::string& task, std::size_t u, const std::string& row,
+                     std::size_t b) -> const generation_cell& {
+    return cells[task][u][row][row == "prompt_only" ? 0 : b];
+  };
+  auto rounds_per_layer = [&](const generation_cell& c) {
+    return static_cast<double>(c.rounds) / static_cast<double>(m.cfg.layers * c.prompts);
+  };
+  auto unread_dropped = [](const generation_cell& c) {
+    return c.first_unread > 0
+               ? 100.0 * static_cast<double>(c.first_unread_dropped) / static_cast<double>(c.first_unread)
+               : 0.0;
+  };
+  auto all_dropped = [](const generation_cell& c) {
+    return c.first_rows > 0 ? 100.0 * static_cast<double>(c.first_dropped) / static_cast<double>(c.first_rows) : 0.0;
+  };
+  auto has_chain = [&](const std::string& task, std::size_t u) {
+    return !scorers.empty() && cell_of(task, u, scorers[0].name, 0).first_unread > 0;
+  };
+  auto setup_title = [&](const std::string& task, std::size_t u) {
+    const generation_setup& setup = s.setups[u];
+    char buf[256];
+    if (setup.prompt_policy == "none")
+      std::snprintf(buf, sizeof(buf), "the whole prompt (%lld rows per KV head) kept, N = %lld",
+                    static_cast<long long>(prompt_tokens[task]), static_cast<long long>(setup.interval));
+    else
+      std::snprintf(buf, sizeof(buf), "the prompt compressed by %s to %lld rows per KV head (%g of it), N = %lld",
+                    setup.prompt_policy == "h2o" ? "H2O" : "SnapKV", static_cast<long long>(prompt_rows[task][u]),
+                    setup.prompt_fraction, static_cast<long long>(setup.interval));
+    return std::string(buf);
+  };
+
+  // The compressions per layer and the most rows a head held depend on the target and N only:
+  // checked equal for every scorer.
+  bool smoke_ok = true;
+  for (const auto& task : tasks)
+    for (std::size_t u = 0; u < s.setups.size(); ++u)
+      for (std::size_t b = 0; b < s.setups[u].targets.size(); ++b)
+        for (const auto& sc : scorers) {
+          const generation_cell &c = cell_of(task, u, sc.name, b), &first = cell_of(task, u, scorers[0].name, b);
+          if (c.rounds != first.rounds || c.most_rows != first.most_rows)
+            throw std::runtime_error(sc.name + ": other compressions than " + scorers[0].name);
+          if (c.rounds == 0 || c.most_rows > s.setups[u].targets[b] + s.setups[u].interval) smoke_ok = false;
+        }
+
+  for (const auto& task : tasks)
+    for (std::size_t u = 0; u < s.setups.size(); ++u) {
+      const generation_setup& setup = s.setups[u];
+      std::printf("%s, %s: exact match %% (per-token %%), %lld prompts\n", task.c_str(), setup_title(task, u).c_str(),
+                  static_cast<long long>(taken[task]));
+      std::printf("%-16s", "target");
+      for (auto t : setup.targets) std::printf(" %15lld", static_cast<long long>(t));
+      std::printf("\n%-16s    %5.1f (%5.1f)\n", "full", exact(full[task]), per_token(full[task]));
+      for (const auto& row : rows) {
+        std::printf("%-16s", row.c_str());
+        for (std::size_t b = 0; b < (row == "prompt_only" ? 1 : setup.targets.size()); ++b) {
+          const generation_cell& c = cell_of(task, u, row, b);
+          std::printf("    %5.1f (%5.1f)", exact(c), per_token(c));
+        }
+        std::printf("\n");
+      }
+      if (!scorers.empty()) {
+        std::printf("%-16s", "rounds/layer");
+        for (std::size_t b = 0; b < setup.targets.size(); ++b)
+          std::printf(" %15.2f", rounds_per_layer(cell_of(task, u, scorers[0].name, b)));
+        std::printf("\n");
+        if (has_chain(task, u)) {
+          std::printf(
+              "first decode-time compression: %% of the unread chain statement rows dropped (%% of all rows)\n");
+          for (const auto& sc : scorers) {
+            std::printf("%-16s", sc.name.c_str());
+            for (std::size_t b = 0; b < setup.targets.size(); ++b) {
+              const generation_cell& c = cell_of(task, u, sc.name, b);
+              std::printf("    %5.1f (%5.1f)", unread_dropped(c), all_dropped(c));
+            }
+            std::printf("\n");
+          }
+        }
+      }
+    }
+  std::printf("(%zu prompts, %.1f s)\n", prompts.size(), seconds);
+
+  const std::string command = long_generation_command(s);
+  if (!json_path.empty()) {
+    std::ofstream j(json_path);
+    auto cell_json = [](const generation_cell& c) {
+      return "{\"prompts\": " + std::to_string(c.prompts) + ", \"exact\": " + std::to_string(c.exact) +
+             ", \"tokens_right\": " + std::to_string(c.tokens_right) + ", \"tokens\": " + std::to_string(c.tokens) +
+             ", \"rounds\": " + std::to_string(c.rounds) + ", \"most_rows\": " + std::to_string(c.most_rows) +
+             ", \"first_round\": {\"rows\": " + std::to_string(c.first_rows) +
+             ", \"dropped\": " + std::to_string(c.first_dropped) +
+             ", \"unread_chain_rows\": " + std::to_string(c.first_unread) +
+             ", \"unread_chain_dropped\": " + std::to_string(c.first_unread_dropped) + "}}";
+    };
+    // No timings in the file: the results of a run are a function of the code and the data.
+    j << "{\n  \"command\": \"" << command << "\",\n  \"weights\": \"" << s.weights_name << "\",\n  \"prompts\": \""
+      << s.prompts_name << "\",\n  \"layers\": " << m.cfg.layers << ",\n  \"results\": {\n";
+    for (std::size_t t = 0; t < tasks.size(); ++t) {
+      const auto& task = tasks[t];
+      j << "    \"" << task << "\": {\"prompt_tokens\": " << prompt_tokens[task]
+        << ", \"answer_tokens\": " << answer_tokens[task] << ", \"full\": " << cell_json(full[task])
+        << ", \"setups\": [\n";
+      for (std::size_t u = 0; u < s.setups.size(); ++u) {
+        const generation_setup& setup = s.setups[u];
+        j << "      {\"prompt_policy\": \"" << setup.prompt_policy
+          << "\", \"prompt_fraction\": " << setup.prompt_fraction << ", \"prompt_rows\": " << prompt_rows[task][u]
+          << ", \"interval\": " << setup.interval << ", \"targets\": [";
+        for (std::size_t b = 0; b < setup.targets.size(); ++b) j << (b ? ", " : "") << setup.targets[b];
+        j << "],\n       \"prompt_only\": " << cell_json(cell_of(task, u, "prompt_only", 0))
+          << ",\n       \"decoding\": {";
+        for (std::size_t r = 1; r < rows.size(); ++r) {
+          j << (r > 1 ? ",\n                   " : "") << "\"" << rows[r] << "\": [";
+          for (std::size_t b = 0; b < setup.targets.size(); ++b)
+            j << (b ? ", " : "") << cell_json(cell_of(task, u, rows[r], b));
+          j << "]";
+        }
+        j << "}}" << (u + 1 < s.setups.size() ? "," : "") << "\n";
+      }
+      j << "    ]}" << (t + 1 < tasks.size() ? "," : "") << "\n";
+    }
+    j << "  }\n}\n";
+  }
+  if (!markdown_path.empty()) {
+    std::ofstream md(markdown_path);
+    char buf[512];
+    md << "# Long generation: decode-time budgets\n\n"
+       << "TinyLM, 4 layers (`examples/tinylm/weights/" << s.weights_name
+       << "`, 8 query / 2 KV heads), on held-out prompts of `examples/tinylm/data/" << s.prompts_name
+       << "`. The answer is written one token at a time under greedy decoding; in `longchain` each answer "
+          "token is found from the model's own previous one: the question `[TRK] V` asks for the 16 variables "
+          "of a chain `[VAR] V -> X1`, `[VAR] X1 -> X2`, ... hidden in 1024 tokens of filler beside a "
+          "distractor chain, so X(i+1) is read from the statement that names X(i), the token just written.\n\n"
+       << "Every configuration runs through kvevict's compressor, one `run()` per layer per model step. At "
+          "`prefill_end` the prompt is kept whole (`per_head = ratio(0)`) or compressed once by the setup's "
+          "policy (H2O: attention accumulated over every prompt query; SnapKV: the main bench's, the last 8 "
+          "prompt queries; both keep the last 8 prompt tokens inside the budget). **prompt only** stops there "
+          "(`decoding` off: the cache grows by one row per token). The **decode scorer** rows turn on "
+          "`compressor_options::decoding`: every decode step hands each layer its query, and the step that "
+          "leaves a layer holding more than target + N rows per KV head compresses it back to `target` rows "
+          "with that scorer; the engine writes the next token at `report.next_slot` with RoPE position "
+          "`report.next_position`, and every head keeps the same number of rows. Decode scorers: `snapkv` "
+          "(the last 8 decode queries observe, max-pool 7), `tova` (the newest decode query), `h2o` (attention "
+          "accumulated over the last "
+       << kH2ODecodeWindow
+       << " decode queries: every one of the answer), `knorm` and `keydiff` (keys only); those five keep the "
+          "newest 8 tokens inside the target; `streaming_llm` keeps 4 sink tokens and the newest ones.\n\n"
+       << "**Exact match**: every answer token right. **Per-token**: the share of answer positions right in "
+          "the greedy (free-running) answer, so a wrong variable usually costs the rest of the chain. The "
+          "first answer token comes from the prompt's logits, so a 16-token answer is 15 decode steps.\n\n"
+       << "Generated by `scripts/fidelity --long-generation` (engine: `" << command << "`).\n";
+    for (const auto& task : tasks)
+      for (std::size_t u = 0; u < s.setups.size(); ++u) {
+        const generation_setup& setup = s.setups[u];
+        std::snprintf(buf, sizeof(buf),
+                      "\n## %s, %s\n\nExact match %% (per-token %%), %lld prompts of %lld tokens, answers of %lld "
+                      "tokens. Target: rows per KV head after a decode-time compression.\n\n",
+                      task.c_str(), setup_title(task, u).c_str(), static_cast<long long>(taken[task]),
+                      static_cast<long long>(prompt_tokens[task]), static_cast<long long>(answer_tokens[task]));
+        md << buf << "| |";
+        for (auto t : setup.targets) md << " target " << t << " |";
+        md << "\n|---|";
+        for (std::size_t b = 0; b < setup.targets.size(); ++b) md << "---:|";
+        md << "\n";
+        auto line = [&](const std::string& label, const std::function<const generation_cell&(std::size_t)>& at) {
+          md << "| " << label << " |";
+          for (std::size_t b = 0; b < setup.targets.size(); ++b) {
+            std::snprintf(buf, sizeof(buf), " %.0f (%.1f) |", exact(at(b)), per_token(at(b)));
+            md << buf;
+          }
+          md << "\n";
+        };
+        line("full KV", [&](std::size_t) -> const generation_cell& { return full[task]; });
+        std::snprintf(buf, sizeof(buf), "prompt only (%s, decoding off)",
+                      setup.prompt_policy == "none" ? "the whole prompt"
+                                                    : ((setup.prompt_policy == "h2o" ? "H2O, " : "SnapKV, ") +
+                                                       std::to_string(prompt_rows[task][u]) + " rows")
+                                                          .c_str());
+        line(buf, [&](std::size_t) -> const generation_cell& { return cell_of(task, u, "prompt_only", 0); });
+        for (const auto& sc : scorers)
+          line("decode scorer: " + sc.name,
+               [&](std::size_t b) -> const generation_cell& { return cell_of(task, u, sc.name, b); });
+        if (!scorers.empty()) {
+          md << "| decode-time compressions per layer in one answer |";
+          for (std::size_t b = 0; b < setup.targets.size(); ++b) {
+            std::snprintf(buf, sizeof(buf), " %.2f |", rounds_per_layer(cell_of(task, u, scorers[0].name, b)));
+            md << buf;
+          }
+          md << "\n| most rows a KV head held after a decode step |";
+          for (std::size_t b = 0; b < setup.targets.size(); ++b)
+            md << " " << cell_of(task, u, scorers[0].name, b).most_rows << " |";
+          md << "\n";
+        }
+        if (has_chain(task, u)) {
+          md << "\nWhat each layer's first decode-time compression dropped, over every layer, KV head and "
+                "prompt: % of the cached rows of the asked chain's statements that the answer had still to read "
+                "(those of the answer tokens after that step), and in the last row % of all cached rows.\n\n| |";
+          for (auto t : setup.targets) md << " target " << t << " |";
+          md << "\n|---|";
+          for (std::size_t b = 0; b < setup.targets.size(); ++b) md << "---:|";
+          md << "\n";
+          for (const auto& sc : scorers) {
+            md << "| " << sc.name << " |";
+            for (std::size_t b = 0; b < setup.targets.size(); ++b) {
+              std::snprintf(buf, sizeof(buf), " %.1f |", unread_dropped(cell_of(task, u, sc.name, b)));
+              md << buf;
+            }
+            md << "\n";
+          }
+          md << "| every row |";
+          for (std::size_t b = 0; b < setup.targets.size(); ++b) {
+            std::snprintf(buf, sizeof(buf), " %.1f |", all_dropped(cell_of(task, u, scorers[0].name, b)));
+            md << buf;
+          }
+          md << "\n";
+        }
+      }
+  }
+  int full_wrong = 0;
+  for (const auto& task : tasks) full_wrong += static_cast<int>(full[task].prompts - full[task].exact);
+  if (smoke && !smoke_ok) return -1;
+  return full_wrong;
+}
+
 }  // namespace
 }  // namespace tinylm
 
@@ -336,6 +759,10 @@ int main(int argc, char** argv) {
   std::string ref = dir + "/data/reference_logits.txt", json;
   std::string mode = "demo", policy_list = "all", budget_list = "0.5,0.25,0.125,0.0625,0.03";
   std::int64_t per_task = 100;
+  bool per_task_given = false, weights_given = false, prompts_given = false;
+  long_generation_settings long_settings;
+  std::vector<std::string> setups;  // --setup, parsed below
+  std::string markdown;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -351,28 +778,69 @@ int main(int argc, char** argv) {
     else if (a == "--demo")
       mode = "demo";
     else if (a == "--weights")
-      weights = next();
+      weights = next(), weights_given = true;
     else if (a == "--prompts")
-      prompts_path = next();
+      prompts_path = next(), prompts_given = true;
     else if (a == "--reference")
       ref = next();
     else if (a == "--per-task")
-      per_task = std::stoll(next());
+      per_task = std::stoll(next()), per_task_given = true;
     else if (a == "--budgets")
       budget_list = next();
     else if (a == "--policies")
       policy_list = next();
     else if (a == "--json")
       json = next();
+    else if (a == "--long-generation")
+      mode = "long";
+    else if (a == "--long-generation-ci")
+      mode = "long_ci";
+    else if (a == "--tasks")
+      long_settings.tasks = parse_names(next());
+    else if (a == "--setup")
+      setups.push_back(next());
+    else if (a == "--scorers")
+      long_settings.scorers = parse_names(next());
+    else if (a == "--markdown")
+      markdown = next();
     else {
       std::fprintf(stderr,
                    "usage: %s [--check-logits|--bench|--ci|--demo] [--per-task N] [--budgets f,..] "
-                   "[--policies a,..] [--json out] [--weights f] [--prompts f]\n",
-                   argv[0]);
+                   "[--policies a,..] [--json out] [--weights f] [--prompts f]\n"
+                   "       %s --long-generation|--long-generation-ci [--tasks t,..] [--per-task N] "
+                   "[--setup POLICY:FRACTION:TARGETS[:N]].. [--scorers a,..|none] [--json out] [--markdown out] "
+                   "[--weights f] [--prompts f]\n",
+                   argv[0], argv[0]);
       return 2;
     }
   }
   try {
+    if (mode == "long" || mode == "long_ci") {  // the 4-layer model and the long-answer prompts
+      if (!weights_given) weights = dir + "/weights/tinylm4d.safetensors";
+      if (!prompts_given) prompts_path = dir + "/data/eval_prompts_long.txt";
+      long_settings.weights_name = weights.substr(weights.find_last_of('/') + 1);
+      long_settings.prompts_name = prompts_path.substr(prompts_path.find_last_of('/') + 1);
+      if (per_task_given) long_settings.per_task = per_task;
+      if (!setups.empty()) long_settings.setups.clear();
+      for (const auto& text : setups) long_settings.setups.push_back(parse_setup(text));
+      if (mode == "long_ci") {  // seconds: two prompts, the whole prompt kept, one target
+        if (!per_task_given) long_settings.per_task = 2;
+        if (setups.empty()) long_settings.setups = {{"none", 0, {256}, 4}};
+      }
+      const model m = model::load(weights);
+      const int wrong = long_generation(m, load_prompts(prompts_path), long_settings, json, markdown, mode == "long",
+                                        mode == "long_ci");
+      if (mode == "long_ci") {
+        std::printf("tinylm long-generation slice: %s; full-KV wrong answers: %d\n",
+                    wrong < 0 ? "a decode scorer did not compress within target + N"
+                              : "every decode scorer "
+                                "compressed during the answer within target + N",
+                    wrong < 0 ? 0 : wrong);
+        return wrong == 0 ? 0 : 1;
+      }
+      if (wrong > 0) std::printf("note: full KV answered %d prompts wrong\n", wrong);
+      return 0;
+    }
     const model m = model::load(weights);
     std::vector<policy_spec> policies;
     for (const auto& p : all_policies())

@@ -2,10 +2,14 @@
 
     /usr/bin/python3 examples/tinylm/train/make_data.py            # both files
     /usr/bin/python3 examples/tinylm/train/make_data.py --prompts  # only eval_prompts.txt
+    /usr/bin/python3 examples/tinylm/train/make_data.py --long     # only eval_prompts_long.txt
 
 data/eval_prompts.txt  (seed 20240, 100 prompts per task, context 1024 tokens)
     one prompt per line:  TASK|PROMPT_IDS|ANSWER_IDS   (ids separated by single spaces)
     lines starting with '#' are comments.
+data/eval_prompts_long.txt  (seed 20241, 100 prompts per long-answer task, context 1024 tokens)
+    the same format for tasks.LONG_TASKS at tasks.LONG_EVAL_TASKS (the 4-layer model's tasks;
+    the long-generation fidelity bench, `kvevict_tinylm --long-generation`, reads longchain)
 data/reference_logits.txt  (3 short prompts, float32 logits of the committed weights)
     see MODEL.md, "Reference logits". The 4-layer model's:
     /usr/bin/python3 examples/tinylm/train/make_data.py --weights examples/tinylm/weights/tinylm4.safetensors \
@@ -25,6 +29,7 @@ from export import load_model  # noqa: E402
 
 ROOT = os.path.normpath(os.path.join(HERE, ".."))
 EVAL_SEED = 20240
+LONG_EVAL_SEED = 20241
 N_PER_TASK = 100
 CTX_LEN = 1024
 REF_SEED = 777
@@ -39,6 +44,19 @@ def write_prompts(path, seed=EVAL_SEED, n=N_PER_TASK, ctx_len=CTX_LEN):
         for t in tasks.TASKS:
             for _ in range(n):
                 p, a = tasks.make_prompt(rng, t, ctx_len, **tasks.EVAL_TASKS[t])
+                f.write("%s|%s|%s\n" % (t, " ".join(map(str, p)), " ".join(map(str, a))))
+
+
+def write_long_prompts(path, seed=LONG_EVAL_SEED, n=N_PER_TASK, ctx_len=CTX_LEN):
+    """The long-answer tasks' held-out prompts (tasks.LONG_EVAL_TASKS), same format."""
+    rng = np.random.RandomState(seed)
+    with open(path, "w") as f:
+        f.write("# tinylm held-out long-answer prompts: seed %d, %d per task, context %d tokens "
+                "(prompt = BOS + context + question); format TASK|PROMPT_IDS|ANSWER_IDS\n"
+                % (seed, n, ctx_len))
+        for t in tasks.LONG_TASKS:
+            for _ in range(n):
+                p, a = tasks.make_prompt(rng, t, ctx_len, **tasks.LONG_EVAL_TASKS[t])
                 f.write("%s|%s|%s\n" % (t, " ".join(map(str, p)), " ".join(map(str, a))))
 
 
@@ -80,12 +98,16 @@ def write_reference(path, weights):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", action="store_true", help="only write eval_prompts.txt")
+    ap.add_argument("--long", action="store_true", help="only write eval_prompts_long.txt")
     ap.add_argument("--weights", default=os.path.join(ROOT, "weights", "tinylm.safetensors"))
     ap.add_argument("--reference", default=os.path.join(ROOT, "data", "reference_logits.txt"),
                     help="where the reference logits go (data/reference_logits4.txt for tinylm4)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.makedirs(os.path.join(ROOT, "data"), exist_ok=True)
+    if args.long:
+        write_long_prompts(os.path.join(ROOT, "data", "eval_prompts_long.txt"))
+        return
     write_prompts(os.path.join(ROOT, "data", "eval_prompts.txt"))
     if not args.prompts:
         write_reference(args.reference, args.weights)
