@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -981,7 +982,12 @@ gpu::compressor_sequence<T, Q> generation_sequence(scenario<T, Q>& sc, std::int6
 template <class T, class Q>
 std::int64_t build_generation(scenario<T, Q>& twin, scenario<T, Q>& sc, std::int64_t* evictions,
                               std::size_t* first_round = nullptr,
-                              std::vector<test::test_queries<Q>>* turn_queries = nullptr) {
+                              std::vector<test::test_queries<Q>>* turn_queries = nullptr,
+                              const std::vector<test::test_queries<Q>>* decode_queries = nullptr,
+                              std::int64_t decode_steps = 0) {
+  // decode_queries: [layer][seq][steps] the steps' queries of a generation longer than the
+  // scenario's own (decode_steps of them); its caches hold what a step appends (see above).
+  const std::int64_t steps = decode_queries != nullptr ? decode_steps : sc.steps;
   kvevict::compressor cpu;
   REQUIRE(kvevict::compressor::plan(sc.options, &cpu).ok());
   kvevict::workspace ws(cpu.workspace_size());
@@ -1023,21 +1029,29 @@ std::int64_t build_generation(scenario<T, Q>& twin, scenario<T, Q>& sc, std::int
     }
     sc.calls.push_back(mine);
   };
-  for (std::int64_t step = 0; step <= sc.steps; ++step)
+  for (std::int64_t step = 0; step <= steps; ++step)
     for (std::int64_t l = 0; l < kLayers; ++l) {
       gpu::compressor_call<T, Q> mine, theirs;
       mine.layer = theirs.layer = l;
       for (std::size_t s = 0; s < sc.seqs(); ++s) {
         const std::int64_t k = step - sc.offsets[s];
-        if (sc.idle(s) || k < 0 || k > sc.steps) {
+        if (sc.idle(s) || k < 0 || k > steps) {
           mine.seqs.emplace_back();
           theirs.seqs.emplace_back();
           continue;
         }
         const auto e = k == 0 ? kvevict::sequence_event::prefill_end : kvevict::sequence_event::decode;
         const std::int64_t n = length[static_cast<std::size_t>(l)][s] + (k == 0 ? 0 : 1);
-        mine.seqs.push_back(generation_sequence(sc, l, s, e, n, k));
-        theirs.seqs.push_back(generation_sequence(twin, l, s, e, n, k));
+        const bool own = decode_queries == nullptr || k == 0;
+        mine.seqs.push_back(generation_sequence(sc, l, s, e, n, own ? k : 0));
+        theirs.seqs.push_back(generation_sequence(twin, l, s, e, n, own ? k : 0));
+        if (own) continue;
+        const test::test_queries<Q>& tq =
+            (*decode_queries)[(sc.at(l, s) * static_cast<std::size_t>(steps)) + static_cast<std::size_t>(k - 1)];
+        for (auto* q : {&mine.seqs.back(), &theirs.seqs.back()}) {
+          q->queries = tq.view;
+          q->qbuf = gpu::buffer_of(tq.buffer);
+        }
       }
       play(l, mine, theirs);
     }
@@ -1049,7 +1063,7 @@ std::int64_t build_generation(scenario<T, Q>& twin, scenario<T, Q>& sc, std::int
   turn_queries->reserve(static_cast<std::size_t>(kLayers) * sc.seqs());
   for (std::int64_t l = 0; l < kLayers; ++l)
     for (std::size_t s = 0; s < sc.seqs(); ++s) {
-      const std::int64_t first = sc.prompts[s] + sc.steps + turn - w;
+      const std::int64_t first = sc.prompts[s] + steps + turn - w;
       std::vector<std::int64_t> pos;
       for (std::int64_t t = 0; t < w; ++t) pos.push_back(first + t);
       turn_queries->push_back(test::make_queries<Q>(
@@ -1121,6 +1135,34 @@ TEST_CASE("GPU compressor: decode-time budgets hold a long generation at target 
     o.policy = kvevict::policy::knorm(k);
     o.scope = kvevict::selection_scope::per_sequence;
     generation(o, true, 63, 6);
+  }
+  SECTION("a 4,096-token generation (under a sanitizer's sweep stride, 4,096 / stride tokens)") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+    w.window = 6;
+    w.scoring.pool = {kvevict::pooling_kind::none, 1, true};
+    o.policy = kvevict::policy::snapkv(w);
+    o.decoding.target = kvevict::budget::tokens(24);
+    o.decoding.interval = 5;
+    o.decoding.policy = o.policy;
+    o.limits.max_sequences = 1;
+    const char* stride = std::getenv("KVEVICT_GPU_SWEEP_STRIDE");
+    const std::int64_t steps = 4096 / (stride != nullptr ? std::max(1, std::atoi(stride)) : 1);
+    // One sequence of 16 prompt tokens: its caches hold the 30 rows the generation reaches.
+    scenario<bf16, bf16> twin(o, false, 14, 66, false, {16}, {0}), sc(o, false, 14, 66, false, {16}, {0});
+    std::vector<test::test_queries<bf16>> queries;
+    queries.reserve(static_cast<std::size_t>(kLayers * steps));
+    for (std::int64_t l = 0; l < kLayers; ++l)
+      for (std::int64_t k = 1; k <= steps; ++k)
+        queries.push_back(test::make_queries<bf16>(
+            kHq, 1, kDim,
+            test::normal(static_cast<std::size_t>(kHq * kDim),
+                         5000 + 7919 * static_cast<std::uint64_t>(l) + static_cast<std::uint64_t>(k), 2.0),
+            {16 + k - 1}));
+    std::int64_t evictions = 0;
+    const std::int64_t rounds = build_generation<bf16, bf16>(twin, sc, &evictions, nullptr, nullptr, &queries, steps);
+    CHECK(rounds == kLayers * ((steps - (24 + 5 + 1 - 16)) / 6 + 1));
+    check_against_cpu(sc, evictions);
   }
   SECTION("a new prompt turn after the answer observes with its own window, not the decode rows") {
     kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
