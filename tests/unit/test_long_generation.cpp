@@ -728,3 +728,39 @@ TEST_CASE("a new prompt turn after decoding observes with its own queries, as on
     }
   }
 }
+
+TEST_CASE("a prompt policy that reads no queries beside a decode scorer that does; steps of several tokens",
+          "[decoding]") {
+  // KNorm keeps the prompt (it reads no queries: limits.max_queries left 0 must still admit the
+  // decode steps' queries), SnapKV over the last 4 decode queries keeps the generation; the steps
+  // carry 1 or 2 tokens (speculative decoding's accepted tokens).
+  const i64 prompt = 27, steps = 60;
+  kvevict::compressor_options o = generation_options(kvevict::dtype::bf16, 2, prompt + 2 * steps);
+  o.policy = kvevict::policy::knorm();
+  o.per_head = kvevict::budget::ratio(0);  // the prompt whole
+  o.limits.max_queries = 0;
+  planned<bf16> a(o);
+  REQUIRE(a.c.options().limits.max_queries >= 4);
+  generation<bf16> g(test::layout::paged_hnd, 2, 4, 2, 7, prompt + 2 * steps, 41);
+  for (i64 l = 0; l < 2; ++l) {
+    for (i64 p = 0; p < prompt; ++p) g.append(l, p);
+    REQUIRE(a.run(g, l, kvevict::sequence_event::prefill_end, prompt - 1, 1).length == prompt);
+  }
+  i64 pos = prompt, rounds = 0;
+  for (i64 t = 0; t < steps; ++t) {
+    const i64 k = 1 + t % 2;
+    for (i64 l = 0; l < 2; ++l) {
+      for (i64 j = 0; j < k; ++j) g.append(l, pos + j);
+      const kvevict::sequence_report r = a.run(g, l, kvevict::sequence_event::decode, pos, k);
+      rounds += r.action == kvevict::sequence_action::evicted ? 1 : 0;
+      REQUIRE(g.length[static_cast<std::size_t>(l)] <= 18 + 6);  // rows + N after every decode call
+      if (r.action == kvevict::sequence_action::evicted) {
+        REQUIRE(r.length == 18);
+        // the step's tokens are the newest rows, inside SnapKV's protected window
+        REQUIRE(g.rows[static_cast<std::size_t>(l)][0].back() == pos + k - 1);
+      }
+    }
+    pos += k;
+  }
+  CHECK(rounds >= 2 * 10);
+}

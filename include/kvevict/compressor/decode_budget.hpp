@@ -21,12 +21,14 @@ KVEVICT_NAMESPACE_BEGIN
 /// compressed plans per_head = budget::ratio(0).
 struct decode_budget {
   /// Tokens each KV head keeps after a decode-time compression, counting the decode policy's
-  /// protected tail as its configuration says: budget::tokens(T), or budget::ratio(r) of the
-  /// cache's length at that step. budget::tokens(0), the default, turns maintenance off.
+  /// protected tail as its configuration says (inside the budget, or on top of it):
+  /// budget::tokens(T), or budget::ratio(r), which compresses by r (keeps (1 - r) of the
+  /// cache's length at that step). budget::tokens(0), the default, turns maintenance off.
   budget target = budget::tokens(0);
   /// N >= 1: a layer is compressed at the decode step that leaves it holding more than
-  /// target + N tokens per head, so each compression serves N decoded tokens and the cache
-  /// stays within target + N. PyramidKV: each layer's target is its share of `target`.
+  /// rows + N tokens per head, `rows` being what a compression keeps there (the target, and the
+  /// protected tail when it comes on top; PyramidKV: the layer's share), so each compression
+  /// serves N decoded tokens and the cache stays within rows + N after every decode call.
   std::int64_t interval = 64;
   /// The decode scorer, a scoring policy whose observations are the sequence's last decode
   /// queries (kept per layer in the sequence state): SnapKV-style attention over its window W

@@ -289,7 +289,15 @@ inline status check_compressor_options(compressor_options* options, const layer_
                          o.pyramid_beta);
   KVEVICT_RETURN_IF_ERROR(check_contracts(o, fn));
   KVEVICT_RETURN_IF_ERROR(check_decoding(o, fn));
-  if (o.limits.max_queries == 0) o.limits.max_queries = *window;
+  if (o.limits.max_queries == 0) {
+    o.limits.max_queries = *window;
+    // decode-time budgets: every decode step hands its queries (at least one; the decode
+    // scorer's window, which a prompt policy that reads none would leave at 0)
+    if (o.decoding.enabled()) {
+      const std::int64_t decoded = decoding_window(o) > 1 ? decoding_window(o) : 1;
+      o.limits.max_queries = decoded > o.limits.max_queries ? decoded : o.limits.max_queries;
+    }
+  }
   if (*window > o.limits.max_queries)
     return status::error(errc::invalid_shape, fn, "limits.max_queries",
                          "expected at least the policy's observation window %lld, got %lld",

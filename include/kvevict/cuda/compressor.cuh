@@ -569,6 +569,8 @@ class compressor : private detail::compressor_checks {
     const bool prefill =
         io.event == sequence_event::prefill_end && (p.observe != detail::sequence_step::none || p.scores());
     const detail::host_window_state w = p.buffer || prefill ? ring_record(io, layer) : detail::host_window_state{};
+    // (a new turn's first chunk still comes after the decode steps: checked against their newest)
+    const bool earlier = p.buffer || prefill ? window_record(io.host_state, layer)->seen > 0 : false;
     if (p.buffer) {
       std::int64_t slot = 0;
       (void)after_chunk(w, n, &slot);
@@ -579,14 +581,14 @@ class compressor : private detail::compressor_checks {
                          {dim3(static_cast<unsigned>(take), static_cast<unsigned>(options_.model.num_query_heads)),
                           dim3(detail::window_threads(options_.model.head_dim)), 0, opt.stream},
                          detail::window_append_kernel<Q>, chunk, kvevict::detail::last_queries(io.queries, take),
-                         ring_of(io, layer), slot, w.seen > 0, opt.device_flags));
+                         ring_of(io, layer), slot, earlier, opt.device_flags));
     }
     // A prefill_end that only observes (DeferKV fed back, a fold before the last layer) keeps
     // its verdict for the call that evicts, whose cancel word is its own (window_verdicts_kernel).
     if (prefill)
       KVEVICT_RETURN_IF_ERROR(detail::launch(fn, "window_order_kernel", {dim3(1), dim3(1), 0, opt.stream},
                                              detail::window_order_kernel<>, ring_of(io, layer).header,
-                                             io.queries.positions, n - 1, w.seen > 0, p.evict ? dev.cancel : nullptr,
+                                             io.queries.positions, n - 1, earlier, p.evict ? dev.cancel : nullptr,
                                              opt.device_flags));
     if (!p.evict || (!p.fold && io.event != sequence_event::decode)) return status();
     const std::int64_t first = p.fold ? 0 : layer, layers = p.fold ? options_.model.num_layers : 1;
