@@ -180,6 +180,7 @@ struct engine {
         auto vview = cache.view(false, l, q.table, longest(q) + c);
         queries[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(kHq * c * kDim));
         std::vector<float> qrow(kHq * kDim), krow(kHkv * kDim), vrow(kHkv * kDim), attn(kHq * kDim);
+        std::vector<float> kf, vf, p;  // one KV head's rows in float, one query head's weights
         std::vector<float> out(static_cast<std::size_t>(c * kModel));
         for (i64 t = 0; t < c; ++t) {
           const float* h = hs.data() + t * kModel;
@@ -204,25 +205,41 @@ struct engine {
             }
             ++len;
           }
-          // Causal attention of this token over each head's rows (its own length).
-          for (i64 j = 0; j < kHq; ++j) {
-            const i64 h2 = j / kGroup, rows = lens[static_cast<std::size_t>(h2)];
-            std::vector<float> p(static_cast<std::size_t>(rows));
-            float mx = -1e30f;
+          // Causal attention of this token over each head's rows (its own length). The rows are
+          // read once per KV head into float (a row's d elements are contiguous in a block).
+          for (i64 h2 = 0; h2 < kHkv; ++h2) {
+            const i64 rows = lens[static_cast<std::size_t>(h2)];
+            kf.resize(static_cast<std::size_t>(rows * kDim));
+            vf.resize(static_cast<std::size_t>(rows * kDim));
             for (i64 r = 0; r < rows; ++r) {
-              float dot = 0.0f;
-              for (i64 ch = 0; ch < kDim; ++ch)
-                dot += qrow[static_cast<std::size_t>(j * kDim + ch)] * static_cast<float>(kview.at(h2, r, ch));
-              p[static_cast<std::size_t>(r)] = dot / std::sqrt(float(kDim));
-              mx = std::max(mx, p[static_cast<std::size_t>(r)]);
+              const bf16* krow_r = &kview.at(h2, r, 0);
+              const bf16* vrow_r = &vview.at(h2, r, 0);
+              for (i64 ch = 0; ch < kDim; ++ch) {
+                kf[static_cast<std::size_t>(r * kDim + ch)] = static_cast<float>(krow_r[ch]);
+                vf[static_cast<std::size_t>(r * kDim + ch)] = static_cast<float>(vrow_r[ch]);
+              }
             }
-            float z = 0.0f;
-            for (float& e : p) z += (e = std::exp(e - mx));
-            for (i64 ch = 0; ch < kDim; ++ch) {
-              float acc = 0.0f;
-              for (i64 r = 0; r < rows; ++r)
-                acc += p[static_cast<std::size_t>(r)] * static_cast<float>(vview.at(h2, r, ch));
-              attn[static_cast<std::size_t>(j * kDim + ch)] = acc / z;
+            for (i64 j = h2 * kGroup; j < (h2 + 1) * kGroup; ++j) {
+              const float* qj = qrow.data() + j * kDim;
+              p.resize(static_cast<std::size_t>(rows));
+              float mx = -1e30f;
+              for (i64 r = 0; r < rows; ++r) {
+                const float* kr = kf.data() + r * kDim;
+                float dot = 0.0f;
+                for (i64 ch = 0; ch < kDim; ++ch) dot += qj[ch] * kr[ch];
+                p[static_cast<std::size_t>(r)] = dot / std::sqrt(float(kDim));
+                mx = std::max(mx, p[static_cast<std::size_t>(r)]);
+              }
+              float z = 0.0f;
+              for (float& e : p) z += (e = std::exp(e - mx));
+              float* aj = attn.data() + j * kDim;
+              std::fill(aj, aj + kDim, 0.0f);
+              for (i64 r = 0; r < rows; ++r) {
+                const float* vr = vf.data() + r * kDim;
+                const float pr = p[static_cast<std::size_t>(r)];
+                for (i64 ch = 0; ch < kDim; ++ch) aj[ch] += pr * vr[ch];
+              }
+              for (i64 ch = 0; ch < kDim; ++ch) aj[ch] /= z;
             }
           }
           matvec(w.wo, attn.data(), kModel, kHq * kDim, out.data() + t * kModel);
