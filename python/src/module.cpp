@@ -195,7 +195,9 @@ class compressor {
              const std::string& layers, const std::string& scope, const std::string& compaction, i64 max_sequences,
              i64 max_tokens, std::optional<std::string> query_dtype, bool chunked_prefill,
              std::optional<std::string> protect, const std::string& dapq_source, double rope_theta,
-             const std::string& rope_pairing, i64 rotary_dim, double adakv_alpha, const std::string& adakv_rule) {
+             const std::string& rope_pairing, i64 rotary_dim, double adakv_alpha, const std::string& adakv_rule,
+             std::optional<i64> decoding_tokens, std::optional<double> decoding_ratio, i64 decoding_interval,
+             std::optional<std::string> decoding_policy, i64 decoding_window) {
     kvevict::compressor_options& o = options_;
     o.model.num_layers = num_layers;
     o.model.num_query_heads = num_heads;
@@ -233,6 +235,19 @@ class compressor {
     o.limits.max_sequences = max_sequences;
     o.limits.max_tokens = max_tokens;
     o.chunked_prefill = chunked_prefill;
+    // Decode-time budgets (compressor_options::decoding): the decode scorer takes the prompt
+    // policy's parameters; the C++ plan names what it refuses (decoding.policy, .interval, ...).
+    if (decoding_tokens && decoding_ratio) bad("decoding_tokens, decoding_ratio: expected one of them, got both");
+    if (decoding_tokens || decoding_ratio) {
+      o.decoding.target =
+          decoding_tokens ? kvevict::budget::tokens(*decoding_tokens) : kvevict::budget::ratio(*decoding_ratio);
+      o.decoding.interval = decoding_interval;
+      o.decoding.policy = make_policy(decoding_policy.value_or(policy), window, kernel_size, preset, sinks, delay, eta,
+                                      pseudo_tokens, protected_tail);
+      o.decoding.window = decoding_window;
+    } else if (decoding_policy) {
+      bad("decoding_policy: expected decoding_tokens or decoding_ratio with it (decode-time budgets are off)");
+    }
     check(kvevict::compressor::plan(o, &c_));
     ws_ = kvevict::workspace(c_.any_workspace_size());
     io_.resize(static_cast<std::size_t>(max_sequences));
@@ -673,7 +688,8 @@ NB_MODULE(_kvevict, m) {
                     std::optional<i64>, std::optional<i64>, std::optional<i64>, const std::string&, i64, i64, double,
                     i64, i64, i64, const std::string&, const std::string&, const std::string&, const std::string&, i64,
                     i64, std::optional<std::string>, bool, std::optional<std::string>, const std::string&, double,
-                    const std::string&, i64, double, const std::string&>(),
+                    const std::string&, i64, double, const std::string&, std::optional<i64>, std::optional<double>, i64,
+                    std::optional<std::string>, i64>(),
            "num_layers"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "dtype"_a, "policy"_a = "snapkv",
            nb::kw_only(), "compression_ratio"_a = nb::none(), "tokens"_a = nb::none(), "window"_a = nb::none(),
            "kernel_size"_a = nb::none(), "preset"_a = "kvpress", "sinks"_a = 4, "delay"_a = 1, "eta"_a = 0.9,
@@ -681,7 +697,9 @@ NB_MODULE(_kvevict, m) {
            "layers"_a = "uniform", "scope"_a = "per_head", "compaction"_a = "in_place", "max_sequences"_a = 1,
            "max_tokens"_a, "query_dtype"_a = nb::none(), "chunked_prefill"_a = false, "protect"_a = nb::none(),
            "dapq_source"_a = "pseudo_tokens", "rope_theta"_a = 10000.0, "rope_pairing"_a = "neox", "rotary_dim"_a = 0,
-           "adakv_alpha"_a = 0.2, "adakv_rule"_a = "paper",
+           "adakv_alpha"_a = 0.2, "adakv_rule"_a = "paper", "decoding_tokens"_a = nb::none(),
+           "decoding_ratio"_a = nb::none(), "decoding_interval"_a = 64, "decoding_policy"_a = nb::none(),
+           "decoding_window"_a = 0,
            "Plan a compressor (kvevict::compressor::plan). dtype: the K/V element type ('float32', "
            "'float16', 'bfloat16', 'float8_e4m3', 'float8_e5m2'). policy: 'snapkv', 'streaming_llm', "
            "'knorm', 'h2o', 'deferkv', 'dapq', 'tova', 'keydiff' (chunk_length > 0: ChunkKV over it). "
@@ -692,8 +710,13 @@ NB_MODULE(_kvevict, m) {
            "rope_theta, rope_pairing 'neox' or 'gptj', rotary_dim, 0 for head_dim). "
            "heads: 'uniform' or 'adakv' (adakv_alpha, the floor fraction; adakv_rule 'paper', the AdaKV "
            "paper's allocation, or 'kvpress', AdaKVPress's: each head's top int(alpha (B + T)) first, then the "
-           "layer's global top); layers: 'uniform' or 'pyramidkv'. The workspace is allocated "
-           "here, once.")
+           "layer's global top); layers: 'uniform' or 'pyramidkv'. Decode-time budgets for long "
+           "generation: decoding_tokens (or decoding_ratio, the fraction removed) per KV head after each "
+           "decode-time compression, which comes at the 'decode' step that leaves a layer more than "
+           "decoding_interval tokens over it; decoding_policy names the decode scorer (default: policy, "
+           "with the same parameters; 'snapkv', 'tova', 'h2o' over decoding_window decode queries, 'knorm', "
+           "'streaming_llm', 'keydiff'); compression_ratio=0 keeps the prompt whole. The workspace is "
+           "allocated here, once.")
       .def_prop_ro("state_size", &compressor::state_size, "Bytes of state each sequence needs (0: none).")
       .def_prop_ro("keep_capacity", &compressor::keep_capacity, "Entries kept_positions needs per sequence.")
       .def_prop_ro("keep_capacity_per_head", &compressor::keep_capacity_per_head)

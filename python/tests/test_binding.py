@@ -220,3 +220,61 @@ def test_read_only_inputs_are_read_where_they_lie():
 def test_unsupported_combinations_raise_not_implemented():
     with pytest.raises(NotImplementedError):
         kvevict.Compressor(1, 8, 2, 32, "float32", "snapkv", scope="per_layer", heads="adakv", max_tokens=97)
+
+
+def test_decoding_budgets_hold_a_long_generation_against_a_key_norm_reference():
+    """Decode-time budgets (decoding_tokens, decoding_interval): the prompt kept whole, KNorm as
+    the decode scorer. Every decode step appends a row and makes one run(); the step that leaves
+    more than target + N rows compacts each head to its target rows of lowest key norm (KNorm's
+    score, written here from its definition), in order, and positions run on."""
+    hq, hkv, d, prompt, steps, target, n = 8, 2, 16, 30, 120, 24, 8
+    g = torch.Generator().manual_seed(7)
+    k = torch.zeros(1, hkv, prompt + steps, d)
+    v = torch.zeros(1, hkv, prompt + steps, d)
+    k[:, :, :prompt] = torch.randn(1, hkv, prompt, d, generator=g)
+    v[:, :, :prompt] = torch.randn(1, hkv, prompt, d, generator=g)
+    c = kvevict.Compressor(1, hq, hkv, d, "float32", "knorm", compression_ratio=0.0, decoding_tokens=target,
+                           decoding_interval=n, max_tokens=prompt + steps)
+    states = torch.zeros(1, c.state_size, dtype=torch.uint8)
+    c.reset_state(states[0])
+    lengths = torch.zeros(1, hkv, dtype=torch.int64)
+    kept = torch.full((1, c.keep_capacity), -1, dtype=torch.int64)
+    q = torch.randn(1, hq, prompt, d, generator=g)
+    r = c.run(0, k, v, q, torch.arange(prompt), states=states, seq_lens=torch.tensor([prompt]),
+              head_lengths=lengths, kept_positions=kept)
+    assert r[0].dropped == 0 and r[0].length == prompt  # the prompt's one-shot compression keeps it all
+    length, position, rounds = prompt, prompt, 0
+    for _ in range(steps):
+        k[0, :, length] = torch.randn(hkv, d, generator=g)
+        v[0, :, length] = torch.randn(hkv, d, generator=g)
+        length += 1
+        before_k, before_v = k[0, :, :length].clone(), v[0, :, :length].clone()
+        r = c.run(0, k, v, torch.randn(1, hq, 1, d, generator=g), torch.tensor([position]), event=["decode"],
+                  states=states, seq_lens=torch.tensor([length]), head_lengths=lengths, kept_positions=kept)
+        position += 1
+        if length > target + n:
+            assert r[0].action == "evicted" and r[0].length == target and r[0].next_position == position
+            rounds += 1
+            for h in range(hkv):
+                norms = before_k[h].double().norm(dim=1)
+                keep = np.sort(np.argsort(norms.numpy(), kind="stable")[:target])
+                assert torch.equal(k[0, h, :target], before_k[h, keep]), (rounds, h)
+                assert torch.equal(v[0, h, :target], before_v[h, keep]), (rounds, h)
+            assert lengths.tolist() == [[target] * hkv]
+            length = target
+        else:
+            assert r[0].action != "evicted" and torch.equal(k[0, :, :length], before_k)
+        assert length <= target + n
+    # 30 -> 33 rows at the third step (a round), then a round every N + 1 = 9 steps: 1 + 117 // 9.
+    assert rounds == 14
+
+
+def test_decoding_budget_options_are_checked_by_name():
+    with pytest.raises(ValueError, match="decoding_policy"):
+        kvevict.Compressor(1, 8, 2, 32, "float32", "snapkv", decoding_policy="knorm", max_tokens=97)
+    with pytest.raises(ValueError, match="decoding_tokens, decoding_ratio"):
+        kvevict.Compressor(1, 8, 2, 32, "float32", "snapkv", decoding_tokens=8, decoding_ratio=0.5, max_tokens=97)
+    with pytest.raises((ValueError, NotImplementedError), match="decoding.policy"):
+        kvevict.Compressor(1, 8, 2, 32, "float32", "deferkv", decoding_tokens=16, max_tokens=97)
+    with pytest.raises(ValueError, match="decoding.interval"):
+        kvevict.Compressor(1, 8, 2, 32, "float32", "knorm", decoding_tokens=16, decoding_interval=0, max_tokens=97)
