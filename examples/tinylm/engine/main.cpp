@@ -11,6 +11,15 @@
 //                                             (a setup: the prompt's policy none|h2o|snapkv, the
 //                                             fraction of the prompt it keeps, targets, N)
 //   kvevict_tinylm --long-generation-ci       the same, 2 prompts, one target, every scorer
+//   kvevict_tinylm --fidelity2 [--per-task N] [--tasks t,..] [--settings S1,S2,S3] [--budgets f,..]
+//                  [--policies a,b] [--jsonl out] [--prompts f1,f2] [--skip-per-task N]
+//                                             the Fidelity-2 bench (fidelity2.hpp): DeferKV, DapQ
+//                                             and the rest on the 4-layer model's long-answer tasks,
+//                                             per-prompt JSON lines (prompt indices run on
+//                                             across the files; --skip-per-task N leaves out
+//                                             each task's first N)
+//   kvevict_tinylm --fidelity2 --quick        2 prompts per task, 2 budgets, every policy and
+//                                             setting; fails when a check does not hold
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -23,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "fidelity2.hpp"
 #include "long_generation.hpp"
 #include "model.hpp"
 #include "policies.hpp"
@@ -760,6 +770,9 @@ int main(int argc, char** argv) {
   std::string mode = "demo", policy_list = "all", budget_list = "0.5,0.25,0.125,0.0625,0.03";
   std::int64_t per_task = 100;
   bool per_task_given = false, weights_given = false, prompts_given = false;
+  bool quick = false, tasks_given = false, budgets_given = false;
+  std::string settings_list = "S1,S2,S3", jsonl;
+  std::int64_t skip_per_task = 0;
   long_generation_settings long_settings;
   std::vector<std::string> setups;  // --setup, parsed below
   std::string markdown;
@@ -786,7 +799,7 @@ int main(int argc, char** argv) {
     else if (a == "--per-task")
       per_task = std::stoll(next()), per_task_given = true;
     else if (a == "--budgets")
-      budget_list = next();
+      budget_list = next(), budgets_given = true;
     else if (a == "--policies")
       policy_list = next();
     else if (a == "--json")
@@ -796,25 +809,60 @@ int main(int argc, char** argv) {
     else if (a == "--long-generation-ci")
       mode = "long_ci";
     else if (a == "--tasks")
-      long_settings.tasks = parse_names(next());
+      long_settings.tasks = parse_names(next()), tasks_given = true;
     else if (a == "--setup")
       setups.push_back(next());
     else if (a == "--scorers")
       long_settings.scorers = parse_names(next());
     else if (a == "--markdown")
       markdown = next();
+    else if (a == "--fidelity2")
+      mode = "fidelity2";
+    else if (a == "--quick")
+      quick = true;
+    else if (a == "--settings")
+      settings_list = next();
+    else if (a == "--jsonl")
+      jsonl = next();
+    else if (a == "--skip-per-task")
+      skip_per_task = std::stoll(next());
     else {
       std::fprintf(stderr,
                    "usage: %s [--check-logits|--bench|--ci|--demo] [--per-task N] [--budgets f,..] "
                    "[--policies a,..] [--json out] [--weights f] [--prompts f]\n"
                    "       %s --long-generation|--long-generation-ci [--tasks t,..] [--per-task N] "
                    "[--setup POLICY:FRACTION:TARGETS[:N]].. [--scorers a,..|none] [--json out] [--markdown out] "
-                   "[--weights f] [--prompts f]\n",
-                   argv[0], argv[0]);
+                   "[--weights f] [--prompts f]\n"
+                   "       %s --fidelity2 [--quick] [--tasks t,..] [--per-task N] [--settings S1,S2,S3] "
+                   "[--budgets f,..] [--policies a,..] [--jsonl out] [--weights f] [--prompts f1,f2] "
+                   "[--skip-per-task N]\n",
+                   argv[0], argv[0], argv[0]);
       return 2;
     }
   }
   try {
+    if (mode == "fidelity2") {  // the 4-layer model and the two-question long-answer prompts
+      if (!weights_given) weights = dir + "/weights/tinylm4d.safetensors";
+      if (!prompts_given) prompts_path = dir + "/data/eval_prompts_long_q2.txt";
+      fid2_settings fs;
+      if (tasks_given) fs.tasks = long_settings.tasks;
+      fs.settings = parse_names(settings_list);
+      if (budgets_given) fs.budgets = parse_doubles(budget_list);
+      if (policy_list != "all") fs.policies = parse_names(policy_list);
+      fs.per_task = per_task_given ? per_task : 100;
+      fs.skip_per_task = skip_per_task;
+      if (quick) {  // seconds: 2 prompts per task, 2 budgets
+        if (!per_task_given) fs.per_task = 2;
+        if (!budgets_given) fs.budgets = {0.0625, 0.25};
+      }
+      if (jsonl.empty()) jsonl = quick ? "fidelity2_quick.jsonl" : "fidelity2.jsonl";
+      const model m = model::load(weights);
+      const fid2_summary sum = fidelity2(m, load_fid2_prompts(prompts_path), fs, jsonl, quick);
+      if (quick)
+        std::printf("tinylm fidelity2 slice: %s\n",
+                    sum.failures == 0 ? "every check held" : (std::to_string(sum.failures) + " checks failed").c_str());
+      return sum.failures == 0 ? 0 : 1;
+    }
     if (mode == "long" || mode == "long_ci") {  // the 4-layer model and the long-answer prompts
       if (!weights_given) weights = dir + "/weights/tinylm4d.safetensors";
       if (!prompts_given) prompts_path = dir + "/data/eval_prompts_long.txt";
