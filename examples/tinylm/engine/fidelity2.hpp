@@ -484,14 +484,8 @@ inline fid2_run run_fid2(const model& m, const fid2_region& r, const fid2_plan& 
   std::int64_t fed = 0;  // tokens fed after the region (decoded or forced)
 
   auto run = [&](std::int64_t layer, kvevict::sequence_event event, kvevict::query_view<const float> queries) {
-    kvevict::sequence_io<float> io;
-    io.event = event;
-    io.keys = cache.keys(layer, cache.length(layer));
-    io.values = cache.values(layer, cache.length(layer));
-    io.queries = queries;
-    io.state = state.data();
-    io.head_lengths = lengths.data();
-    io.kept_positions = kept_positions.data();
+    kvevict::sequence_io<float> io =
+        layer_io(cache, layer, event, queries, state.data(), lengths.data(), kept_positions.data());
     // (AdaKV: heads of one layer hold different lengths after eviction; the views' common
     // length is head 0's, and no call after the eviction reads them: a decode step after it
     // is `none`)

@@ -142,14 +142,7 @@ inline generation_result run_generation(const model& m, const prefill_state& p, 
 
   // One call for one layer; the cache's rows for that layer then follow the report.
   auto run = [&](std::int64_t layer, kvevict::sequence_event event, kvevict::query_view<const float> queries) {
-    kvevict::sequence_io<float> io;
-    io.event = event;
-    io.keys = cache.keys(layer, cache.length(layer));
-    io.values = cache.values(layer, cache.length(layer));
-    io.queries = queries;
-    io.state = state.data();
-    io.head_lengths = lengths.data();
-    io.kept_positions = kept.data();
+    kvevict::sequence_io<float> io = layer_io(cache, layer, event, queries, state.data(), lengths.data(), kept.data());
     kvevict::sequence_report report;
     check(compressor.run(layer, &io, 1, &report, ws));
     auto& rows = cache.lengths[static_cast<std::size_t>(layer)];

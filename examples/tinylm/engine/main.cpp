@@ -157,13 +157,7 @@ outcome run_case(const model& m, const prefill_state& p, const prompt_case& pc, 
   bool evicted = false;
   // The hook: one run() for this layer (tinylm's batch is one sequence).
   auto run = [&](std::int64_t layer, kvevict::sequence_event event, kvevict::query_view<const float> queries) {
-    kvevict::sequence_io<float> io;
-    io.event = event;
-    io.keys = cache.keys(layer, cache.length(layer));
-    io.values = cache.values(layer, cache.length(layer));
-    io.queries = queries;
-    io.state = state.data();
-    io.head_lengths = lengths.data();
+    kvevict::sequence_io<float> io = layer_io(cache, layer, event, queries, state.data(), lengths.data());
     std::vector<kvevict::layer_cache<float>> layers;  // a keep set shared by every layer compacts them all
     for (std::int64_t l = 0; l < m.cfg.layers; ++l)
       layers.emplace_back(cache.keys(l, cache.length(l)), cache.values(l, cache.length(l)));

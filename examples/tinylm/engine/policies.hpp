@@ -94,6 +94,22 @@ inline kvevict::window_config snap_config() {
   return cfg;
 }
 
+/// One compressor call's view of a layer of tinylm's cache (its batch is one sequence): the rows
+/// the layer holds, the step's queries, the sequence state and where a report's outputs go.
+inline kvevict::sequence_io<float> layer_io(kv_cache& cache, std::int64_t layer, kvevict::sequence_event event,
+                                            kvevict::query_view<const float> queries, void* state,
+                                            std::int64_t* head_lengths, std::int64_t* kept_positions = nullptr) {
+  kvevict::sequence_io<float> io;
+  io.event = event;
+  io.keys = cache.keys(layer, cache.length(layer));
+  io.values = cache.values(layer, cache.length(layer));
+  io.queries = queries;
+  io.state = state;
+  io.head_lengths = head_lengths;
+  io.kept_positions = kept_positions;
+  return io;
+}
+
 /// The compressor options of a policy at `budget` tokens per head. Every policy keeps the
 /// last kWindow prompt tokens (the question) inside the budget. Allocators move prompt
 /// candidates between layers or heads; DeferKV's decoded tokens then come on top of the
