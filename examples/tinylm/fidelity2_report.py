@@ -531,18 +531,18 @@ two-sided p on EM suffix (the binomial test on the prompts where exactly one of 
                 cells.append("%+.1f%s / %+.2f%s" % (100 * e.mean(), star(e_lo, e_hi), 100 * r.mean(), star(r_lo, r_hi)))
             if any(cells):
                 w("| %s vs %s | %s |" % (a, bb, " | ".join(cells)))
-        w("\n### Exact match of answer[5:] % (per-token accuracy %), mean over prompts\n")
-        w("| policy | " + " | ".join("B = %g%%" % (100 * b) for b in budgets) + " |")
-        w("|---|" + "---:|" * len(budgets))
-        for p in here_policies:
-            if p == "full":
-                continue
-            cells = []
-            for b in budgets:
-                d = by[(s, p, b)]
-                cells.append("%.1f (%.1f)" % (100 * np.mean([r["em_suffix"] for r in d.values()]),
-                                              100 * np.mean([r["tok_acc_suffix"] for r in d.values()])))
-            w("| %s | %s |" % (p, " | ".join(cells)))
+        def policy_table(title, cell):
+            """One row per policy but full, one column per budget: cell(the runs' outcomes)."""
+            w(title)
+            w("| policy | " + " | ".join("B = %g%%" % (100 * b) for b in budgets) + " |")
+            w("|---|" + "---:|" * len(budgets))
+            for p in here_policies:
+                if p != "full":
+                    w("| %s | %s |" % (p, " | ".join(cell(list(by[(s, p, b)].values())) for b in budgets)))
+
+        policy_table("\n### Exact match of answer[5:] % (per-token accuracy %), mean over prompts\n",
+                     lambda d: "%.1f (%.1f)" % (100 * np.mean([r["em_suffix"] for r in d]),
+                                                100 * np.mean([r["tok_acc_suffix"] for r in d])))
         w("\n### Exact match of answer[5:] % per task\n")
         some = [p for p in ("snapkv_w8", "snapkv_w32", "h2o", "deferkv", "deferkv_d4", "deferkv_delay_only",
                             "deferkv_phase_avg", "dapq", "dapq_fixed", "dapq_n8") if p in here_policies]
@@ -556,30 +556,12 @@ two-sided p on EM suffix (the binomial test on the prompts where exactly one of 
                 d = by[(s, p, b)]
                 w("| %s | %g%% | %s |" % (p, 100 * b, " | ".join(
                     "%.0f" % (100 * np.mean([r["em_suffix"] for k, r in d.items() if k[0] == t])) for t in here)))
-        w("\n### Exact match % of the whole answer / after the policy's eviction\n")
-        w("| policy | " + " | ".join("B = %g%%" % (100 * b) for b in budgets) + " |")
-        w("|---|" + "---:|" * len(budgets))
-        for p in here_policies:
-            if p == "full":
-                continue
-            cells = []
-            for b in budgets:
-                d = by[(s, p, b)]
-                cells.append("%.1f / %.1f" % (100 * np.mean([r["em"] for r in d.values()]),
-                                              100 * np.mean([r["em_after_eviction"] for r in d.values()])))
-            w("| %s | %s |" % (p, " | ".join(cells)))
-        w("\n### Attention recall, mean over layers: recall mass / top-B recall\n")
-        w("| policy | " + " | ".join("B = %g%%" % (100 * b) for b in budgets) + " |")
-        w("|---|" + "---:|" * len(budgets))
-        for p in here_policies:
-            if p == "full":
-                continue
-            cells = []
-            for b in budgets:
-                d = list(by[(s, p, b)].values())
-                cells.append("%.3f / %.3f" % (np.mean([np.mean(r["recall_mass"]) for r in d]),
-                                              np.mean([np.mean(r["recall_topb"]) for r in d])))
-            w("| %s | %s |" % (p, " | ".join(cells)))
+        policy_table("\n### Exact match % of the whole answer / after the policy's eviction\n",
+                     lambda d: "%.1f / %.1f" % (100 * np.mean([r["em"] for r in d]),
+                                                100 * np.mean([r["em_after_eviction"] for r in d])))
+        policy_table("\n### Attention recall, mean over layers: recall mass / top-B recall\n",
+                     lambda d: "%.3f / %.3f" % (np.mean([np.mean(r["recall_mass"]) for r in d]),
+                                                np.mean([np.mean(r["recall_topb"]) for r in d])))
         w("\n### Attention recall per layer: recall mass (top-B recall)\n")
         for b in budgets:
             w("\nB = %g%% of the compressed tokens.\n" % (100 * b))

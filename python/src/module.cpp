@@ -235,8 +235,9 @@ class compressor {
     o.limits.max_sequences = max_sequences;
     o.limits.max_tokens = max_tokens;
     o.chunked_prefill = chunked_prefill;
-    // Decode-time budgets (compressor_options::decoding): the decode scorer takes the prompt
-    // policy's parameters; the C++ plan names what it refuses (decoding.policy, .interval, ...).
+    // Decode-time budgets (compressor_options::decoding): the decode scorer is built from the
+    // same window, kernel_size, preset, sinks and protected_tail (not chunk_length or protect,
+    // which stay the prompt policy's); the C++ plan names what it refuses (decoding.policy, ...).
     if (decoding_tokens && decoding_ratio) bad("decoding_tokens, decoding_ratio: expected one of them, got both");
     if (decoding_tokens || decoding_ratio) {
       o.decoding.target =
@@ -714,7 +715,8 @@ NB_MODULE(_kvevict, m) {
            "generation: decoding_tokens (or decoding_ratio, the fraction removed) per KV head after each "
            "decode-time compression, which comes at the 'decode' step that leaves a layer more than "
            "decoding_interval tokens over it; decoding_policy names the decode scorer (default: policy, "
-           "with the same parameters; 'snapkv', 'tova', 'h2o' over decoding_window decode queries, 'knorm', "
+           "built from the same window, kernel_size, preset, sinks and protected_tail, not chunk_length or "
+           "protect; 'snapkv', 'tova', 'h2o' over decoding_window decode queries, 'knorm', "
            "'streaming_llm', 'keydiff'); compression_ratio=0 keeps the prompt whole. The workspace is "
            "allocated here, once.")
       .def_prop_ro("state_size", &compressor::state_size, "Bytes of state each sequence needs (0: none).")

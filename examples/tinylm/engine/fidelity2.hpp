@@ -181,10 +181,7 @@ inline std::vector<fid2_policy> fid2_policies() {
 inline kvevict::compressor_options fid2_options(const model& m, const fid2_policy& pol, std::int64_t budget,
                                                 std::int64_t decoded, std::int64_t max_tokens) {
   using K = fid2_policy::kind;
-  kvevict::compressor_options o;
-  o.model = {m.cfg.layers, m.cfg.heads, m.cfg.kv_heads, m.cfg.head_dim, 0, kvevict::dtype::f32};
-  o.per_head = kvevict::budget::tokens(budget);
-  o.limits.max_tokens = max_tokens;
+  kvevict::compressor_options o = model_options(m, budget, max_tokens);
   switch (pol.k) {
     case K::full:
       throw std::logic_error("full KV evicts nothing");

@@ -108,11 +108,9 @@ inline generation_result run_generation(const model& m, const prefill_state& p, 
     return out;
   }
 
-  kvevict::compressor_options o;
-  o.model = {layers, hq, hkv, d, 0, kvevict::dtype::f32};
+  kvevict::compressor_options o = model_options(m, config.prompt_budget, cache.capacity);
   o.policy = config.prompt;
-  o.per_head = config.prompt_budget > 0 ? kvevict::budget::tokens(config.prompt_budget) : kvevict::budget::ratio(0);
-  o.limits.max_tokens = cache.capacity;
+  if (config.prompt_budget <= 0) o.per_head = kvevict::budget::ratio(0);  // the prompt kept whole
   if (config.mode == generation_config::kind::decoding) {
     o.decoding.target = kvevict::budget::tokens(config.target);
     o.decoding.interval = config.interval;

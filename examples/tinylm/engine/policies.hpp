@@ -110,6 +110,16 @@ inline kvevict::sequence_io<float> layer_io(kv_cache& cache, std::int64_t layer,
   return io;
 }
 
+/// TinyLM's model (float32 cache) at `budget` tokens per KV head, for caches of up to
+/// `max_tokens` rows; the benches add the policy.
+inline kvevict::compressor_options model_options(const model& m, std::int64_t budget, std::int64_t max_tokens) {
+  kvevict::compressor_options o;
+  o.model = {m.cfg.layers, m.cfg.heads, m.cfg.kv_heads, m.cfg.head_dim, 0, kvevict::dtype::f32};
+  o.per_head = kvevict::budget::tokens(budget);
+  o.limits.max_tokens = max_tokens;
+  return o;
+}
+
 /// The compressor options of a policy at `budget` tokens per head. Every policy keeps the
 /// last kWindow prompt tokens (the question) inside the budget. Allocators move prompt
 /// candidates between layers or heads; DeferKV's decoded tokens then come on top of the
@@ -117,10 +127,7 @@ inline kvevict::sequence_io<float> layer_io(kv_cache& cache, std::int64_t layer,
 /// tokens as protected, inside the budget).
 inline kvevict::compressor_options compressor_for(const model& m, const policy_spec& spec, std::int64_t budget,
                                                   std::int64_t max_tokens) {
-  kvevict::compressor_options o;
-  o.model = {m.cfg.layers, m.cfg.heads, m.cfg.kv_heads, m.cfg.head_dim, 0, kvevict::dtype::f32};
-  o.per_head = kvevict::budget::tokens(budget);
-  o.limits.max_tokens = max_tokens;
+  kvevict::compressor_options o = model_options(m, budget, max_tokens);
   switch (spec.kind) {
     case policy_kind::full:
       throw std::logic_error("full KV evicts nothing");
