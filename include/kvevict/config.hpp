@@ -75,6 +75,14 @@
 #define KVEVICT_FP_CONTRACT_OFF_BODY
 #endif
 
+// KVEVICT_EXTERN_KERNELS=1 (on every translation unit of a program, before any kvevict header):
+// the CPU kernels are compiled in one translation unit, the one that includes
+// kvevict/instantiate_kernels.hpp, instead of in every one that calls a policy (docs/compile-cost.md).
+// The default, 0, is header-only.
+#ifndef KVEVICT_EXTERN_KERNELS
+#define KVEVICT_EXTERN_KERNELS 0
+#endif
+
 #include <type_traits>
 
 KVEVICT_NAMESPACE_BEGIN

@@ -38,6 +38,7 @@
 #include "kvevict/detail/isa/common.hpp"
 #include "kvevict/detail/isa/scalar.hpp"
 #include "kvevict/detail/isa/target.hpp"
+#include "kvevict/detail/kernel_instances.hpp"
 #include "kvevict/detail/pooling.hpp"
 #include "kvevict/dtype.hpp"
 #include "kvevict/scoring/params.hpp"
@@ -285,6 +286,14 @@ void observe_head(const query_view<const QT>& queries, const cache_view<const KT
 #endif
   isa_scalar::observe_head(queries, keys, h, p, s, bf16_products::none);
 }
+
+#if KVEVICT_EXTERN_KERNELS
+#define KVEVICT_DETAIL_EXTERN_OBSERVE_HEAD(QT, KT)                                                                  \
+  extern template void observe_head<QT, KT>(const query_view<const QT>&, const cache_view<const KT>&, std::int64_t, \
+                                            const observation_problem&, const observation_scratch&);
+KVEVICT_DETAIL_FOR_EACH_QUERY_KEY_TYPE(KVEVICT_DETAIL_EXTERN_OBSERVE_HEAD)
+#undef KVEVICT_DETAIL_EXTERN_OBSERVE_HEAD
+#endif
 
 }  // namespace detail
 KVEVICT_NAMESPACE_END

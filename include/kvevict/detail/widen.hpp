@@ -14,6 +14,7 @@
 #include "kvevict/detail/isa/avx512.hpp"
 #include "kvevict/detail/isa/scalar.hpp"
 #include "kvevict/detail/isa/target.hpp"
+#include "kvevict/detail/kernel_instances.hpp"
 #include "kvevict/dtype.hpp"
 
 KVEVICT_NAMESPACE_BEGIN
@@ -36,6 +37,13 @@ void widen_row(const T* src, std::int64_t stride, float* dst, std::int64_t n) no
 #endif
   isa_scalar::widen_row(src, stride, dst, n);
 }
+
+#if KVEVICT_EXTERN_KERNELS
+#define KVEVICT_DETAIL_EXTERN_WIDEN_ROW(T) \
+  extern template void widen_row<T>(const T*, std::int64_t, float*, std::int64_t) noexcept;
+KVEVICT_DETAIL_FOR_EACH_STORAGE_TYPE(KVEVICT_DETAIL_EXTERN_WIDEN_ROW)
+#undef KVEVICT_DETAIL_EXTERN_WIDEN_ROW
+#endif
 
 }  // namespace detail
 KVEVICT_NAMESPACE_END

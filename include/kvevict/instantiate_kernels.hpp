@@ -1,0 +1,35 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef KVEVICT_INSTANTIATE_KERNELS_HPP
+#define KVEVICT_INSTANTIATE_KERNELS_HPP
+
+// The CPU kernels, compiled here once for a program built with KVEVICT_EXTERN_KERNELS=1
+// (config.hpp): include this header in exactly one of its translation units, compiled with
+// the same -march as the others (the inline namespace names the instruction-set baseline, so
+// a mismatch is a link error, never a wrong kernel). Every query and storage type is
+// instantiated, with every kernel set (portable, AVX2, AVX-512) the dispatch can choose.
+// docs/compile-cost.md says what it saves.
+
+#include "kvevict/config.hpp"
+#include "kvevict/detail/kernel_instances.hpp"
+#include "kvevict/detail/observe.hpp"
+#include "kvevict/detail/widen.hpp"
+#include "kvevict/dtype.hpp"
+
+KVEVICT_NAMESPACE_BEGIN
+namespace detail {
+
+#define KVEVICT_DETAIL_INSTANTIATE_OBSERVE_HEAD(QT, KT)                                                      \
+  template void observe_head<QT, KT>(const query_view<const QT>&, const cache_view<const KT>&, std::int64_t, \
+                                     const observation_problem&, const observation_scratch&);
+KVEVICT_DETAIL_FOR_EACH_QUERY_KEY_TYPE(KVEVICT_DETAIL_INSTANTIATE_OBSERVE_HEAD)
+#undef KVEVICT_DETAIL_INSTANTIATE_OBSERVE_HEAD
+
+#define KVEVICT_DETAIL_INSTANTIATE_WIDEN_ROW(T) \
+  template void widen_row<T>(const T*, std::int64_t, float*, std::int64_t) noexcept;
+KVEVICT_DETAIL_FOR_EACH_STORAGE_TYPE(KVEVICT_DETAIL_INSTANTIATE_WIDEN_ROW)
+#undef KVEVICT_DETAIL_INSTANTIATE_WIDEN_ROW
+
+}  // namespace detail
+KVEVICT_NAMESPACE_END
+
+#endif  // KVEVICT_INSTANTIATE_KERNELS_HPP
