@@ -5,7 +5,9 @@
 // The CPU kernels, compiled here once for a program built with KVEVICT_EXTERN_KERNELS=1
 // (config.hpp): include this header in exactly one of its translation units, compiled with
 // the same -march as the others (the inline namespace names the instruction-set baseline, so
-// a mismatch is a link error, never a wrong kernel). Every query and storage type is
+// an -march mismatch is a link error) and the same KVEVICT_NO_SIMD_DISPATCH / KVEVICT_NO_AMX
+// (detail/isa/target.hpp: they change the kernels but not the namespace, so the program would
+// take this TU's choice). Every query and storage type is
 // instantiated, with every kernel set (portable, AVX2, AVX-512) the dispatch can choose.
 // docs/compile-cost.md says what it saves.
 
