@@ -20,14 +20,11 @@
 KVEVICT_NAMESPACE_BEGIN
 namespace detail {
 
-#define KVEVICT_DETAIL_INSTANTIATE_OBSERVE_HEAD(QT, KT)                                                      \
-  template void observe_head<QT, KT>(const query_view<const QT>&, const cache_view<const KT>&, std::int64_t, \
-                                     const observation_problem&, const observation_scratch&);
+#define KVEVICT_DETAIL_INSTANTIATE_OBSERVE_HEAD(QT, KT) template KVEVICT_DETAIL_OBSERVE_HEAD_INSTANCE(QT, KT);
 KVEVICT_DETAIL_FOR_EACH_QUERY_KEY_TYPE(KVEVICT_DETAIL_INSTANTIATE_OBSERVE_HEAD)
 #undef KVEVICT_DETAIL_INSTANTIATE_OBSERVE_HEAD
 
-#define KVEVICT_DETAIL_INSTANTIATE_WIDEN_ROW(T) \
-  template void widen_row<T>(const T*, std::int64_t, float*, std::int64_t) noexcept;
+#define KVEVICT_DETAIL_INSTANTIATE_WIDEN_ROW(T) template KVEVICT_DETAIL_WIDEN_ROW_INSTANCE(T);
 KVEVICT_DETAIL_FOR_EACH_STORAGE_TYPE(KVEVICT_DETAIL_INSTANTIATE_WIDEN_ROW)
 #undef KVEVICT_DETAIL_INSTANTIATE_WIDEN_ROW
 

@@ -287,10 +287,13 @@ void observe_head(const query_view<const QT>& queries, const cache_view<const KT
   isa_scalar::observe_head(queries, keys, h, p, s, bf16_products::none);
 }
 
+/// observe_head's instance for (QT, KT), the one signature the explicit instantiation
+/// declarations below and their definitions (kvevict/instantiate_kernels.hpp) both expand.
+#define KVEVICT_DETAIL_OBSERVE_HEAD_INSTANCE(QT, KT)                                                \
+  void observe_head<QT, KT>(const query_view<const QT>&, const cache_view<const KT>&, std::int64_t, \
+                            const observation_problem&, const observation_scratch&)
 #if KVEVICT_EXTERN_KERNELS
-#define KVEVICT_DETAIL_EXTERN_OBSERVE_HEAD(QT, KT)                                                                  \
-  extern template void observe_head<QT, KT>(const query_view<const QT>&, const cache_view<const KT>&, std::int64_t, \
-                                            const observation_problem&, const observation_scratch&);
+#define KVEVICT_DETAIL_EXTERN_OBSERVE_HEAD(QT, KT) extern template KVEVICT_DETAIL_OBSERVE_HEAD_INSTANCE(QT, KT);
 KVEVICT_DETAIL_FOR_EACH_QUERY_KEY_TYPE(KVEVICT_DETAIL_EXTERN_OBSERVE_HEAD)
 #undef KVEVICT_DETAIL_EXTERN_OBSERVE_HEAD
 #endif

@@ -38,9 +38,10 @@ void widen_row(const T* src, std::int64_t stride, float* dst, std::int64_t n) no
   isa_scalar::widen_row(src, stride, dst, n);
 }
 
+/// widen_row's instance for T (as KVEVICT_DETAIL_OBSERVE_HEAD_INSTANCE in detail/observe.hpp).
+#define KVEVICT_DETAIL_WIDEN_ROW_INSTANCE(T) void widen_row<T>(const T*, std::int64_t, float*, std::int64_t) noexcept
 #if KVEVICT_EXTERN_KERNELS
-#define KVEVICT_DETAIL_EXTERN_WIDEN_ROW(T) \
-  extern template void widen_row<T>(const T*, std::int64_t, float*, std::int64_t) noexcept;
+#define KVEVICT_DETAIL_EXTERN_WIDEN_ROW(T) extern template KVEVICT_DETAIL_WIDEN_ROW_INSTANCE(T);
 KVEVICT_DETAIL_FOR_EACH_STORAGE_TYPE(KVEVICT_DETAIL_EXTERN_WIDEN_ROW)
 #undef KVEVICT_DETAIL_EXTERN_WIDEN_ROW
 #endif
