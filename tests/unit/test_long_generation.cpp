@@ -112,15 +112,20 @@ struct generation {
     }
     length[ls] = longest;
   }
-  /// Every row each head holds, as stored, in row order (and the rows' positions).
+  /// Every row each head holds, as stored, in row order.
   std::vector<double> stored(i64 l) const {
     const std::size_t ls = static_cast<std::size_t>(l);
+    return stored_in(keys[ls], values[ls], rows[ls]);
+  }
+  /// The rows `head_rows` says each head holds, read from the caches k and v.
+  std::vector<double> stored_in(const test::test_cache<T>& k, const test::test_cache<T>& v,
+                                const std::vector<std::vector<i64>>& head_rows) const {
     std::vector<double> out;
     for (i64 h = 0; h < hkv; ++h)
-      for (i64 j = 0; j < static_cast<i64>(rows[ls][static_cast<std::size_t>(h)].size()); ++j)
+      for (i64 j = 0; j < static_cast<i64>(head_rows[static_cast<std::size_t>(h)].size()); ++j)
         for (i64 c = 0; c < d; ++c) {
-          out.push_back(test::load(keys[ls].at(h, j, c)));
-          out.push_back(test::load(values[ls].at(h, j, c)));
+          out.push_back(test::load(k.at(h, j, c)));
+          out.push_back(test::load(v.at(h, j, c)));
         }
     return out;
   }
@@ -169,23 +174,39 @@ struct planned {
   }
   void* state_ptr() { return c.sequence_state_size() > 0 ? state.data() : nullptr; }
   /// One layer's call for `g`; applies an eviction to g's bookkeeping. Returns the report.
+  /// `spare`: the fresh blocks every call hands as its destination; under
+  /// compaction::out_of_place they are swapped with g's when the call evicts (as an engine
+  /// moves a sequence to its new blocks).
   kvevict::sequence_report run(generation<T>& g, i64 layer, kvevict::sequence_event event, i64 first_query,
-                               i64 num_queries) {
+                               i64 num_queries, generation<T>* spare = nullptr) {
     layer_call<T> call = make_call(g, layer, event, first_query, num_queries, state_ptr(), c.keep_capacity_per_head());
     call.io.head_lengths = call.head_lengths.data();
     call.io.padded_indices = call.padded.data();
     layers.clear();
-    for (i64 l = 0; l < g.layers; ++l) layers.push_back(kvevict::layer_cache<T>(g.kview(l), g.vview(l)));
+    for (i64 l = 0; l < g.layers; ++l) {
+      layers.push_back(kvevict::layer_cache<T>(g.kview(l), g.vview(l)));
+      if (spare != nullptr) {
+        layers.back().dst_keys = spare->keys[static_cast<std::size_t>(l)].view;
+        layers.back().dst_values = spare->values[static_cast<std::size_t>(l)].view;
+      }
+    }
+    if (spare != nullptr) {
+      call.io.dst_keys = spare->keys[static_cast<std::size_t>(layer)].view;
+      call.io.dst_values = spare->values[static_cast<std::size_t>(layer)].view;
+    }
     call.io.layers = layers.data();
     kvevict::sequence_report r;
     const kvevict::status st = c.run(layer, &call.io, 1, &r, ws);
     INFO("layer " << layer << ": " << st.message());
     REQUIRE(st.ok());
     if (r.action == kvevict::sequence_action::evicted) {
-      if (c.options().scope == kvevict::selection_scope::per_sequence) {
-        for (i64 l = 0; l < g.layers; ++l) g.evicted(l, call.head_lengths, call.padded, c.keep_capacity_per_head());
-      } else {
-        g.evicted(layer, call.head_lengths, call.padded, c.keep_capacity_per_head());
+      const bool every_layer = c.options().scope == kvevict::selection_scope::per_sequence;
+      for (i64 l = every_layer ? 0 : layer; l < (every_layer ? g.layers : layer + 1); ++l) {
+        g.evicted(l, call.head_lengths, call.padded, c.keep_capacity_per_head());
+        if (spare != nullptr && c.options().compact == kvevict::compaction::out_of_place) {
+          std::swap(g.keys[static_cast<std::size_t>(l)], spare->keys[static_cast<std::size_t>(l)]);
+          std::swap(g.values[static_cast<std::size_t>(l)], spare->values[static_cast<std::size_t>(l)]);
+        }
       }
     }
     return r;
@@ -452,6 +473,124 @@ TEST_CASE("a decode-time compression equals the prompt path's compression of the
     o.decoding.interval = 10;
     CHECK(decode_equals_prompt_path<fp16>(o, test::layout::padded, prompt, steps, 5, false) >= 2 * 3);
   }
+}
+
+namespace {
+
+/// A generation compacted out of place (each round writes the kept rows into the spare blocks,
+/// which become the sequence's) against the same generation compacted in place: the same rows
+/// after every step, and a round leaves the blocks it read as they were. Returns the rounds.
+template <class T>
+i64 out_of_place_equals_in_place(kvevict::compressor_options o, test::layout kind, i64 prompt, i64 steps) {
+  const shape s{o.model.num_layers, o.model.num_query_heads, o.model.num_kv_heads, o.model.head_dim};
+  o.compact = kvevict::compaction::in_place;
+  planned<T> a(o);
+  o.compact = kvevict::compaction::out_of_place;
+  planned<T> b(o);
+  generation<T> ga(kind, s.layers, s.hq, s.hkv, s.d, prompt + steps, 5);
+  generation<T> gb(kind, s.layers, s.hq, s.hkv, s.d, prompt + steps, 5);
+  generation<T> spare(kind, s.layers, s.hq, s.hkv, s.d, prompt + steps, 6);  // other contents: a stale pool
+  for (i64 l = 0; l < s.layers; ++l)
+    for (i64 p = 0; p < prompt; ++p) {
+      ga.append(l, p);
+      gb.append(l, p);
+    }
+  const bool shared = o.scope == kvevict::selection_scope::per_sequence;
+  i64 rounds = 0;
+  for (i64 t = 0; t <= steps - prompt; ++t) {
+    const bool prefill = t == 0;
+    const i64 pos = prefill ? prompt - 5 : prompt + t - 1;
+    const kvevict::sequence_event e = prefill ? kvevict::sequence_event::prefill_end : kvevict::sequence_event::decode;
+    for (i64 l = 0; l < s.layers; ++l) {
+      if (!prefill) {
+        ga.append(l, pos);
+        gb.append(l, pos);
+      }
+      const bool ra = a.run(ga, l, e, pos, prefill ? 5 : 1).action == kvevict::sequence_action::evicted;
+      // The blocks a call may read: every layer's under the per-sequence scope, else this one's.
+      std::vector<std::vector<double>> read;
+      for (i64 k = 0; k < s.layers; ++k) read.push_back(gb.stored(k));
+      const std::vector<std::vector<std::vector<i64>>> rows_before = gb.rows;
+      const bool rb = b.run(gb, l, e, pos, prefill ? 5 : 1, &spare).action == kvevict::sequence_action::evicted;
+      INFO("step " << t << " layer " << l);
+      REQUIRE(ra == rb);
+      for (i64 k = 0; k < s.layers; ++k) {
+        const std::size_t ks = static_cast<std::size_t>(k);
+        const bool moved = rb && (shared || k == l);  // then the spare holds the blocks the call read
+        REQUIRE(gb.stored_in(moved ? spare.keys[ks] : gb.keys[ks], moved ? spare.values[ks] : gb.values[ks],
+                             rows_before[ks]) == read[ks]);
+      }
+      if (rb) rounds += prefill || (shared && l + 1 < s.layers) ? 0 : 1;
+      for (i64 k = 0; k < s.layers; ++k) {
+        REQUIRE(ga.rows[static_cast<std::size_t>(k)] == gb.rows[static_cast<std::size_t>(k)]);
+        REQUIRE(ga.stored(k) == gb.stored(k));
+      }
+    }
+  }
+  return rounds;
+}
+
+}  // namespace
+
+TEST_CASE("decode-time rounds compacted out of place: the in-place rows, the blocks read left as they were",
+          "[decoding]") {
+  const i64 prompt = 29, steps = 150;
+  SECTION("per-head keep sets, paged HND, bf16") {
+    kvevict::compressor_options o = generation_options(kvevict::dtype::bf16, 2, steps);
+    CHECK(out_of_place_equals_in_place<bf16>(o, test::layout::paged_hnd, prompt, steps) >= 2 * 8);
+  }
+  SECTION("one keep set per layer (TOVA), token-major, fp16") {
+    kvevict::compressor_options o = generation_options(kvevict::dtype::f16, 2, steps);
+    o.scope = kvevict::selection_scope::per_layer;
+    o.decoding.policy = kvevict::policy::tova();
+    CHECK(out_of_place_equals_in_place<fp16>(o, test::layout::token_major, prompt, steps) >= 2 * 8);
+  }
+  SECTION("one keep set per sequence (KNorm), contiguous, f32") {
+    kvevict::compressor_options o = generation_options(kvevict::dtype::f32, 3, steps);
+    o.scope = kvevict::selection_scope::per_sequence;
+    o.decoding.policy = kvevict::policy::knorm();
+    CHECK(out_of_place_equals_in_place<float>(o, test::layout::contiguous, prompt, steps) >= 8);
+  }
+}
+
+TEST_CASE("compaction::in_place ignores destination views, as cuda::compressor does", "[decoding]") {
+  // An engine that always hands fresh blocks (say, to switch modes without changing its calls)
+  // gets the mode it planned: in place, the rows stay in their blocks and the destination is
+  // not written. (The CPU compressor used to write them there, past out_of_place's checks.)
+  const i64 prompt = 29, steps = 80;
+  kvevict::compressor_options o = generation_options(kvevict::dtype::bf16, 2, steps);
+  o.compact = kvevict::compaction::in_place;
+  planned<bf16> a(o), b(o);
+  generation<bf16> ga(test::layout::paged_nhd, 2, 4, 2, 7, steps, 5), gb(test::layout::paged_nhd, 2, 4, 2, 7, steps, 5);
+  generation<bf16> spare(test::layout::paged_nhd, 2, 4, 2, 7, steps, 6);
+  for (i64 l = 0; l < 2; ++l)
+    for (i64 p = 0; p < steps; ++p) spare.append(l, p);
+  const std::vector<double> untouched0 = spare.stored(0), untouched1 = spare.stored(1);
+  i64 rounds = 0;
+  for (i64 l = 0; l < 2; ++l)
+    for (i64 p = 0; p < prompt; ++p) {
+      ga.append(l, p);
+      gb.append(l, p);
+    }
+  for (i64 t = 0; t <= steps - prompt; ++t) {
+    const bool prefill = t == 0;
+    const i64 pos = prefill ? prompt - 5 : prompt + t - 1;
+    const kvevict::sequence_event e = prefill ? kvevict::sequence_event::prefill_end : kvevict::sequence_event::decode;
+    for (i64 l = 0; l < 2; ++l) {
+      if (!prefill) {
+        ga.append(l, pos);
+        gb.append(l, pos);
+      }
+      const bool ra = a.run(ga, l, e, pos, prefill ? 5 : 1).action == kvevict::sequence_action::evicted;
+      const bool rb = b.run(gb, l, e, pos, prefill ? 5 : 1, &spare).action == kvevict::sequence_action::evicted;
+      REQUIRE(ra == rb);
+      rounds += rb ? 1 : 0;
+      REQUIRE(ga.stored(l) == gb.stored(l));
+    }
+  }
+  CHECK(rounds >= 2 * 5);
+  CHECK(spare.stored(0) == untouched0);
+  CHECK(spare.stored(1) == untouched1);
 }
 
 TEST_CASE("a 4,096-token generation stays within target + N at every step", "[decoding]") {

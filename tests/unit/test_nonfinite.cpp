@@ -585,3 +585,42 @@ TEMPLATE_TEST_CASE("eviction preserves NaN payloads, infinities and signed zeros
     REQUIRE(std::memcmp(got_v.data(), want.data(), want.size() * sizeof(T)) == 0);
   }
 }
+
+namespace {
+/// Every bit pattern of a 1- or 2-byte storage type (floats: each exponent with sampled
+/// mantissas), counted by the report's exponent-bit test and by widening each element.
+template <class T>
+void check_nonfinite_count() {
+  std::vector<T> row;
+  std::int64_t widened = 0;
+  const auto add = [&](std::uint32_t bits) {
+    T x;
+    std::memcpy(&x, &bits, sizeof(T));  // little-endian: the low bytes
+    row.push_back(x);
+    widened += std::isfinite(kvevict::to_float(x)) ? 0 : 1;
+  };
+  if (sizeof(T) < 4) {
+    for (std::uint32_t bits = 0; bits < (1u << (8 * sizeof(T))); ++bits) add(bits);
+  } else {
+    for (std::uint32_t e = 0; e < 256; ++e)
+      for (std::uint32_t m : {0u, 1u, 0x400000u, 0x7fffffu})
+        for (std::uint32_t sign : {0u, 0x80000000u}) add(sign | (e << 23) | m);
+  }
+  const std::int64_t n = static_cast<std::int64_t>(row.size());
+  CHECK(kvevict::detail::count_nonfinite(row.data(), n, 1) == widened);
+  // Every other element through the strided loop, against the same elements widened.
+  std::int64_t odd = 0;
+  for (std::int64_t i = 1; i < n; i += 2)
+    odd += std::isfinite(kvevict::to_float(row[static_cast<std::size_t>(i)])) ? 0 : 1;
+  CHECK(kvevict::detail::count_nonfinite(row.data() + 1, n / 2, 2) == odd);
+  CHECK(widened > 0);
+}
+}  // namespace
+
+TEST_CASE("the report's non-finite counts test the exponent bits exactly as widening does", "[nonfinite]") {
+  check_nonfinite_count<float>();
+  check_nonfinite_count<kvevict::fp16>();
+  check_nonfinite_count<kvevict::bf16>();
+  check_nonfinite_count<kvevict::fp8_e4m3>();
+  check_nonfinite_count<kvevict::fp8_e5m2>();
+}

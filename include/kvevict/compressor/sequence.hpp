@@ -76,7 +76,8 @@ struct sequence_io {
   const std::uint32_t* shared_blocks = nullptr;
   /// compaction::out_of_place: where this layer's kept rows go (fresh blocks of the same layout;
   /// room for compressor::keep_capacity_per_head(keys.num_tokens) rows: what a head of this
-  /// sequence may keep). keys and values stay as they were.
+  /// sequence may keep). keys and values stay as they were. Read under out_of_place only: the
+  /// other modes ignore them, on the CPU as on the GPU.
   cache_view<T> dst_keys;
   cache_view<T> dst_values;
   /// selection_scope::per_sequence (unless compaction::keep_list_only): every layer's cache

@@ -39,7 +39,7 @@ class knorm : public scoring_policy<knorm<T, Q>, T, Q> {
 
   std::size_t workspace_size(const layer_shape& shape, const executor& = {}) const noexcept {
     detail::arena a;
-    (void)a.take<float>(shape.head_dim);
+    (void)a.take<float>(rows_at_once * shape.head_dim);
     return a.used();
   }
   selection_params selection() const noexcept { return {config_.protected_tail, config_.protect}; }
@@ -53,7 +53,8 @@ class knorm : public scoring_policy<knorm<T, Q>, T, Q> {
     KVEVICT_RETURN_IF_ERROR(detail::validate_cache_view(in.keys, fn, "keys"));
     KVEVICT_RETURN_IF_ERROR(detail::validate_matrix_view(scores, in.keys.num_heads, in.keys.num_tokens, fn, "scores"));
     detail::arena a(ws);
-    float* row_buf = a.take<float>(in.keys.head_dim);
+    const std::int64_t d = in.keys.head_dim;
+    float* rows = a.take<float>(rows_at_once * d);
     if (a.overflowed())
       return status::error(errc::workspace_too_small, fn, "ws", "expected at least %zu bytes, got %zu", a.used(),
                            ws.size);
@@ -61,9 +62,16 @@ class knorm : public scoring_policy<knorm<T, Q>, T, Q> {
     const std::int64_t candidates = tokens > config_.protected_tail ? tokens - config_.protected_tail : 0;
     for (std::int64_t h = 0; h < in.keys.num_heads; ++h) {
       float* out = scores.row(h);
-      for (std::int64_t j = 0; j < candidates; ++j) {
-        detail::widen_row(in.keys.row(h, j), in.keys.dim_stride, row_buf, in.keys.head_dim);
-        out[j] = -key_norm(row_buf, in.keys.head_dim, in.keys.scale);
+      for (std::int64_t j0 = 0; j0 < candidates; j0 += rows_at_once) {
+        const std::int64_t m = candidates - j0 < rows_at_once ? candidates - j0 : rows_at_once;
+        for (std::int64_t i = 0; i < m; ++i)
+          detail::widen_row(in.keys.row(h, j0 + i), in.keys.dim_stride, rows + i * d, d);
+        for (std::int64_t i = m; i < rows_at_once; ++i)
+          for (std::int64_t c = 0; c < d; ++c) rows[i * d + c] = 0.0f;
+        double sums[rows_at_once];
+        squared_norms(rows, d, sums);
+        for (std::int64_t i = 0; i < m; ++i)
+          out[j0 + i] = -static_cast<float>(std::sqrt(sums[i]) * static_cast<double>(in.keys.scale));
       }
       for (std::int64_t j = candidates; j < tokens; ++j) out[j] = std::numeric_limits<float>::infinity();
     }
@@ -71,13 +79,21 @@ class knorm : public scoring_policy<knorm<T, Q>, T, Q> {
   }
 
  private:
-  /// ||scale * k||, the same bits on every build and on the GPU (cuda::key_norm_scores): the
-  /// squares of floats are exact in double, so whether a compiler fuses the multiply-add
-  /// cannot change the sum, which runs in ascending c; sqrt and the scaling round once each.
-  static float key_norm(const float* k, std::int64_t d, float scale) noexcept {
-    double sum = 0.0;
-    for (std::int64_t c = 0; c < d; ++c) sum += static_cast<double>(k[c]) * static_cast<double>(k[c]);
-    return static_cast<float>(std::sqrt(sum) * static_cast<double>(scale));
+  /// Keys normed together: their sums are independent chains of additions, so they overlap
+  /// (one row's chain of d dependent additions left the core waiting on each).
+  static constexpr std::int64_t rows_at_once = 8;
+
+  /// ||k||^2 of rows_at_once rows ([rows_at_once, d]), the same bits on every build and on the
+  /// GPU (cuda::key_norm_scores): the squares of floats are exact in double, so whether a
+  /// compiler fuses the multiply-add cannot change a sum, which runs in ascending c for each
+  /// row; sqrt and the scaling then round once each.
+  static void squared_norms(const float* rows, std::int64_t d, double* sums) noexcept {
+    for (std::int64_t i = 0; i < rows_at_once; ++i) sums[i] = 0.0;
+    for (std::int64_t c = 0; c < d; ++c)
+      for (std::int64_t i = 0; i < rows_at_once; ++i) {
+        const double x = static_cast<double>(rows[i * d + c]);
+        sums[i] += x * x;
+      }
   }
 
   knorm_config config_;

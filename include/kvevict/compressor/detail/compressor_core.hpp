@@ -39,6 +39,19 @@ class compressor_core {
  protected:
   using act = step_act;
 
+  /// A layer's caches as this plan compacts them: the destination views are read under
+  /// compaction::out_of_place only. Under the other modes they are ignored, as cuda::compressor
+  /// ignores them (handed in place, they used to send the rows there, past the destination
+  /// checks that out_of_place makes before any sequence moves).
+  template <class T>
+  layer_cache<T> as_planned(layer_cache<T> c) const noexcept {
+    if (options_.compact != compaction::out_of_place) {
+      c.dst_keys = cache_view<T>{};
+      c.dst_values = cache_view<T>{};
+    }
+    return c;
+  }
+
   /// The most tokens one head may keep at a call whose cache holds `tokens` tokens.
   std::int64_t keep_capacity_per_head(std::int64_t tokens) const noexcept {
     if (!planned_) return 0;

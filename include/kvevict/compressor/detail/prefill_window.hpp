@@ -25,6 +25,18 @@
 KVEVICT_NAMESPACE_BEGIN
 namespace detail {
 
+/// Query row (h, t) of `q` into `dst` (head_dim elements): one memcpy when its channels are
+/// contiguous (every decode step buffers Hq rows; element by element that was most of a step's
+/// cost), element by element otherwise.
+template <class Q>
+void copy_query_row(const query_view<const Q>& q, std::int64_t h, std::int64_t t, Q* dst) noexcept {
+  if (q.dim_stride == 1) {
+    std::memcpy(dst, q.row(h, t), static_cast<std::size_t>(q.head_dim) * sizeof(Q));
+    return;
+  }
+  for (std::int64_t c = 0; c < q.head_dim; ++c) dst[c] = q.at(h, t, c);
+}
+
 class compressor_window : protected compressor_core {
  protected:
   window_state* window_header(void* state, std::int64_t layer) const noexcept {
@@ -75,8 +87,7 @@ class compressor_window : protected compressor_core {
     for (std::int64_t h = 0; h < heads; ++h) {
       std::memcpy(out + h * cap * d, kept + (h * cap + w->count - from_state) * d,
                   static_cast<std::size_t>(from_state * d) * sizeof(Q));
-      for (std::int64_t t = 0; t < from_call; ++t)
-        for (std::int64_t c = 0; c < d; ++c) out[(h * cap + from_state + t) * d + c] = tail.at(h, t, c);
+      for (std::int64_t t = 0; t < from_call; ++t) copy_query_row(tail, h, t, out + (h * cap + from_state + t) * d);
     }
     const std::int64_t* kept_positions = window_positions(w);
     for (std::int64_t t = 0; t < from_state; ++t) lay.window_positions[t] = kept_positions[w->count - from_state + t];
@@ -107,8 +118,7 @@ class compressor_window : protected compressor_core {
     for (std::int64_t h = 0; h < options_.model.num_query_heads; ++h) {
       Q* head = rows + h * cap * d;
       std::memmove(head, head + (w->count - keep) * d, static_cast<std::size_t>(keep * d) * sizeof(Q));
-      for (std::int64_t t = 0; t < take; ++t)
-        for (std::int64_t c = 0; c < d; ++c) head[(keep + t) * d + c] = tail.at(h, t, c);
+      for (std::int64_t t = 0; t < take; ++t) copy_query_row(tail, h, t, head + (keep + t) * d);
     }
     std::memmove(positions, positions + (w->count - keep), static_cast<std::size_t>(keep) * sizeof(std::int64_t));
     for (std::int64_t t = 0; t < take; ++t) positions[keep + t] = tail.positions[t];
@@ -158,7 +168,7 @@ class compressor_window : protected compressor_core {
         }
         slot = slot >= cap ? slot - cap : slot;
         for (std::int64_t h = 0; h < options_.model.num_query_heads; ++h)
-          for (std::int64_t c = 0; c < d; ++c) rows[(h * cap + slot) * d + c] = tail.at(h, t, c);
+          copy_query_row(tail, h, t, rows + (h * cap + slot) * d);
         positions[slot] = tail.positions[t];
       }
     }
@@ -196,8 +206,7 @@ class compressor_window : protected compressor_core {
       lay.window_positions[t] = kept_positions[slot];
     }
     for (std::int64_t t = 0; t < from_call; ++t) {
-      for (std::int64_t h = 0; h < heads; ++h)
-        for (std::int64_t c = 0; c < d; ++c) out[(h * cap + from_state + t) * d + c] = tail.at(h, t, c);
+      for (std::int64_t h = 0; h < heads; ++h) copy_query_row(tail, h, t, out + (h * cap + from_state + t) * d);
       lay.window_positions[from_state + t] = tail.positions[t];
     }
     v.data = out;

@@ -105,8 +105,8 @@ class compressor_checks : protected compressor_agreement {
     if (what.buffer) return check_chunk(layer, io, s);
     if (what.buffer_decode) KVEVICT_RETURN_IF_ERROR(check_decode_queries(layer, io, s));
     if (!what.observe && what.action == act::none) return status();
-    KVEVICT_RETURN_IF_ERROR(
-        check_layer_cache(io.cache(), s, "", what.action != act::none && what.action != act::fold, lay.policy));
+    KVEVICT_RETURN_IF_ERROR(check_layer_cache(as_planned(io.cache()), s, "",
+                                              what.action != act::none && what.action != act::fold, lay.policy));
     if (io.keys.num_tokens > options_.limits.max_tokens)
       return status::error(
           errc::invalid_shape, fn, io_name(s, "keys.num_tokens"), "expected at most limits.max_tokens = %lld, got %lld",
@@ -121,7 +121,7 @@ class compressor_checks : protected compressor_agreement {
       for (std::int64_t l = 0; l < options_.model.num_layers; ++l) {
         char prefix[40];
         std::snprintf(prefix, sizeof(prefix), "layers[%lld].", static_cast<long long>(l));
-        const layer_cache<T>& c = io.layers[l];
+        const layer_cache<T> c = as_planned(io.layers[l]);
         KVEVICT_RETURN_IF_ERROR(check_layer_cache(c, s, prefix, true, lay.policy));
         if (c.keys.num_tokens != io.keys.num_tokens)
           return status::error(errc::invalid_shape, fn, io_name(s, "layers"),

@@ -8,8 +8,9 @@
 // shared row and, at the last layer, select one keep set and compact every layer with it.
 // Fills the sequence's report.
 
-#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 
 #include "kvevict/compressor/detail/run_checks.hpp"
 #include "kvevict/compressor/sequence.hpp"
@@ -24,11 +25,64 @@
 KVEVICT_NAMESPACE_BEGIN
 namespace detail {
 
-/// Elements of a row (n of them, `stride` apart) that are NaN or infinite.
+/// The bits that are all ones exactly in T's non-finite values (NaN and infinity; e4m3 has
+/// only NaN, S.1111.111), with T's bit pattern as an unsigned integer.
+template <class T>
+struct nonfinite_bits;
+template <>
+struct nonfinite_bits<float> {
+  using word = std::uint32_t;
+  static constexpr word mask = 0x7f800000u;
+};
+template <>
+struct nonfinite_bits<fp16> {
+  using word = std::uint16_t;
+  static constexpr word mask = 0x7c00u;
+};
+template <>
+struct nonfinite_bits<bf16> {
+  using word = std::uint16_t;
+  static constexpr word mask = 0x7f80u;
+};
+template <>
+struct nonfinite_bits<fp8_e4m3> {
+  using word = std::uint8_t;
+  static constexpr word mask = 0x7fu;
+};
+template <>
+struct nonfinite_bits<fp8_e5m2> {
+  using word = std::uint8_t;
+  static constexpr word mask = 0x7cu;
+};
+
+/// Elements of a row (n of them, `stride` apart) that are NaN or infinite. A test of the
+/// exponent bits, not of the widened value: a decode-time compression counts every key of the
+/// layer, and the bit test vectorises where widening each element did not.
 template <class T>
 std::int64_t count_nonfinite(const T* row, std::int64_t n, std::int64_t stride) noexcept {
+  using word = typename nonfinite_bits<T>::word;
+  constexpr word mask = nonfinite_bits<T>::mask;
+  static_assert(sizeof(word) == sizeof(T), "a storage type is its bits");
   std::int64_t k = 0;
-  for (std::int64_t c = 0; c < n; ++c) k += std::isfinite(to_float(row[c * stride])) ? 0 : 1;
+  if (stride == 1) {  // the usual layout: counts as wide as the elements, so every lane counts
+    constexpr std::int64_t chunk = std::numeric_limits<word>::max();
+    for (std::int64_t c0 = 0; c0 < n; c0 += chunk) {
+      const std::int64_t end = n - c0 < chunk ? n : c0 + chunk;
+      word part = 0;
+      for (std::int64_t c = c0; c < end; ++c) {
+        word bits;
+        std::memcpy(&bits, row + c, sizeof(word));
+        part = static_cast<word>(part + ((bits & mask) == mask ? 1 : 0));
+      }
+      k += part;
+    }
+    return k;
+  }
+  for (std::int64_t c = 0; c < n; ++c) {
+    word bits;
+    std::memcpy(&bits, row + c * stride, sizeof(word));
+    k += (bits & mask) == mask ? 1 : 0;
+  }
   return k;
 }
 
@@ -78,7 +132,7 @@ class compressor_steps : protected compressor_checks {
       std::int64_t n = 0;
       for (std::int64_t h = 0; h < q.num_heads; ++h)
         for (std::int64_t t = 0; t < q.num_queries; ++t)
-          for (std::int64_t c = 0; c < q.head_dim; ++c) n += std::isfinite(to_float(q.at(h, t, c))) ? 0 : 1;
+          n += detail::count_nonfinite(q.row(h, t), q.head_dim, q.dim_stride);
       r->nonfinite_queries = n;
     }
     if (!reads_keys(kind)) return;
@@ -142,7 +196,7 @@ class compressor_steps : protected compressor_checks {
     result.indices = lay.indices;
     result.changed_blocks = io.changed_blocks;
     result.head_freed_blocks = io.head_freed_blocks;
-    layer_cache<T> cache = io.cache();
+    layer_cache<T> cache = as_planned(io.cache());
     cache.compact = options_.compact != compaction::keep_list_only;
     const executor& exec = options_.exec;
     const bool defer = defers<List>();
@@ -239,8 +293,8 @@ class compressor_steps : protected compressor_checks {
         for (std::int64_t l = 0; l < options_.model.num_layers; ++l) {
           eviction_result lr = result;
           if (l != layer) lr.changed_blocks = nullptr;  // one list for the call (the layer's own)
-          KVEVICT_RETURN_IF_ERROR(
-              compact_layer(io.layers[l], const_keep_list_view(keep), lr, sh.compact, io.key_positions, exec));
+          KVEVICT_RETURN_IF_ERROR(compact_layer(as_planned(io.layers[l]), const_keep_list_view(keep), lr, sh.compact,
+                                                io.key_positions, exec));
           if (l == layer) result = lr;
         }
       }
