@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "kvevict/compressor/detail/run_checks.hpp"
 #include "kvevict/compressor/sequence.hpp"
@@ -25,44 +26,35 @@
 KVEVICT_NAMESPACE_BEGIN
 namespace detail {
 
-/// The bits that are all ones exactly in T's non-finite values (NaN and infinity; e4m3 has
-/// only NaN, S.1111.111), with T's bit pattern as an unsigned integer.
+/// T's bit pattern as an unsigned integer, and the bits that are all ones exactly in T's
+/// non-finite values (NaN and infinity; e4m3 has only NaN, S.1111.111).
 template <class T>
-struct nonfinite_bits;
-template <>
-struct nonfinite_bits<float> {
-  using word = std::uint32_t;
-  static constexpr word mask = 0x7f800000u;
-};
-template <>
-struct nonfinite_bits<fp16> {
-  using word = std::uint16_t;
-  static constexpr word mask = 0x7c00u;
-};
-template <>
-struct nonfinite_bits<bf16> {
-  using word = std::uint16_t;
-  static constexpr word mask = 0x7f80u;
-};
-template <>
-struct nonfinite_bits<fp8_e4m3> {
-  using word = std::uint8_t;
-  static constexpr word mask = 0x7fu;
-};
-template <>
-struct nonfinite_bits<fp8_e5m2> {
-  using word = std::uint8_t;
-  static constexpr word mask = 0x7cu;
-};
+using storage_word =
+    std::conditional_t<sizeof(T) == 4, std::uint32_t, std::conditional_t<sizeof(T) == 2, std::uint16_t, std::uint8_t>>;
+template <class T>
+constexpr storage_word<T> nonfinite_mask() noexcept {
+  if constexpr (std::is_same<T, float>::value) {
+    return 0x7f800000u;
+  } else if constexpr (std::is_same<T, fp16>::value) {
+    return 0x7c00u;
+  } else if constexpr (std::is_same<T, bf16>::value) {
+    return 0x7f80u;
+  } else if constexpr (std::is_same<T, fp8_e4m3>::value) {
+    return 0x7fu;
+  } else {
+    static_assert(std::is_same<T, fp8_e5m2>::value, "a storage type");
+    return 0x7cu;
+  }
+}
 
 /// Elements of a row (n of them, `stride` apart) that are NaN or infinite. A test of the
 /// exponent bits, not of the widened value: a decode-time compression counts every key of the
 /// layer, and the bit test vectorises where widening each element did not.
 template <class T>
 std::int64_t count_nonfinite(const T* row, std::int64_t n, std::int64_t stride) noexcept {
-  using word = typename nonfinite_bits<T>::word;
-  constexpr word mask = nonfinite_bits<T>::mask;
-  static_assert(sizeof(word) == sizeof(T), "a storage type is its bits");
+  using word = storage_word<T>;
+  constexpr word mask = nonfinite_mask<T>();
+  static_assert(is_storage_type<T>::value && sizeof(word) == sizeof(T), "a storage type is its bits");
   std::int64_t k = 0;
   if (stride == 1) {  // the usual layout: counts as wide as the elements, so every lane counts
     constexpr std::int64_t chunk = std::numeric_limits<word>::max();
