@@ -481,15 +481,15 @@ namespace {
 /// which become the sequence's) against the same generation compacted in place: the same rows
 /// after every step, and a round leaves the blocks it read as they were. Returns the rounds.
 template <class T>
-i64 out_of_place_equals_in_place(kvevict::compressor_options o, test::layout kind, i64 prompt, i64 steps) {
+i64 out_of_place_equals_in_place(kvevict::compressor_options o, test::layout kind, i64 prompt, i64 tokens) {
   const shape s{o.model.num_layers, o.model.num_query_heads, o.model.num_kv_heads, o.model.head_dim};
   o.compact = kvevict::compaction::in_place;
   planned<T> a(o);
   o.compact = kvevict::compaction::out_of_place;
   planned<T> b(o);
-  generation<T> ga(kind, s.layers, s.hq, s.hkv, s.d, prompt + steps, 5);
-  generation<T> gb(kind, s.layers, s.hq, s.hkv, s.d, prompt + steps, 5);
-  generation<T> spare(kind, s.layers, s.hq, s.hkv, s.d, prompt + steps, 6);  // other contents: a stale pool
+  generation<T> ga(kind, s.layers, s.hq, s.hkv, s.d, tokens, 5);
+  generation<T> gb(kind, s.layers, s.hq, s.hkv, s.d, tokens, 5);
+  generation<T> spare(kind, s.layers, s.hq, s.hkv, s.d, tokens, 6);  // other contents: a stale pool
   for (i64 l = 0; l < s.layers; ++l)
     for (i64 p = 0; p < prompt; ++p) {
       ga.append(l, p);
@@ -497,7 +497,7 @@ i64 out_of_place_equals_in_place(kvevict::compressor_options o, test::layout kin
     }
   const bool shared = o.scope == kvevict::selection_scope::per_sequence;
   i64 rounds = 0;
-  for (i64 t = 0; t <= steps - prompt; ++t) {
+  for (i64 t = 0; t <= tokens - prompt; ++t) {  // prefill_end, then a decode step per token
     const bool prefill = t == 0;
     const i64 pos = prefill ? prompt - 5 : prompt + t - 1;
     const kvevict::sequence_event e = prefill ? kvevict::sequence_event::prefill_end : kvevict::sequence_event::decode;
@@ -534,63 +534,92 @@ i64 out_of_place_equals_in_place(kvevict::compressor_options o, test::layout kin
 
 TEST_CASE("decode-time rounds compacted out of place: the in-place rows, the blocks read left as they were",
           "[decoding]") {
-  const i64 prompt = 29, steps = 150;
+  const i64 prompt = 29, tokens = 150;  // the prompt, then decode steps up to 150 tokens
   SECTION("per-head keep sets, paged HND, bf16") {
-    kvevict::compressor_options o = generation_options(kvevict::dtype::bf16, 2, steps);
-    CHECK(out_of_place_equals_in_place<bf16>(o, test::layout::paged_hnd, prompt, steps) >= 2 * 8);
+    kvevict::compressor_options o = generation_options(kvevict::dtype::bf16, 2, tokens);
+    CHECK(out_of_place_equals_in_place<bf16>(o, test::layout::paged_hnd, prompt, tokens) >= 2 * 8);
   }
   SECTION("one keep set per layer (TOVA), token-major, fp16") {
-    kvevict::compressor_options o = generation_options(kvevict::dtype::f16, 2, steps);
+    kvevict::compressor_options o = generation_options(kvevict::dtype::f16, 2, tokens);
     o.scope = kvevict::selection_scope::per_layer;
     o.decoding.policy = kvevict::policy::tova();
-    CHECK(out_of_place_equals_in_place<fp16>(o, test::layout::token_major, prompt, steps) >= 2 * 8);
+    CHECK(out_of_place_equals_in_place<fp16>(o, test::layout::token_major, prompt, tokens) >= 2 * 8);
   }
   SECTION("one keep set per sequence (KNorm), contiguous, f32") {
-    kvevict::compressor_options o = generation_options(kvevict::dtype::f32, 3, steps);
+    kvevict::compressor_options o = generation_options(kvevict::dtype::f32, 3, tokens);
     o.scope = kvevict::selection_scope::per_sequence;
     o.decoding.policy = kvevict::policy::knorm();
-    CHECK(out_of_place_equals_in_place<float>(o, test::layout::contiguous, prompt, steps) >= 8);
+    CHECK(out_of_place_equals_in_place<float>(o, test::layout::contiguous, prompt, tokens) >= 8);
   }
 }
 
-TEST_CASE("compaction::in_place ignores destination views, as cuda::compressor does", "[decoding]") {
-  // An engine that always hands fresh blocks (say, to switch modes without changing its calls)
-  // gets the mode it planned: in place, the rows stay in their blocks and the destination is
-  // not written. (The CPU compressor used to write them there, past out_of_place's checks.)
-  const i64 prompt = 29, steps = 80;
-  kvevict::compressor_options o = generation_options(kvevict::dtype::bf16, 2, steps);
-  o.compact = kvevict::compaction::in_place;
-  planned<bf16> a(o), b(o);
-  generation<bf16> ga(test::layout::paged_nhd, 2, 4, 2, 7, steps, 5), gb(test::layout::paged_nhd, 2, 4, 2, 7, steps, 5);
-  generation<bf16> spare(test::layout::paged_nhd, 2, 4, 2, 7, steps, 6);
-  for (i64 l = 0; l < 2; ++l)
-    for (i64 p = 0; p < steps; ++p) spare.append(l, p);
-  const std::vector<double> untouched0 = spare.stored(0), untouched1 = spare.stored(1);
-  i64 rounds = 0;
-  for (i64 l = 0; l < 2; ++l)
+namespace {
+
+/// A generation whose every call hands destination views under a plan that is not
+/// out_of_place, against the same generation without them: the same rows after every call,
+/// and the destination never written. Returns the compressing calls.
+template <class T>
+i64 ignores_destination(const kvevict::compressor_options& o, test::layout kind, i64 prompt, i64 tokens) {
+  const shape s{o.model.num_layers, o.model.num_query_heads, o.model.num_kv_heads, o.model.head_dim};
+  planned<T> a(o), b(o);
+  generation<T> ga(kind, s.layers, s.hq, s.hkv, s.d, tokens, 5), gb(kind, s.layers, s.hq, s.hkv, s.d, tokens, 5);
+  generation<T> spare(kind, s.layers, s.hq, s.hkv, s.d, tokens, 6);
+  for (i64 l = 0; l < s.layers; ++l)
+    for (i64 p = 0; p < tokens; ++p) spare.append(l, p);
+  std::vector<std::vector<double>> untouched;
+  for (i64 l = 0; l < s.layers; ++l) untouched.push_back(spare.stored(l));
+  for (i64 l = 0; l < s.layers; ++l)
     for (i64 p = 0; p < prompt; ++p) {
       ga.append(l, p);
       gb.append(l, p);
     }
-  for (i64 t = 0; t <= steps - prompt; ++t) {
+  i64 evictions = 0;
+  for (i64 t = 0; t <= tokens - prompt; ++t) {  // prefill_end, then a decode step per token
     const bool prefill = t == 0;
     const i64 pos = prefill ? prompt - 5 : prompt + t - 1;
     const kvevict::sequence_event e = prefill ? kvevict::sequence_event::prefill_end : kvevict::sequence_event::decode;
-    for (i64 l = 0; l < 2; ++l) {
+    for (i64 l = 0; l < s.layers; ++l) {
       if (!prefill) {
         ga.append(l, pos);
         gb.append(l, pos);
       }
       const bool ra = a.run(ga, l, e, pos, prefill ? 5 : 1).action == kvevict::sequence_action::evicted;
       const bool rb = b.run(gb, l, e, pos, prefill ? 5 : 1, &spare).action == kvevict::sequence_action::evicted;
+      INFO("step " << t << " layer " << l);
       REQUIRE(ra == rb);
-      rounds += rb ? 1 : 0;
-      REQUIRE(ga.stored(l) == gb.stored(l));
+      evictions += rb ? 1 : 0;
+      for (i64 k = 0; k < s.layers; ++k) {
+        REQUIRE(ga.stored(k) == gb.stored(k));
+        REQUIRE(spare.stored(k) == untouched[static_cast<std::size_t>(k)]);
+      }
     }
   }
-  CHECK(rounds >= 2 * 5);
-  CHECK(spare.stored(0) == untouched0);
-  CHECK(spare.stored(1) == untouched1);
+  return evictions;
+}
+
+}  // namespace
+
+TEST_CASE("compaction::in_place and keep_list_only ignore destination views, as cuda::compressor does", "[decoding]") {
+  // An engine that always hands fresh blocks (say, to switch modes without changing its calls)
+  // gets the mode it planned: in place, the rows stay in their blocks and the destination is
+  // not written. (The CPU compressor used to write them there, past out_of_place's checks.)
+  const i64 prompt = 29, tokens = 80;  // the prompt, then decode steps up to 80 tokens
+  SECTION("in place, per-head keep sets, paged NHD, bf16") {
+    kvevict::compressor_options o = generation_options(kvevict::dtype::bf16, 2, tokens);
+    o.compact = kvevict::compaction::in_place;
+    CHECK(ignores_destination<bf16>(o, test::layout::paged_nhd, prompt, tokens) >= 2 * 5);
+  }
+  SECTION("in place, one keep set per sequence (every layer compacted at the last), contiguous, f32") {
+    kvevict::compressor_options o = generation_options(kvevict::dtype::f32, 3, tokens);
+    o.compact = kvevict::compaction::in_place;
+    o.scope = kvevict::selection_scope::per_sequence;
+    CHECK(ignores_destination<float>(o, test::layout::contiguous, prompt, tokens) >= 5);
+  }
+  SECTION("keep list only, token-major, fp16") {
+    kvevict::compressor_options o = generation_options(kvevict::dtype::f16, 2, tokens);
+    o.compact = kvevict::compaction::keep_list_only;
+    CHECK(ignores_destination<fp16>(o, test::layout::token_major, prompt, tokens) >= 2 * 5);
+  }
 }
 
 TEST_CASE("a 4,096-token generation stays within target + N at every step", "[decoding]") {

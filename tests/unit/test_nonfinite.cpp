@@ -594,8 +594,9 @@ void check_nonfinite_count() {
   std::vector<T> row;
   std::int64_t widened = 0;
   const auto add = [&](std::uint32_t bits) {
+    const kvevict::detail::storage_word<T> word = static_cast<kvevict::detail::storage_word<T>>(bits);
     T x;
-    std::memcpy(&x, &bits, sizeof(T));  // little-endian: the low bytes
+    std::memcpy(&x, &word, sizeof(T));
     row.push_back(x);
     widened += std::isfinite(kvevict::to_float(x)) ? 0 : 1;
   };
@@ -614,6 +615,17 @@ void check_nonfinite_count() {
     odd += std::isfinite(kvevict::to_float(row[static_cast<std::size_t>(i)])) ? 0 : 1;
   CHECK(kvevict::detail::count_nonfinite(row.data() + 1, n / 2, 2) == odd);
   CHECK(widened > 0);
+  // A row of NaN only, two of the counter's chunks and a few more: every element counts, across
+  // the chunk boundaries (the stride-1 loop counts in the element's width).
+  const std::int64_t chunk = std::numeric_limits<kvevict::detail::storage_word<T>>::max();
+  if (chunk < (std::int64_t{1} << 20)) {
+    const T nan = row[static_cast<std::size_t>(
+        std::find_if(row.begin(), row.end(), [](T x) { return std::isnan(kvevict::to_float(x)); }) - row.begin())];
+    const std::vector<T> nans(static_cast<std::size_t>(2 * chunk + 3), nan);
+    CHECK(kvevict::detail::count_nonfinite(nans.data(), 2 * chunk + 3, 1) == 2 * chunk + 3);
+    CHECK(kvevict::detail::count_nonfinite(nans.data(), chunk, 1) == chunk);
+    CHECK(kvevict::detail::count_nonfinite(nans.data(), chunk + 1, 1) == chunk + 1);
+  }
 }
 }  // namespace
 
