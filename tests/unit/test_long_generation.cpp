@@ -477,6 +477,30 @@ TEST_CASE("a decode-time compression equals the prompt path's compression of the
 
 namespace {
 
+/// Drives two generations made alike through the same calls: the prompt, then prefill_end (its
+/// last 5 queries) and one decode step per token up to `tokens`, every layer at each step;
+/// `call(t, layer, event, first_query, num_queries)` makes that layer's call on both.
+template <class T, class Call>
+void drive_twins(generation<T>& ga, generation<T>& gb, i64 prompt, i64 tokens, Call&& call) {
+  for (i64 l = 0; l < ga.layers; ++l)
+    for (i64 p = 0; p < prompt; ++p) {
+      ga.append(l, p);
+      gb.append(l, p);
+    }
+  for (i64 t = 0; t <= tokens - prompt; ++t) {
+    const bool prefill = t == 0;
+    const i64 pos = prefill ? prompt - 5 : prompt + t - 1;
+    const kvevict::sequence_event e = prefill ? kvevict::sequence_event::prefill_end : kvevict::sequence_event::decode;
+    for (i64 l = 0; l < ga.layers; ++l) {
+      if (!prefill) {
+        ga.append(l, pos);
+        gb.append(l, pos);
+      }
+      call(t, l, e, pos, prefill ? i64{5} : i64{1});
+    }
+  }
+}
+
 /// A generation compacted out of place (each round writes the kept rows into the spare blocks,
 /// which become the sequence's) against the same generation compacted in place: the same rows
 /// after every step, and a round leaves the blocks it read as they were. Returns the rounds.
@@ -490,43 +514,29 @@ i64 out_of_place_equals_in_place(kvevict::compressor_options o, test::layout kin
   generation<T> ga(kind, s.layers, s.hq, s.hkv, s.d, tokens, 5);
   generation<T> gb(kind, s.layers, s.hq, s.hkv, s.d, tokens, 5);
   generation<T> spare(kind, s.layers, s.hq, s.hkv, s.d, tokens, 6);  // other contents: a stale pool
-  for (i64 l = 0; l < s.layers; ++l)
-    for (i64 p = 0; p < prompt; ++p) {
-      ga.append(l, p);
-      gb.append(l, p);
-    }
   const bool shared = o.scope == kvevict::selection_scope::per_sequence;
   i64 rounds = 0;
-  for (i64 t = 0; t <= tokens - prompt; ++t) {  // prefill_end, then a decode step per token
-    const bool prefill = t == 0;
-    const i64 pos = prefill ? prompt - 5 : prompt + t - 1;
-    const kvevict::sequence_event e = prefill ? kvevict::sequence_event::prefill_end : kvevict::sequence_event::decode;
-    for (i64 l = 0; l < s.layers; ++l) {
-      if (!prefill) {
-        ga.append(l, pos);
-        gb.append(l, pos);
-      }
-      const bool ra = a.run(ga, l, e, pos, prefill ? 5 : 1).action == kvevict::sequence_action::evicted;
-      // The blocks a call may read: every layer's under the per-sequence scope, else this one's.
-      std::vector<std::vector<double>> read;
-      for (i64 k = 0; k < s.layers; ++k) read.push_back(gb.stored(k));
-      const std::vector<std::vector<std::vector<i64>>> rows_before = gb.rows;
-      const bool rb = b.run(gb, l, e, pos, prefill ? 5 : 1, &spare).action == kvevict::sequence_action::evicted;
-      INFO("step " << t << " layer " << l);
-      REQUIRE(ra == rb);
-      for (i64 k = 0; k < s.layers; ++k) {
-        const std::size_t ks = static_cast<std::size_t>(k);
-        const bool moved = rb && (shared || k == l);  // then the spare holds the blocks the call read
-        REQUIRE(gb.stored_in(moved ? spare.keys[ks] : gb.keys[ks], moved ? spare.values[ks] : gb.values[ks],
-                             rows_before[ks]) == read[ks]);
-      }
-      if (rb) rounds += prefill || (shared && l + 1 < s.layers) ? 0 : 1;
-      for (i64 k = 0; k < s.layers; ++k) {
-        REQUIRE(ga.rows[static_cast<std::size_t>(k)] == gb.rows[static_cast<std::size_t>(k)]);
-        REQUIRE(ga.stored(k) == gb.stored(k));
-      }
+  drive_twins(ga, gb, prompt, tokens, [&](i64 t, i64 l, kvevict::sequence_event e, i64 pos, i64 nq) {
+    const bool ra = a.run(ga, l, e, pos, nq).action == kvevict::sequence_action::evicted;
+    // The blocks a call may read: every layer's under the per-sequence scope, else this one's.
+    std::vector<std::vector<double>> read;
+    for (i64 k = 0; k < s.layers; ++k) read.push_back(gb.stored(k));
+    const std::vector<std::vector<std::vector<i64>>> rows_before = gb.rows;
+    const bool rb = b.run(gb, l, e, pos, nq, &spare).action == kvevict::sequence_action::evicted;
+    INFO("step " << t << " layer " << l);
+    REQUIRE(ra == rb);
+    for (i64 k = 0; k < s.layers; ++k) {
+      const std::size_t ks = static_cast<std::size_t>(k);
+      const bool moved = rb && (shared || k == l);  // then the spare holds the blocks the call read
+      REQUIRE(gb.stored_in(moved ? spare.keys[ks] : gb.keys[ks], moved ? spare.values[ks] : gb.values[ks],
+                           rows_before[ks]) == read[ks]);
     }
-  }
+    if (rb) rounds += t == 0 || (shared && l + 1 < s.layers) ? 0 : 1;
+    for (i64 k = 0; k < s.layers; ++k) {
+      REQUIRE(ga.rows[static_cast<std::size_t>(k)] == gb.rows[static_cast<std::size_t>(k)]);
+      REQUIRE(ga.stored(k) == gb.stored(k));
+    }
+  });
   return rounds;
 }
 
@@ -568,32 +578,18 @@ i64 ignores_destination(const kvevict::compressor_options& o, test::layout kind,
     for (i64 p = 0; p < tokens; ++p) spare.append(l, p);
   std::vector<std::vector<double>> untouched;
   for (i64 l = 0; l < s.layers; ++l) untouched.push_back(spare.stored(l));
-  for (i64 l = 0; l < s.layers; ++l)
-    for (i64 p = 0; p < prompt; ++p) {
-      ga.append(l, p);
-      gb.append(l, p);
-    }
   i64 evictions = 0;
-  for (i64 t = 0; t <= tokens - prompt; ++t) {  // prefill_end, then a decode step per token
-    const bool prefill = t == 0;
-    const i64 pos = prefill ? prompt - 5 : prompt + t - 1;
-    const kvevict::sequence_event e = prefill ? kvevict::sequence_event::prefill_end : kvevict::sequence_event::decode;
-    for (i64 l = 0; l < s.layers; ++l) {
-      if (!prefill) {
-        ga.append(l, pos);
-        gb.append(l, pos);
-      }
-      const bool ra = a.run(ga, l, e, pos, prefill ? 5 : 1).action == kvevict::sequence_action::evicted;
-      const bool rb = b.run(gb, l, e, pos, prefill ? 5 : 1, &spare).action == kvevict::sequence_action::evicted;
-      INFO("step " << t << " layer " << l);
-      REQUIRE(ra == rb);
-      evictions += rb ? 1 : 0;
-      for (i64 k = 0; k < s.layers; ++k) {
-        REQUIRE(ga.stored(k) == gb.stored(k));
-        REQUIRE(spare.stored(k) == untouched[static_cast<std::size_t>(k)]);
-      }
+  drive_twins(ga, gb, prompt, tokens, [&](i64 t, i64 l, kvevict::sequence_event e, i64 pos, i64 nq) {
+    const bool ra = a.run(ga, l, e, pos, nq).action == kvevict::sequence_action::evicted;
+    const bool rb = b.run(gb, l, e, pos, nq, &spare).action == kvevict::sequence_action::evicted;
+    INFO("step " << t << " layer " << l);
+    REQUIRE(ra == rb);
+    evictions += rb ? 1 : 0;
+    for (i64 k = 0; k < s.layers; ++k) {
+      REQUIRE(ga.stored(k) == gb.stored(k));
+      REQUIRE(spare.stored(k) == untouched[static_cast<std::size_t>(k)]);
     }
-  }
+  });
   return evictions;
 }
 
