@@ -55,26 +55,23 @@ std::int64_t count_nonfinite(const T* row, std::int64_t n, std::int64_t stride) 
   using word = storage_word<T>;
   constexpr word mask = nonfinite_mask<T>();
   static_assert(is_storage_type<T>::value && sizeof(word) == sizeof(T), "a storage type is its bits");
+  const auto nonfinite = [](const T* x) -> word {
+    word bits;
+    std::memcpy(&bits, x, sizeof(word));
+    return (bits & mask) == mask ? 1 : 0;
+  };
   std::int64_t k = 0;
   if (stride == 1) {  // the usual layout: counts as wide as the elements, so every lane counts
     constexpr std::int64_t chunk = std::numeric_limits<word>::max();
     for (std::int64_t c0 = 0; c0 < n; c0 += chunk) {
       const std::int64_t end = n - c0 < chunk ? n : c0 + chunk;
       word part = 0;
-      for (std::int64_t c = c0; c < end; ++c) {
-        word bits;
-        std::memcpy(&bits, row + c, sizeof(word));
-        part = static_cast<word>(part + ((bits & mask) == mask ? 1 : 0));
-      }
+      for (std::int64_t c = c0; c < end; ++c) part = static_cast<word>(part + nonfinite(row + c));
       k += part;
     }
     return k;
   }
-  for (std::int64_t c = 0; c < n; ++c) {
-    word bits;
-    std::memcpy(&bits, row + c * stride, sizeof(word));
-    k += (bits & mask) == mask ? 1 : 0;
-  }
+  for (std::int64_t c = 0; c < n; ++c) k += nonfinite(row + c * stride);
   return k;
 }
 
