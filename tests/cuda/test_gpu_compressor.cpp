@@ -275,9 +275,11 @@ void check_against_cpu(scenario<T, Q>& sc, std::int64_t expected_evictions = -1)
       INFO("seqs[" << s << "]");
       const kvevict::sequence_report &c = reports[s], &r = gc.reports[s];
       REQUIRE(r.action == c.action);
-      // The positions are device data, but DapQ's resumption point (the prompt's length) is the host's.
-      const bool resumes =
-          sc.options.policy.kind() == kvevict::policy_kind::dapq && c.action == kvevict::sequence_action::evicted;
+      // The positions are device data, but DapQ's resumption point (the prompt's length) is the
+      // host's (at its prompt's compression, not at a decode-time one).
+      const bool resumes = sc.options.policy.kind() == kvevict::policy_kind::dapq &&
+                           c.action == kvevict::sequence_action::evicted &&
+                           call.seqs[s].event == kvevict::sequence_event::prefill_end;
       REQUIRE(r.next_position == (resumes ? c.next_position : -1));
       const gpu::compressor_sequence_result& out = gc.seqs[s];
       if (c.action != kvevict::sequence_action::evicted) {
@@ -997,10 +999,13 @@ std::int64_t build_generation(scenario<T, Q>& twin, scenario<T, Q>& sc, std::int
     REQUIRE(cpu.reset_sequence(st.data(), st.size() * 8).ok());
   }
   std::vector<std::vector<std::int64_t>> length(kLayers, sc.prompts);
+  // whether the prompt's compression is done (DeferKV's at its step d): the budget holds from then
+  std::vector<std::vector<bool>> compressed(kLayers, std::vector<bool>(sc.seqs(), false));
   std::int64_t rounds = 0;
   *evictions = 0;
   sc.calls.clear();
   const bool pyramid = sc.options.layers == kvevict::layer_allocation::pyramidkv;
+  const bool defer = sc.options.policy.kind() == kvevict::policy_kind::deferkv;
   // The CPU's call on the twin, its lengths kept for the next call's views.
   const auto play = [&](std::int64_t l, gpu::compressor_call<T, Q>& mine, gpu::compressor_call<T, Q>& theirs) {
     std::vector<kvevict::sequence_io<T, Q>> io(sc.seqs());
@@ -1018,14 +1023,18 @@ std::int64_t build_generation(scenario<T, Q>& twin, scenario<T, Q>& sc, std::int
       length[static_cast<std::size_t>(l)][s] = r.next_slot;
       if (evicted && sc.options.scope == kvevict::selection_scope::per_sequence)  // every layer compacted
         for (auto& layer_lengths : length) layer_lengths[s] = r.next_slot;
-      rounds += evicted && decode ? 1 : 0;
-      if (first_round != nullptr && *first_round == 0 && s == 0 && evicted && decode)
+      // a decode-time compression (DeferKV's step d is its prompt's)
+      const bool round = evicted && decode && compressed[static_cast<std::size_t>(l)][s];
+      rounds += round ? 1 : 0;
+      if (first_round != nullptr && *first_round == 0 && s == 0 && round)
         *first_round = sc.calls.size();  // (this call's index once pushed)
       *evictions += evicted ? 1 : 0;
       // the target, and the target + N between compressions (PyramidKV: each layer's share)
-      if (!pyramid && evicted && decode) REQUIRE(r.next_slot <= 24);
-      if (!pyramid && !evicted && decode && sc.options.scope != kvevict::selection_scope::per_sequence)
+      if (!pyramid && round) REQUIRE(r.next_slot <= 24);
+      if (!pyramid && !evicted && decode && compressed[static_cast<std::size_t>(l)][s] &&
+          sc.options.scope != kvevict::selection_scope::per_sequence)
         REQUIRE(r.next_slot <= 24 + 5);
+      if (evicted || (!decode && !defer)) compressed[static_cast<std::size_t>(l)][s] = true;
     }
     sc.calls.push_back(mine);
   };
@@ -1096,7 +1105,7 @@ std::int64_t build_generation(scenario<T, Q>& twin, scenario<T, Q>& sc, std::int
 }  // namespace
 
 // Issue 29: decode-time budgets, the GPU's one call per layer against the CPU's over a long
-// generation (the decode scorer is the prompt policy on the GPU).
+// generation (the decode scorer the prompt policy, or another).
 TEST_CASE("GPU compressor: decode-time budgets hold a long generation at target + N, call for call as the CPU's",
           "[gpu][gpu_compressor]") {
   using kvevict::dtype;
@@ -1135,6 +1144,45 @@ TEST_CASE("GPU compressor: decode-time budgets hold a long generation at target 
     o.policy = kvevict::policy::knorm(k);
     o.scope = kvevict::selection_scope::per_sequence;
     generation(o, true, 63, 6);
+  }
+  // A decode scorer other than the prompt policy: the decode-time compressions are scored by
+  // its kernels, in a batch of their own when it reads queries. Sequence 3's prompt_end comes
+  // at step 10 (an offset of 10), where sequences 0 and 2 make their first decode-time
+  // compression: the prompt policy's batch and the decode scorer's share that call.
+  const auto composed = [](kvevict::compressor_options o, const kvevict::policy_config& decoder, std::int64_t window,
+                           bool paged, std::uint64_t seed) {
+    o.decoding.target = kvevict::budget::tokens(24);
+    o.decoding.interval = 5;
+    o.decoding.policy = decoder;
+    o.decoding.window = window;
+    scenario<bf16, bf16> twin(o, paged, 34, seed, false, {61, 0, 37, 16}, {0, 0, 0, 10});
+    scenario<bf16, bf16> sc(o, paged, 34, seed, false, {61, 0, 37, 16}, {0, 0, 0, 10});
+    std::int64_t evictions = 0;
+    CHECK(build_generation(twin, sc, &evictions) >= 8);
+    check_against_cpu(sc, evictions);
+  };
+  SECTION("DapQ's pseudo tokens at the prompt, H2O over 4 decode queries while decoding, per-head sets, paged") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    kvevict::dapq_config d;
+    d.pseudo_tokens = 6;
+    o.policy = kvevict::policy::dapq(d);
+    composed(o, kvevict::policy::h2o(), 4, true, 67);
+  }
+  SECTION("DeferKV delay 2 at the prompt, KNorm (from the keys) while decoding, one keep set per layer, strided") {
+    kvevict::compressor_options o = deferkv_options(dtype::bf16, dtype::bf16, 2);
+    o.scope = kvevict::selection_scope::per_layer;
+    composed(o, kvevict::policy::knorm(), 0, false, 68);
+  }
+  SECTION("TOVA at the prompt, SnapKV as ChunkKV (chunks of 3) while decoding, one keep set per sequence, paged") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    o.policy = kvevict::policy::tova();
+    o.scope = kvevict::selection_scope::per_sequence;
+    kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+    w.window = 5;
+    w.scoring.pool = {kvevict::pooling_kind::none, 1, true};
+    kvevict::policy_config decoder = kvevict::policy::snapkv(w);
+    decoder.chunk_length = 3;
+    composed(o, decoder, 0, true, 69);
   }
   SECTION("a 4,096-token generation (under a sanitizer's sweep stride, 4,096 / stride tokens)") {
     kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
@@ -1842,12 +1890,14 @@ TEST_CASE("GPU compressor: plan refuses what the GPU path does not implement, by
   cases.push_back({base, kvevict::errc::unsupported, "tensor_parallel"});
   cases.back().o.tensor_parallel = &alone;
   cases.back().o.scope = kvevict::selection_scope::per_layer;
-  // Decode-time budgets are the CPU compressor's: the GPU plan refuses them rather than let
-  // the cache grow while reporting success.
-  cases.push_back({base, kvevict::errc::unsupported, "decoding.policy"});  // the GPU's decode scorer is its policy
+  // Decode-time budgets: the decode window within limits.max_queries (the scoring batch's
+  // workspace is sized by it), where the CPU accepts a longer one.
+  cases.push_back({base, kvevict::errc::invalid_shape, "decoding.window"});
   cases.back().o.decoding.target = kvevict::budget::tokens(16);
   cases.back().o.decoding.interval = 8;
-  cases.back().o.decoding.policy = kvevict::policy::knorm();
+  cases.back().o.decoding.policy = kvevict::policy::h2o();
+  cases.back().o.decoding.window = 17;
+  cases.back().o.limits.max_queries = 16;
   for (const expect& c : cases) {
     const kvevict::status st = gpu::compressor_plan(c.o);
     INFO(c.arg << ": " << st.message());

@@ -48,6 +48,10 @@
 // block reached twice or a block marked shared by block_refcounts / shared_blocks moves
 // nothing and raises its flag in launch_options::device_flags).
 //
+// Decode-time budgets (compressor_options::decoding): a decode step's queries join the layer's
+// ring; the step that leaves a layer more than N rows over the target compresses it again,
+// scored by the decode scorer (its own batched scoring when it reads queries and is not the
+// prompt policy), selected and compacted as above.
 // Chunked prefill (compressor_options::chunked_prefill): each layer keeps the last queries of a
 // sequence's prompt chunks in its device state (cuda/detail/prefill_window.cuh), and prefill_end
 // observes with the CPU's window; the chunks' order is checked on the device.
@@ -274,7 +278,7 @@ class compressor : private detail::compressor_checks {
     const bool defer = defers();
     rope_config rope;
     const bool rotate = rerotates(&rope);
-    std::int64_t scored = 0, compacted = 0;
+    std::int64_t scored = 0, rounds_scored = 0, compacted = 0;
     bool weights_used = false;
     for (std::int64_t s = 0; s < n; ++s) {
       const detail::sequence_step& p = host.steps[s];
@@ -286,11 +290,12 @@ class compressor : private detail::compressor_checks {
         KVEVICT_RETURN_IF_ERROR(prepare_decode(io, p, s, layer, dev, host, opt, fn));
       }
       if (!p.scores()) continue;
-      if (scores_in_batch()) {
-        scoring_sequence<Q, T>& q = host.scoring[scored];
+      if (scores_in_batch(scorer_of(p))) {  // the plan policy's batch, or the decode scorer's own
+        const bool own = batch_of(p) == 1;
+        scoring_sequence<Q, T>& q = own ? host.round_scoring[rounds_scored] : host.scoring[scored];
         q = scoring_sequence<Q, T>{};
         q.queries = window_of(io, p, s, dev);
-        if (rotate) {  // DapQ's re-rotated window: its W queries moved W positions on (as the CPU's)
+        if (rotate && !p.round) {  // DapQ's re-rotated window: its W queries moved W positions on (as the CPU's)
           const std::int64_t delta = q.queries.num_queries, d = options_.model.head_dim;
           rotation_table(rope, delta, host.rotation_tables + s * rotation_table_doubles());
           new (&host.rotation_sources[s]) query_view<const Q>(q.queries);
@@ -306,7 +311,10 @@ class compressor : private detail::compressor_checks {
           q.inputs.lse = io.lse + (io.queries.num_queries - q.queries.num_queries);
           q.inputs.lse_head_stride = stride;
         }
-        host.scored_seq[scored++] = s;
+        if (own)
+          host.round_scored_seq[rounds_scored++] = s;
+        else
+          host.scored_seq[scored++] = s;
       }
       if (p.evict && options_.compact != compaction::keep_list_only) host.compacted_seq[compacted++] = s;
     }
@@ -318,7 +326,7 @@ class compressor : private detail::compressor_checks {
     //    that its refusal still leaves every cache, state and output as it was.
     for (std::int64_t s = 0; s < n; ++s)
       if (host.steps[s].held > 0) KVEVICT_RETURN_IF_ERROR(enqueue_assemble(seqs[s], host.steps[s], s, layer, dev, opt));
-    if (rotate && scored > 0) {
+    if (rotate && scored > 0) {  // (DapQ is never a decode scorer: every entry is a prompt's)
       KVEVICT_RETURN_IF_ERROR(
           detail::cuda_status(cudaMemcpyAsync(dev.rotation_tables, host.rotation_tables, host.rotation_tables_bytes,
                                               cudaMemcpyHostToDevice, opt.stream),
@@ -338,6 +346,11 @@ class compressor : private detail::compressor_checks {
           detail::renumbered(cuda::observation_scores_batch(host.scoring, scored, scoring_params_of(), dev.scoring,
                                                             host.scoring_staging, host.scoring_staging_bytes, opt),
                              host.scored_seq, scored, fn));
+    if (rounds_scored > 0)
+      KVEVICT_RETURN_IF_ERROR(detail::renumbered(
+          cuda::observation_scores_batch(host.round_scoring, rounds_scored, scoring_params_of(options_.decoding.policy),
+                                         dev.scoring, host.round_staging, host.round_staging_bytes, opt),
+          host.round_scored_seq, rounds_scored, fn));
     // DapQ's pseudo-token positions, which the CPU refuses below the prompt, and the order of
     // the prompt chunks: device data, so the device checks them, and a raised word cancels the
     // outputs and the compaction below. (The chunks' windows are state: written from here on,
@@ -354,11 +367,13 @@ class compressor : private detail::compressor_checks {
             q.positions, q.num_queries, host.steps[host.scored_seq[i]].tokens, dev.cancel, opt, fn));
       }
     }
-    if (!defer && !scores_in_batch())  // the policies that read no queries: a launch per sequence
-      for (std::int64_t s = 0; s < n; ++s)
-        if (host.steps[s].scores())
-          KVEVICT_RETURN_IF_ERROR(
-              enqueue_key_scores(seqs[s].keys, scores_of(dev, s, host.steps[s].tokens), dev.scoring, opt, fn));
+    for (std::int64_t s = 0; s < n; ++s) {  // the policies that read no queries: a launch per sequence
+      const detail::sequence_step& p = host.steps[s];
+      const policy_config& scorer = scorer_of(p);
+      if (p.scores() && !kvevict::detail::defers(scorer.kind()) && !scores_in_batch(scorer))
+        KVEVICT_RETURN_IF_ERROR(
+            enqueue_key_scores(scorer, seqs[s].keys, scores_of(dev, s, p.tokens), dev.scoring, opt, fn));
+    }
     if (weights_used)
       KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
           cudaMemcpyAsync(dev.weights, host.weights, host.weights_bytes, cudaMemcpyHostToDevice, opt.stream), fn,
@@ -372,18 +387,19 @@ class compressor : private detail::compressor_checks {
       if (p.observe == detail::sequence_step::decode)
         KVEVICT_RETURN_IF_ERROR(detail::launch_step(host.decode[s], opt.stream, fn));
       if (!p.scores()) continue;
-      if (defer) {
+      const policy_config& scorer = scorer_of(p);
+      if (defer && !p.round) {  // (a decode-time compression scores anew, with the decode scorer)
         scoring_params params = options_.policy.config<deferkv_traits>().params();
         params.protected_tail = p.tokens - p.candidates;
         KVEVICT_RETURN_IF_ERROR(cuda::finalize_state_scores(
             state_of(seqs[s], layer, p.candidates), options_.model.num_query_heads / options_.model.num_kv_heads,
             static_cast<float>(1.0 / p.after.z), params, scores_of(dev, s, p.tokens), opt));
       }
-      if (scores_in_batch())  // what follows the batched scoring (TOVA: the mean across KV heads)
-        KVEVICT_RETURN_IF_ERROR(finish_scores(scores_of(dev, s, p.tokens), p.sel.protected_tail, opt));
-      if (options_.policy.chunk_length > 0)  // ChunkKV on top of the policy's scores
+      if (scores_in_batch(scorer))  // what follows the batched scoring (TOVA: the mean across KV heads)
+        KVEVICT_RETURN_IF_ERROR(finish_scores(scorer, scores_of(dev, s, p.tokens), p.sel.protected_tail, opt));
+      if (scorer.chunk_length > 0)  // ChunkKV on top of the policy's scores
         KVEVICT_RETURN_IF_ERROR(
-            cuda::chunk_scores(scores_of(dev, s, p.tokens), p.sel.protected_tail, options_.policy.chunk_length, opt));
+            cuda::chunk_scores(scores_of(dev, s, p.tokens), p.sel.protected_tail, scorer.chunk_length, opt));
       if (shares_heads()) {  // combined (per-sequence scope: and folded) with the others below
         const float* row = describe_job(seqs[s], s, p, layer, dev, host.jobs[jobs++]);
         if (p.evict) rows += describe_rows(dev, host, s, p, rows, row);
@@ -468,17 +484,30 @@ class compressor : private detail::compressor_checks {
       return status::error(errc::unsupported, fn, "tensor_parallel",
                            "AdaKV and keep sets shared by heads select across tensor-parallel ranks, which the GPU "
                            "does not (per-head keep sets under uniform or PyramidKV budgets need no exchange)");
-    // Decode-time budgets (compressor_options::decoding): the GPU compresses again with the
-    // prompt policy itself (one scoring batch, one policy per plan), so the decode scorer must
-    // be it; the ring of decode queries is the chunk window's.
+    // Decode-time budgets (compressor_options::decoding): the decode scorer's compressions are
+    // scored by its own kernels (a second scoring batch when it reads queries and is not the
+    // plan's policy); the ring of decode queries is the chunk window's.
     decode_options_ = kvevict::detail::decoding_options(o);
     decode_window_ = kvevict::detail::decoding_window(o);
     if (o.decoding.enabled()) {
-      if (!kvevict::detail::same_policy(o.decoding.policy, o.policy))
-        return status::error(errc::unsupported, fn, "decoding.policy",
-                             "the GPU compressor compresses while decoding with its prompt policy: expected %s with "
-                             "the same configuration (a copy of `policy`), got %s",
-                             to_string(o.policy.kind()), to_string(o.decoding.policy.kind()));
+      const policy_config& d = o.decoding.policy;
+      if (!kvevict::detail::with_policy_traits(d.kind(), false, [](auto traits) { return decltype(traits)::on_gpu; }))
+        return status::error(errc::unsupported, fn, "decoding.policy.kind",
+                             "%s is not implemented on the GPU compressor (its traits do not state on_gpu)",
+                             to_string(d.kind()));
+      KVEVICT_RETURN_IF_ERROR(kvevict::detail::decoding_named(
+          kvevict::detail::with_policy_traits(d.kind(), status(),
+                                              [&](auto traits) {
+                                                using Tr = decltype(traits);
+                                                if constexpr (detail::observation_scorer<Tr>::exists) {
+                                                  return detail::observation_scorer<Tr>::plan_check(Tr::config(d), fn);
+                                                } else {
+                                                  return status();
+                                                }
+                                              }),
+          fn));
+      KVEVICT_RETURN_IF_ERROR(
+          kvevict::detail::decoding_named(detail::check_pooling_fits(scoring_params_of(d).pool, fn), fn));
       if (decode_window_ > o.limits.max_queries)
         return status::error(errc::invalid_shape, fn, "decoding.window",
                              "expected at most limits.max_queries = %lld decode queries on the GPU, got %lld",
@@ -621,11 +650,10 @@ class compressor : private detail::compressor_checks {
     w->decoding = maintains() ? 1 : 0;  // decode-time budgets: the decode steps' ring starts empty
   }
 
-  /// The scores of a policy that reads no queries, by its key_scorer (validated arguments).
+  /// The scores of policy p, which reads no queries, by its key_scorer (validated arguments).
   template <class T>
-  status enqueue_key_scores(const cache_view<T>& keys, score_view scores, workspace_span ws, const launch_options& opt,
-                            const char* fn) const {
-    const policy_config& p = options_.policy;
+  static status enqueue_key_scores(const policy_config& p, const cache_view<T>& keys, score_view scores,
+                                   workspace_span ws, const launch_options& opt, const char* fn) {
     return kvevict::detail::with_policy_traits(p.kind(), status(), [&](auto traits) -> status {
       using Tr = decltype(traits);
       if constexpr (detail::key_scorer<Tr>::exists) {
@@ -727,8 +755,8 @@ class compressor : private detail::compressor_checks {
     r.kept = per_head >= 0 ? heads * per_head : -1;
     r.length = per_head;
     r.next_slot = per_head;
-    r.dropped = per_head >= 0 ? io.keys.num_tokens - per_head : -1;                      // DapQ's pseudo rows too
-    if (kvevict::detail::reuses_positions(options_.policy.kind())) r.next_position = L;  // DapQ: Lp, known here
+    r.dropped = per_head >= 0 ? io.keys.num_tokens - per_head : -1;  // DapQ's pseudo rows too
+    if (kvevict::detail::reuses_positions(options_.policy.kind()) && !p.round) r.next_position = L;  // DapQ: Lp
     // The changed blocks depend on which rows move: the device's list ends at its first -1
     // (keep-lists only: nothing moves, the list is empty, as the CPU reports).
     if (options_.compact != compaction::keep_list_only && io.changed_blocks != nullptr) r.num_changed_blocks = -1;

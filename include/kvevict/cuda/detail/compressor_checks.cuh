@@ -83,9 +83,9 @@ class compressor_checks : protected compressor_layout {
     } else {
       p.evict = io.event == sequence_event::prefill_end;
       p.sel = kvevict::detail::largest_selection(options_);  // a policy without state: its own
-      if (io.event == sequence_event::decode && maintains())
-        KVEVICT_RETURN_IF_ERROR(decide_decode(layer, io, s, host, opt, &p));
     }
+    if (io.event == sequence_event::decode && maintains())
+      KVEVICT_RETURN_IF_ERROR(decide_decode(layer, io, s, host, opt, &p));
     if (folds_layers() && p.evict) KVEVICT_RETURN_IF_ERROR(decide_fold(layer, io, s, &p));
     if (p.observe == detail::sequence_step::none && !p.scores()) return status();
 
@@ -102,8 +102,10 @@ class compressor_checks : protected compressor_layout {
                            "expected 0 .. limits.max_tokens = %lld, got %lld",
                            static_cast<long long>(options_.limits.max_tokens), static_cast<long long>(L));
 
-    // The queries the call reads (none for KNorm and StreamingLLM).
-    const bool reads_queries = defers() ? p.observe != detail::sequence_step::none : p.scores() && scores_in_batch();
+    // The queries the call reads for the plan's policy (none for KNorm and StreamingLLM; a
+    // decode-time compression's were checked by decide_decode).
+    const bool reads_queries =
+        !p.round && (defers() ? p.observe != detail::sequence_step::none : p.scores() && scores_in_batch());
     if (reads_queries) {
       const bool decode = io.event == sequence_event::decode;
       // (decode-time budgets: a decode step's LSE is not read, and a step may carry k tokens)
@@ -183,8 +185,10 @@ class compressor_checks : protected compressor_layout {
 
   /// A decode step under decode-time budgets (kvevict::compressor's decide and
   /// check_decode_queries): after the layer's prefill_end, its queries join the ring (the
-  /// policy reads queries), and the step that leaves the layer more than N tokens over the rows
-  /// a compression keeps compresses it with the window of the ring's newest rows and its own.
+  /// decode scorer reads queries), and once the prompt's compression is done (DeferKV's at its
+  /// step d: its steps before observe, that one evicts) the step that leaves the layer more than
+  /// N tokens over the rows a compression keeps compresses it with the decode scorer, over the
+  /// window of the ring's newest rows and its own.
   /// The queries' order is device data: checked on the device (window_append_kernel), a step
   /// out of order cancelling the compressions its rows feed.
   template <class T, class Q, class H>
@@ -201,18 +205,21 @@ class compressor_checks : protected compressor_layout {
     const std::int64_t n = io.queries.num_queries;
     if (decode_window_ > 0) {
       KVEVICT_RETURN_IF_ERROR(detail::validate_device_query_view(io.queries, opt, fn, io_name(s, "queries")));
-      KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_sequence_queries(options_, scoring_params_of().domain, io.queries,
-                                                                      true, nullptr, 0, s, fn, true));
+      KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_sequence_queries(
+          options_, scoring_params_of(options_.decoding.policy).domain, io.queries, true, nullptr, 0, s, fn, true));
       if (n > options_.limits.max_queries)
         return status::error(errc::invalid_shape, fn, io_name(s, "queries.num_queries"),
                              "expected at most limits.max_queries = %lld, got %lld",
                              static_cast<long long>(options_.limits.max_queries), static_cast<long long>(n));
       p->buffer = true;
     }
+    if (p->observe != detail::sequence_step::none || p->evict) return status();  // DeferKV's own step
     const std::int64_t L = io.keys.num_tokens;
+    const selection_params sel = kvevict::detail::largest_selection(decode_options_);  // the decode scorer's
     const layer_budget b =
-        kvevict::detail::layer_budget_for(decode_options_, decode_base_budget(), layer, L, p->sel, host.layer_budgets);
-    if (L - kvevict::detail::layer_keep_capacity(1, L, p->sel, b) <= options_.decoding.interval) return status();
+        kvevict::detail::layer_budget_for(decode_options_, decode_base_budget(), layer, L, sel, host.layer_budgets);
+    if (L - kvevict::detail::layer_keep_capacity(1, L, sel, b) <= options_.decoding.interval) return status();
+    p->sel = sel;
     p->evict = true;
     p->round = true;
     if (decode_window_ > 0) {

@@ -247,6 +247,11 @@ class compressor_layout {
     std::size_t weights_bytes = 0;
     scoring_sequence<Q, T>* scoring = nullptr;
     std::int64_t* scored_seq = nullptr;  ///< the run's sequence of each scoring entry
+    /// The decode scorer's own batch (scores_rounds_apart), its sequences and its staging.
+    scoring_sequence<Q, T>* round_scoring = nullptr;
+    std::int64_t* round_scored_seq = nullptr;
+    void* round_staging = nullptr;
+    std::size_t round_staging_bytes = 0;
     compaction_sequence<T, T>* in_place = nullptr;
     compaction_into_sequence<T, T>* into = nullptr;
     std::int64_t* compacted_seq = nullptr;
@@ -281,8 +286,13 @@ class compressor_layout {
   /// chunked-prefill windows).
   bool keeps_host_state() const noexcept { return defers() || folds_layers() || buffers_windows() || maintains(); }
   /// Decode-time budgets (compressor_options::decoding): each layer compressed again while the
-  /// sequence decodes, by the prompt policy over the ring of the last decode queries.
+  /// sequence decodes, by the decode scorer over the ring of the last decode queries.
   bool maintains() const noexcept { return options_.decoding.enabled(); }
+  /// The policy that scores a step: the decode scorer for a decode-time compression, the
+  /// plan's policy otherwise.
+  const policy_config& scorer_of(const detail::sequence_step& p) const noexcept {
+    return p.round ? options_.decoding.policy : options_.policy;
+  }
   /// The budget a decode-time compression of a layer starts from: the plan's, with the target.
   layer_budget decode_base_budget() const noexcept { return kvevict::detail::base_layer_budget(decode_options_); }
   /// The most rows a head keeps at a call of `tokens` tokens: the prompt's compression or a
@@ -301,14 +311,27 @@ class compressor_layout {
     if (options_.compact == compaction::keep_list_only) return 0;
     return folds_layers() ? options_.model.num_layers : 1;
   }
-  /// Whether evicting sequences are scored from their queries in one batch (SnapKV); the
+  /// Whether `p`'s evicting sequences are scored from their queries in one batch (SnapKV); the
   /// policies that read no queries are scored by their key_scorer, one launch per sequence.
-  bool scores_in_batch() const noexcept { return !defers() && kvevict::detail::reads_queries(options_.policy.kind()); }
+  static bool scores_in_batch(const policy_config& p) noexcept {
+    return !kvevict::detail::defers(p.kind()) && kvevict::detail::reads_queries(p.kind());
+  }
+  bool scores_in_batch() const noexcept { return scores_in_batch(options_.policy); }
+  /// Whether the decode scorer's compressions are scored in a batch of their own (a decode
+  /// scorer that reads queries and is not the plan's policy: one batch, one policy's kernels).
+  bool scores_rounds_apart() const noexcept {
+    return maintains() && scores_in_batch(options_.decoding.policy) &&
+           !kvevict::detail::same_policy(options_.decoding.policy, options_.policy);
+  }
+  /// The scoring batch a step joins: 0 for the plan policy's, 1 for the decode scorer's own.
+  std::int64_t batch_of(const detail::sequence_step& p) const noexcept {
+    return p.round && scores_rounds_apart() ? 1 : 0;
+  }
 
   /// The observation scoring's parameters: the policy's observation_scorer (unused by the
   /// policies that read no queries).
-  scoring_params scoring_params_of() const noexcept {
-    const policy_config& p = options_.policy;
+  scoring_params scoring_params_of() const noexcept { return scoring_params_of(options_.policy); }
+  static scoring_params scoring_params_of(const policy_config& p) noexcept {
     return kvevict::detail::with_policy_traits(p.kind(), scoring_params{}, [&](auto traits) {
       using Tr = decltype(traits);
       if constexpr (detail::observation_scorer<Tr>::exists) {
@@ -319,8 +342,8 @@ class compressor_layout {
     });
   }
   /// The device workspace of the key_scorer of a policy that reads no queries, for `shape`.
-  std::size_t key_scorer_workspace_size(const layer_shape& shape) const noexcept {
-    return kvevict::detail::with_policy_traits(options_.policy.kind(), std::size_t{0}, [&](auto traits) {
+  static std::size_t key_scorer_workspace_size(const policy_config& p, const layer_shape& shape) noexcept {
+    return kvevict::detail::with_policy_traits(p.kind(), std::size_t{0}, [&](auto traits) {
       using Tr = decltype(traits);
       if constexpr (detail::key_scorer<Tr>::exists) {
         return detail::key_scorer<Tr>::workspace_size(shape);
@@ -329,10 +352,10 @@ class compressor_layout {
       }
     });
   }
-  /// The policy's step after the batched scoring (observation_scorer::finish), on one sequence's
+  /// Policy p's step after the batched scoring (observation_scorer::finish), on one sequence's
   /// scores.
-  status finish_scores(score_view scores, std::int64_t protected_tail, const launch_options& opt) const {
-    const policy_config& p = options_.policy;
+  static status finish_scores(const policy_config& p, score_view scores, std::int64_t protected_tail,
+                              const launch_options& opt) {
     return kvevict::detail::with_policy_traits(p.kind(), status(), [&](auto traits) -> status {
       using Tr = decltype(traits);
       if constexpr (detail::observation_scorer<Tr>::exists) {
@@ -494,23 +517,11 @@ class compressor_layout {
     carve_selection_block(a, &out->rows, &out->offsets);
     out->indices = a.take<std::int64_t>(saturating_mul(seqs, keep_capacity_));
     out->weights = defers() ? a.take<float>(saturating_mul(seqs, window_)) : nullptr;
-    std::size_t scoring = 0;
-    const layer_shape shape = max_shape();
-    if (defers()) {
-      const scoring_params params = scoring_params_of();
-      decode_params dp;
-      dp.domain = params.domain;
-      scoring = cuda::observation_scores_workspace_size(shape, params);
-      const std::size_t step = cuda::decode_observation_workspace_size(shape, dp);
-      scoring = step > scoring ? step : scoring;
-    } else if (scores_in_batch()) {
-      const std::size_t two =
-          cuda::observation_scores_batch_workspace_size<Q, T>(seqs, shape, scoring_params_of(), false);
-      const std::size_t one =
-          cuda::observation_scores_batch_workspace_size<Q, T>(seqs, shape, scoring_params_of(), true);
-      scoring = two > one ? two : one;
-    } else {  // one sequence at a time on the stream: they share the scorer's workspace
-      scoring = key_scorer_workspace_size(shape);
+    // The plan policy's scoring and the decode scorer's take turns on the stream: they share it.
+    std::size_t scoring = scoring_workspace_size<T, Q>(options_.policy);
+    if (maintains()) {
+      const std::size_t rounds = scoring_workspace_size<T, Q>(options_.decoding.policy);
+      scoring = rounds > scoring ? rounds : scoring;
     }
     out->scoring = kvevict::detail::take_bytes(a, scoring, true);
     if (rerotates()) {
@@ -546,6 +557,28 @@ class compressor_layout {
     }
   }
 
+  /// The device workspace policy p's scoring takes for the limits: DeferKV's observations, the
+  /// batched scoring, or a key_scorer's (one sequence at a time on the stream: they share it).
+  template <class T, class Q>
+  std::size_t scoring_workspace_size(const policy_config& p) const noexcept {
+    const std::int64_t seqs = options_.limits.max_sequences;
+    const layer_shape shape = max_shape();
+    const scoring_params params = scoring_params_of(p);
+    if (kvevict::detail::defers(p.kind())) {
+      decode_params dp;
+      dp.domain = params.domain;
+      const std::size_t prompt = cuda::observation_scores_workspace_size(shape, params);
+      const std::size_t step = cuda::decode_observation_workspace_size(shape, dp);
+      return step > prompt ? step : prompt;
+    }
+    if (scores_in_batch(p)) {
+      const std::size_t two = cuda::observation_scores_batch_workspace_size<Q, T>(seqs, shape, params, false);
+      const std::size_t one = cuda::observation_scores_batch_workspace_size<Q, T>(seqs, shape, params, true);
+      return two > one ? two : one;
+    }
+    return key_scorer_workspace_size(p, shape);
+  }
+
   /// The compaction batch's workspace for the limits: every view's pool of at most
   /// limits.max_pool_blocks blocks (run() refuses larger ones), keep-lists of keep_capacity().
   template <class T>
@@ -578,6 +611,8 @@ class compressor_layout {
     out->weights_bytes = defers() ? static_cast<std::size_t>(saturating_mul(seqs, window_)) * sizeof(float) : 0;
     out->scoring = scores_in_batch() ? a.take<scoring_sequence<Q, T>>(seqs) : nullptr;
     out->scored_seq = a.take<std::int64_t>(seqs);
+    out->round_scoring = scores_rounds_apart() ? a.take<scoring_sequence<Q, T>>(seqs) : nullptr;
+    out->round_scored_seq = scores_rounds_apart() ? a.take<std::int64_t>(seqs) : nullptr;
     out->in_place = options_.compact == compaction::in_place ? a.take<compaction_sequence<T, T>>(seqs) : nullptr;
     out->into = options_.compact == compaction::out_of_place ? a.take<compaction_into_sequence<T, T>>(seqs) : nullptr;
     out->compacted_seq = a.take<std::int64_t>(seqs);
@@ -586,6 +621,10 @@ class compressor_layout {
     out->layer_budgets = a.take<std::int64_t>(options_.model.num_layers);
     out->scoring_staging_bytes = scores_in_batch() ? cuda::observation_scores_batch_staging_size<Q, T>(seqs) : 0;
     out->scoring_staging = a.take<unsigned char>(static_cast<std::int64_t>(out->scoring_staging_bytes));
+    // (a batch's descriptors are copied when the stream reaches it: each batch has its own)
+    out->round_staging_bytes =
+        scores_rounds_apart() ? cuda::observation_scores_batch_staging_size<Q, T>(seqs) : std::size_t{0};
+    out->round_staging = a.take<unsigned char>(static_cast<std::int64_t>(out->round_staging_bytes));
     out->compact_staging_bytes = options_.compact == compaction::in_place ? cuda::compact_batch_staging_size(seqs)
                                  : options_.compact == compaction::out_of_place
                                      ? cuda::compact_into_batch_staging_size(seqs)
