@@ -95,6 +95,7 @@ const named<kvevict::selection_scope> kScopes[] = {{"per_head", kvevict::selecti
                                                    {"per_layer", kvevict::selection_scope::per_layer},
                                                    {"per_sequence", kvevict::selection_scope::per_sequence}};
 const named<kvevict::compaction> kCompactions[] = {{"in_place", kvevict::compaction::in_place},
+                                                   {"out_of_place", kvevict::compaction::out_of_place},
                                                    {"keep_list_only", kvevict::compaction::keep_list_only}};
 const named<kvevict::dapq_source> kDapqSources[] = {{"pseudo_tokens", kvevict::dapq_source::pseudo_tokens},
                                                     {"rerotated_window", kvevict::dapq_source::rerotated_window}};
@@ -280,7 +281,7 @@ class compressor {
                           std::optional<in_array> query_positions, const std::vector<std::string>& events,
                           std::optional<array> states, std::optional<in_array> seq_lens,
                           std::optional<array> head_lengths, std::optional<array> kept_positions, float key_scale,
-                          float value_scale) {
+                          float value_scale, std::optional<array> dst_keys, std::optional<array> dst_values) {
     require_dims(keys, 4, "keys", "[batch, kv_heads, tokens, head_dim]");
     require_dims(values, 4, "values", "[batch, kv_heads, tokens, head_dim]");
     const i64 b = static_cast<i64>(keys.shape(0));
@@ -299,6 +300,34 @@ class compressor {
       if (got != storage && !(fp8 && got == kvevict::dtype::f8_e4m3))
         bad(std::string(t == &keys ? "keys" : "values") + ": expected " + kvevict::to_string(storage) +
             " elements (the plan's dtype), got " + kvevict::to_string(got));
+    }
+    // Out of place (compaction='out_of_place'): each sequence's kept rows go to its own rows of
+    // dst_keys / dst_values, tensors of their own [batch, kv_heads, >= keep_capacity_per_head,
+    // head_dim]; the sources are read only (prefix-shared blocks, a swap to the fresh buffers).
+    const bool into = options_.compact == kvevict::compaction::out_of_place;
+    if (!into && (dst_keys || dst_values))
+      bad(std::string(dst_keys ? "dst_keys" : "dst_values") +
+          ": only compaction='out_of_place' writes destinations (this plan compacts " +
+          (options_.compact == kvevict::compaction::in_place ? "in place)" : "nothing: keep-lists only)"));
+    if (into) {
+      for (const auto* t : {&dst_keys, &dst_values}) {
+        const char* name = t == &dst_keys ? "dst_keys" : "dst_values";
+        const array& src = t == &dst_keys ? keys : values;
+        if (!*t)
+          bad(std::string(name) +
+              ": compaction='out_of_place' writes the kept rows there: expected [batch, kv_heads, " +
+              ">= keep_capacity_per_head = " + std::to_string(c_.keep_capacity_per_head()) + ", head_dim]");
+        require_dims(**t, 4, name, "[batch, kv_heads, tokens, head_dim]");
+        if (static_cast<i64>((*t)->shape(0)) != b || (*t)->shape(1) != src.shape(1) || (*t)->shape(3) != src.shape(3))
+          bad(std::string(name) + ": expected [" + std::to_string(b) + ", " + std::to_string(src.shape(1)) +
+              ", tokens, " + std::to_string(src.shape(3)) + "] (the sources' batch, kv_heads and head_dim), got " +
+              shape_text(**t));
+        if (dtype_of(**t, name) != dtype_of(src, name))
+          bad(std::string(name) + ": expected the sources' element type, got " +
+              kvevict::to_string(dtype_of(**t, name)));
+        if (b > 1 && (*t)->stride(0) == 0)
+          bad(std::string(name) + ": expected one destination per sequence, got a batch stride of 0");
+      }
     }
     if (events.size() != 1 && static_cast<i64>(events.size()) != b)
       bad("event: expected one event or one per sequence (" + std::to_string(b) + "), got " +
@@ -388,6 +417,12 @@ class compressor {
       if (state_bytes > 0) e.state = static_cast<unsigned char*>(states->data()) + byte_offset(s, states->stride(0), 1);
       if (head_lengths) e.head_lengths = static_cast<i64*>(head_lengths->data()) + s * head_lengths->stride(0);
       if (kept_positions) e.kept_positions = static_cast<i64*>(kept_positions->data()) + s * kept_positions->stride(0);
+      if (into) {  // (the library checks their capacity and that they share no memory with a source)
+        e.dst_keys = view_of(*dst_keys, s, static_cast<i64>(dst_keys->shape(2)), kvb);
+        e.dst_values = view_of(*dst_values, s, static_cast<i64>(dst_values->shape(2)), kvb);
+        e.dst_keys.scale = key_scale;
+        e.dst_values.scale = value_scale;
+      }
     }
     kvevict::status st;
     {
@@ -711,7 +746,9 @@ NB_MODULE(_kvevict, m) {
            "rope_theta, rope_pairing 'neox' or 'gptj', rotary_dim, 0 for head_dim). "
            "heads: 'uniform' or 'adakv' (adakv_alpha, the floor fraction; adakv_rule 'paper', the AdaKV "
            "paper's allocation, or 'kvpress', AdaKVPress's: each head's top int(alpha (B + T)) first, then the "
-           "layer's global top); layers: 'uniform' or 'pyramidkv'. Decode-time budgets for long "
+           "layer's global top); layers: 'uniform' or 'pyramidkv'. compaction: 'in_place', 'out_of_place' "
+           "(run() reads the caches and writes the kept rows to dst_keys, dst_values) or 'keep_list_only'. "
+           "Decode-time budgets for long "
            "generation: decoding_tokens (or decoding_ratio, the fraction removed) per KV head after each "
            "decode-time compression, which comes at the 'decode' step that leaves a layer more than "
            "decoding_interval tokens over it; decoding_policy names the decode scorer (default: policy, "
@@ -729,9 +766,13 @@ NB_MODULE(_kvevict, m) {
       .def("run", &compressor::run, "layer"_a, "keys"_a, "values"_a, "queries"_a = nb::none(),
            "query_positions"_a = nb::none(), "event"_a = std::vector<std::string>{"prefill_end"},
            "states"_a = nb::none(), "seq_lens"_a = nb::none(), "head_lengths"_a = nb::none(),
-           "kept_positions"_a = nb::none(), "key_scale"_a = 1.0f, "value_scale"_a = 1.0f,
+           "kept_positions"_a = nb::none(), "key_scale"_a = 1.0f, "value_scale"_a = 1.0f, "dst_keys"_a = nb::none(),
+           "dst_values"_a = nb::none(),
            "One layer of a batch. keys, values: [batch, kv_heads, tokens, head_dim] tensors of the plan's "
-           "dtype, any strides, compacted in place (each head's kept rows first, in order). queries: "
+           "dtype, any strides, compacted in place (each head's kept rows first, in order), or with "
+           "compaction='out_of_place' read only, the kept rows written to the first rows of dst_keys, "
+           "dst_values ([batch, kv_heads, >= keep_capacity_per_head, head_dim], the same dtype, memory of "
+           "their own). queries: "
            "[batch, heads, window, head_dim] with query_positions [window] or [batch, window] (int32/int64). "
            "event: a list of one name for every sequence or one per sequence. states: uint8 [batch, "
            ">= state_size]. seq_lens: tokens of each sequence (default: every row's tokens). head_lengths "

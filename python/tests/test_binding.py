@@ -217,6 +217,93 @@ def test_read_only_inputs_are_read_where_they_lie():
     c.run(0, k.numpy(), v.numpy(), qn, positions)
 
 
+def test_out_of_place_writes_the_in_place_rows_to_the_destinations_and_reads_the_sources_only():
+    """compaction='out_of_place': the sources are left as they were, and each head's kept rows
+    are those in-place compaction leaves, in the destinations' first rows; at decode-time
+    compressions too (the engine swaps to the destinations after each evicting call)."""
+    k, v, q, pos = batch(dtype=torch.bfloat16)
+    common = dict(tokens=40, window=16, max_sequences=2, max_tokens=97)
+    here = kvevict.Compressor(1, 8, 2, 32, "bfloat16", "snapkv", **common)
+    there = kvevict.Compressor(1, 8, 2, 32, "bfloat16", "snapkv", compaction="out_of_place", **common)
+    assert there.keep_capacity_per_head == 40
+    ki, vi = k.clone(), v.clone()
+    here.run(0, ki, vi, q, pos)
+    k0, v0 = k.clone(), v.clone()
+    dk = torch.full((2, 2, 40, 32), 7.0, dtype=torch.bfloat16)
+    dv = torch.full((2, 2, 40, 32), 7.0, dtype=torch.bfloat16)
+    lengths = torch.zeros(2, 2, dtype=torch.int64)
+    reports = there.run(0, k, v, q, pos, head_lengths=lengths, dst_keys=dk, dst_values=dv)
+    assert [r.action for r in reports] == ["evicted", "evicted"] and lengths.eq(40).all()
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert torch.equal(dk, ki[:, :, :40]) and torch.equal(dv, vi[:, :, :40])
+
+    # Decode-time budgets (KNorm, target 12, interval 3), the engine swapping buffers each round.
+    hq, hkv, d, prompt, steps = 4, 2, 16, 20, 30
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(hkv, prompt + steps, d, generator=g)
+    opts = dict(compression_ratio=0.0, decoding_tokens=12, decoding_interval=3, decoding_policy="knorm",
+                max_tokens=64)
+    a = kvevict.Compressor(1, hq, hkv, d, "float32", "knorm", **opts)
+    b = kvevict.Compressor(1, hq, hkv, d, "float32", "knorm", compaction="out_of_place", **opts)
+    sa = torch.zeros(1, a.state_size, dtype=torch.uint8)
+    sb = torch.zeros(1, b.state_size, dtype=torch.uint8)
+    a.reset_state(sa[0])
+    b.reset_state(sb[0])
+    ca, cb = torch.zeros(1, hkv, 64, d), torch.zeros(1, hkv, 64, d)
+    cv_a, cv_b = torch.zeros(1, hkv, 64, d), torch.zeros(1, hkv, 64, d)
+    ca[0, :, :prompt] = cb[0, :, :prompt] = rows[:, :prompt]
+    cv_a[0, :, :prompt] = cv_b[0, :, :prompt] = -rows[:, :prompt]
+    fresh_k, fresh_v = torch.zeros_like(cb), torch.zeros_like(cv_b)
+    qq = torch.randn(1, hq, 1, d, generator=g)
+    length, rounds = prompt, 0
+    for step in range(steps + 1):
+        event = "prefill_end" if step == 0 else "decode"
+        if step > 0:
+            ca[0, :, length] = cb[0, :, length] = rows[:, prompt + step - 1]
+            cv_a[0, :, length] = cv_b[0, :, length] = -rows[:, prompt + step - 1]
+            length += 1
+        p = torch.tensor([prompt + step - 1], dtype=torch.int64)
+        n = torch.tensor([length])
+        ra = a.run(0, ca, cv_a, qq, p, event=[event], states=sa, seq_lens=n)[0]
+        before = cb.clone(), cv_b.clone()
+        rb = b.run(0, cb, cv_b, qq, p, event=[event], states=sb, seq_lens=n, dst_keys=fresh_k,
+                   dst_values=fresh_v)[0]
+        assert (ra.action, ra.length) == (rb.action, rb.length)
+        assert torch.equal(cb, before[0]) and torch.equal(cv_b, before[1])
+        if rb.action == "evicted":
+            rounds += 1
+            cb, fresh_k = fresh_k, cb  # the engine's swap: the fresh rows are the cache now
+            cv_b, fresh_v = fresh_v, cv_b
+            length = rb.length
+        assert torch.equal(ca[:, :, :length], cb[:, :, :length]), step
+        assert torch.equal(cv_a[:, :, :length], cv_b[:, :, :length]), step
+    assert rounds >= 4
+
+
+def test_out_of_place_destinations_are_checked_by_name_and_nothing_changes():
+    k, v, q, pos = batch()
+    common = dict(tokens=40, window=16, max_sequences=2, max_tokens=97)
+    there = kvevict.Compressor(1, 8, 2, 32, "float32", "snapkv", compaction="out_of_place", **common)
+    here = kvevict.Compressor(1, 8, 2, 32, "float32", "snapkv", **common)
+    dk, dv = torch.zeros(2, 2, 40, 32), torch.zeros(2, 2, 40, 32)
+    k0, v0 = k.clone(), v.clone()
+    cases = [
+        (there, dict(dst_keys=None), "dst_keys"),
+        (there, dict(dst_values=dk[:, :1]), "dst_values"),
+        (there, dict(dst_keys=dk.half()), "dst_keys"),
+        (there, dict(dst_keys=dk[:, :, :39]), "dst_keys"),  # fewer rows than a head keeps
+        (there, dict(dst_keys=k[:, :, :40]), "dst_keys"),   # the source's own rows
+        (here, dict(), "dst_keys"),                          # destinations under in_place
+    ]
+    for plan, change, name in cases:
+        args = dict(keys=k, values=v, queries=q, query_positions=pos, dst_keys=dk, dst_values=dv)
+        args.update(change)
+        with pytest.raises(ValueError, match=name):
+            plan.run(0, **args)
+        assert torch.equal(k, k0) and torch.equal(v, v0), name
+        assert dk.eq(0).all() and dv.eq(0).all(), name
+
+
 def test_unsupported_combinations_raise_not_implemented():
     with pytest.raises(NotImplementedError):
         kvevict.Compressor(1, 8, 2, 32, "float32", "snapkv", scope="per_layer", heads="adakv", max_tokens=97)
