@@ -1,12 +1,11 @@
 // Entry point of the GPU tests: refuses to run (and fails) without a CUDA device, so a
-// machine without one never reports these tests as passed.
-#define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
-
+// machine without one never reports these tests as passed. (Catch2 itself:
+// tests/support/catch_impl.cpp.)
 #include <cstdio>
 #include <string>
 
 #include "gpu_runner.hpp"
+#include "support/catch_session.hpp"
 
 int main(int argc, char* argv[]) {
   std::string why;
@@ -15,5 +14,5 @@ int main(int argc, char* argv[]) {
     return 1;
   }
   std::printf("kvevict_cuda_tests on %s\n", gpu::device_name().c_str());
-  return Catch::Session().run(argc, argv);
+  return kvevict_tests::run_catch(argc, argv);
 }
