@@ -1147,10 +1147,12 @@ TEST_CASE("GPU compressor: decode-time budgets hold a long generation at target 
   }
   // A decode scorer other than the prompt policy: the decode-time compressions are scored by
   // its kernels, in a batch of their own when it reads queries. Sequence 3's prompt_end comes
-  // at step 10 (an offset of 10), where sequences 0 and 2 make their first decode-time
-  // compression: the prompt policy's batch and the decode scorer's share that call.
+  // at step 10 (an offset of 10), where sequences 0 and 2 (20 rows kept at their prompt's end)
+  // make their first decode-time compression: with DapQ + H2O and TOVA + SnapKV the prompt
+  // policy's batch and the decode scorer's share that call. (DeferKV keeps 27 rows at its step
+  // d, so its rounds come at steps 5, 11, ...; KNorm scores from the keys, a launch each.)
   const auto composed = [](kvevict::compressor_options o, const kvevict::policy_config& decoder, std::int64_t window,
-                           bool paged, std::uint64_t seed) {
+                           bool paged, std::uint64_t seed, bool prompt_queries = true) {
     o.decoding.target = kvevict::budget::tokens(24);
     o.decoding.interval = 5;
     o.decoding.policy = decoder;
@@ -1159,6 +1161,10 @@ TEST_CASE("GPU compressor: decode-time budgets hold a long generation at target 
     scenario<bf16, bf16> sc(o, paged, 34, seed, false, {61, 0, 37, 16}, {0, 0, 0, 10});
     std::int64_t evictions = 0;
     CHECK(build_generation(twin, sc, &evictions) >= 8);
+    if (!prompt_queries)  // a prompt policy that reads none: prefill_end hands no queries (the CPU reads none)
+      for (auto& call : sc.calls)
+        for (auto& q : call.seqs)
+          if (q.event == kvevict::sequence_event::prefill_end) q.queries = {}, q.qbuf = {};
     check_against_cpu(sc, evictions);
   };
   SECTION("DapQ's pseudo tokens at the prompt, H2O over 4 decode queries while decoding, per-head sets, paged") {
@@ -1172,6 +1178,14 @@ TEST_CASE("GPU compressor: decode-time budgets hold a long generation at target 
     kvevict::compressor_options o = deferkv_options(dtype::bf16, dtype::bf16, 2);
     o.scope = kvevict::selection_scope::per_layer;
     composed(o, kvevict::policy::knorm(), 0, false, 68);
+  }
+  SECTION("KNorm at the prompt (prefill_end hands no queries), SnapKV over 4 decode queries, per-head sets, paged") {
+    kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
+    o.policy = kvevict::policy::knorm();
+    kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+    w.window = 4;
+    w.scoring.pool = {kvevict::pooling_kind::none, 1, true};
+    composed(o, kvevict::policy::snapkv(w), 0, true, 70, false);
   }
   SECTION("TOVA at the prompt, SnapKV as ChunkKV (chunks of 3) while decoding, one keep set per sequence, paged") {
     kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
@@ -1356,6 +1370,31 @@ TEST_CASE("GPU compressor: chunked prefill refuses as the CPU does; a chunk out 
       REQUIRE(g.calls[i].flags == (flagged ? kvevict::cuda::flag_query_position : 0u));
     }
     REQUIRE(sc.calls[6].seqs[0].event == kvevict::sequence_event::decode);  // step 1 evicts every layer
+    require_untouched(sc, g, 6);
+    require_untouched(sc, g, 7);
+  }
+  SECTION("DeferKV delay 1, a decode scorer reading queries: a chunk out of order still cancels the eviction") {
+    // The decode steps' queries join the ring from the first one on: its rows, checked against no
+    // earlier row, must not clear the prompt window's verdict before step d reads it.
+    kvevict::compressor_options d = deferkv_options(dtype::bf16, dtype::bf16, 1);
+    d.chunked_prefill = true;
+    kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+    w.window = 4;
+    d.decoding.target = kvevict::budget::tokens(24);
+    d.decoding.interval = 5;
+    d.decoding.policy = kvevict::policy::snapkv(w);
+    scenario<bf16, bf16> sc(d, true, 1, 95, false, {61, 0, 37, 16}, {0, 0, 0, 1}, 80);
+    chunk_prompts(sc, cuts);
+    std::swap(sc.calls[0].seqs[0].queries, sc.calls[2].seqs[0].queries);
+    std::swap(sc.calls[1].seqs[0].queries, sc.calls[3].seqs[0].queries);
+    const gpu::compressor_session_result g = gpu::compressor_session<bf16, bf16>(d, sc.calls, 4);
+    for (std::size_t i = 0; i < 8; ++i) {
+      INFO("call " << i << ": " << g.calls[i].st.message());
+      REQUIRE(g.calls[i].st.ok());
+      const bool flagged = i == 2 || i == 3 || i == 6 || i == 7;
+      REQUIRE(g.calls[i].flags == (flagged ? kvevict::cuda::flag_query_position : 0u));
+    }
+    REQUIRE(sc.calls[6].seqs[0].event == kvevict::sequence_event::decode);
     require_untouched(sc, g, 6);
     require_untouched(sc, g, 7);
   }

@@ -321,9 +321,10 @@ class compressor : private detail::compressor_checks {
     std::int64_t batches = 0;
     KVEVICT_RETURN_IF_ERROR(prepare_compactions(seqs, layer, compacted, dev, host, &batches, opt, fn));
 
-    // 3. Enqueue. The scoring batch checks and enqueues in one call: first (after the windows
-    //    assembled from earlier chunks and DapQ's rotations, which write only the workspace), so
-    //    that its refusal still leaves every cache, state and output as it was.
+    // 3. Enqueue. The scorings come first: the windows assembled from earlier chunks, DapQ's
+    //    rotations, the plan policy's batch and the decode scorer's (each checks and enqueues in
+    //    one call), the key scorers; they write only the workspace, so that a refusal among them
+    //    still leaves every cache, state and output as it was.
     for (std::int64_t s = 0; s < n; ++s)
       if (host.steps[s].held > 0) KVEVICT_RETURN_IF_ERROR(enqueue_assemble(seqs[s], host.steps[s], s, layer, dev, opt));
     if (rotate && scored > 0) {  // (DapQ is never a decode scorer: every entry is a prompt's)
@@ -351,6 +352,13 @@ class compressor : private detail::compressor_checks {
           cuda::observation_scores_batch(host.round_scoring, rounds_scored, scoring_params_of(options_.decoding.policy),
                                          dev.scoring, host.round_staging, host.round_staging_bytes, opt),
           host.round_scored_seq, rounds_scored, fn));
+    for (std::int64_t s = 0; s < n; ++s) {  // the policies that read no queries: a launch per sequence
+      const detail::sequence_step& p = host.steps[s];
+      const policy_config& scorer = scorer_of(p);
+      if (p.scores() && !kvevict::detail::defers(scorer.kind()) && !scores_in_batch(scorer))
+        KVEVICT_RETURN_IF_ERROR(
+            enqueue_key_scores(scorer, seqs[s].keys, scores_of(dev, s, p.tokens), dev.scoring, opt, fn));
+    }
     // DapQ's pseudo-token positions, which the CPU refuses below the prompt, and the order of
     // the prompt chunks: device data, so the device checks them, and a raised word cancels the
     // outputs and the compaction below. (The chunks' windows are state: written from here on,
@@ -366,13 +374,6 @@ class compressor : private detail::compressor_checks {
         KVEVICT_RETURN_IF_ERROR(detail::enqueue_position_check(
             q.positions, q.num_queries, host.steps[host.scored_seq[i]].tokens, dev.cancel, opt, fn));
       }
-    }
-    for (std::int64_t s = 0; s < n; ++s) {  // the policies that read no queries: a launch per sequence
-      const detail::sequence_step& p = host.steps[s];
-      const policy_config& scorer = scorer_of(p);
-      if (p.scores() && !kvevict::detail::defers(scorer.kind()) && !scores_in_batch(scorer))
-        KVEVICT_RETURN_IF_ERROR(
-            enqueue_key_scores(scorer, seqs[s].keys, scores_of(dev, s, p.tokens), dev.scoring, opt, fn));
     }
     if (weights_used)
       KVEVICT_RETURN_IF_ERROR(detail::cuda_status(
@@ -517,8 +518,8 @@ class compressor : private detail::compressor_checks {
     // as the CPU compressor; DapQ's pseudo queries come whole with prefill_end.
     if (o.chunked_prefill && kvevict::detail::reads_queries(o.policy.kind()) &&
         !kvevict::detail::fixed_window(o.policy))
-      window_capacity_ = kvevict::detail::every_prompt_query(o.policy.kind()) ? o.limits.max_queries : window_;
-    window_capacity_ = window_capacity_ > decode_window_ ? window_capacity_ : decode_window_;
+      chunk_window_ = kvevict::detail::every_prompt_query(o.policy.kind()) ? o.limits.max_queries : window_;
+    window_capacity_ = chunk_window_ > decode_window_ ? chunk_window_ : decode_window_;
     KVEVICT_RETURN_IF_ERROR(detail::check_pooling_fits(scoring_params_of().pool, fn));
     if (o.model.num_kv_heads > 65535)
       return status::error(errc::overflow, fn, "model.num_kv_heads", "expected at most 65535 on the GPU, got %lld",
@@ -595,8 +596,10 @@ class compressor : private detail::compressor_checks {
                         const device_layout& dev, const launch_options& opt) const {
     static constexpr const char* fn = "kvevict::cuda::compressor::run";
     const std::int64_t n = io.queries.num_queries;
-    const bool prefill =
-        io.event == sequence_event::prefill_end && (p.observe != detail::sequence_step::none || p.scores());
+    // (the prompt's order is checked where its chunks are buffered: the policies that read no
+    // queries, and DapQ's pseudo tokens, hand queries the CPU does not read)
+    const bool prefill = buffers_chunks() && io.event == sequence_event::prefill_end &&
+                         (p.observe != detail::sequence_step::none || p.scores());
     const detail::host_window_state w = p.buffer || prefill ? ring_record(io, layer) : detail::host_window_state{};
     // (a new turn's first chunk still comes after the decode steps: checked against their newest)
     const bool earlier = p.buffer || prefill ? window_record(io.host_state, layer)->seen > 0 : false;
@@ -605,12 +608,15 @@ class compressor : private detail::compressor_checks {
       (void)after_chunk(w, n, &slot);
       const std::int64_t take = n < window_capacity_ ? n : window_capacity_;  // the chunk's rows it keeps
       const query_view<const Q> chunk(io.queries);
+      // DeferKV's decode steps before its step d: its prompt window's verdict waits in the header.
+      const bool keep = buffers_chunks() && defers() && io.event == sequence_event::decode &&
+                        layer_record(io.host_state, layer)->phase != detail::phase_evicted;
       KVEVICT_RETURN_IF_ERROR(
           detail::launch(fn, "window_append_kernel",
                          {dim3(static_cast<unsigned>(take), static_cast<unsigned>(options_.model.num_query_heads)),
                           dim3(detail::window_threads(options_.model.head_dim)), 0, opt.stream},
                          detail::window_append_kernel<Q>, chunk, kvevict::detail::last_queries(io.queries, take),
-                         ring_of(io, layer), slot, earlier, opt.device_flags));
+                         ring_of(io, layer), slot, earlier, opt.device_flags, keep));
     }
     // A prefill_end that only observes (DeferKV fed back, a fold before the last layer) keeps
     // its verdict for the call that evicts, whose cancel word is its own (window_verdicts_kernel).
@@ -619,7 +625,10 @@ class compressor : private detail::compressor_checks {
                                              detail::window_order_kernel<>, ring_of(io, layer).header,
                                              io.queries.positions, n - 1, earlier, p.evict ? dev.cancel : nullptr,
                                              opt.device_flags));
-    if (!p.evict || (!p.fold && io.event != sequence_event::decode)) return status();
+    // (the verdicts at prefill_end are the chunks': a ring of decode rows alone has none yet)
+    if (!p.evict || (!p.fold && io.event != sequence_event::decode) ||
+        (io.event != sequence_event::decode && !buffers_chunks()))
+      return status();
     const std::int64_t first = p.fold ? 0 : layer, layers = p.fold ? options_.model.num_layers : 1;
     return detail::launch(fn, "window_verdicts_kernel", {dim3(1), dim3(32), 0, opt.stream},
                           detail::window_verdicts_kernel<>,

@@ -251,7 +251,7 @@ class compressor_checks : protected compressor_layout {
                                    "for a new one",
                              static_cast<long long>(layer));
     }
-    if (!buffers_windows()) return status();
+    if (!buffers_chunks()) return status();
     KVEVICT_RETURN_IF_ERROR(detail::validate_device_query_view(io.queries, opt, fn, io_name(s, "queries")));
     KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_sequence_queries(options_, scoring_params_of().domain, io.queries,
                                                                     false, nullptr, 0, s, fn));

@@ -273,9 +273,14 @@ class compressor_layout {
   bool defers() const noexcept { return kvevict::detail::defers(options_.policy.kind()); }
   /// One keep set for every layer of a sequence (selection_scope::per_sequence).
   bool folds_layers() const noexcept { return options_.scope == selection_scope::per_sequence; }
-  /// Whether each layer of a sequence keeps the last queries of its prompt chunks
-  /// (chunked_prefill, for a policy that observes prompt queries: not DapQ's pseudo tokens).
+  /// Whether each layer of a sequence has a ring of queries in its state: the prompt chunks'
+  /// (buffers_chunks) or the decode steps' (decode-time budgets with a decode scorer that reads
+  /// queries), or both.
   bool buffers_windows() const noexcept { return window_capacity_ > 0; }
+  /// Whether each layer of a sequence keeps the last queries of its prompt chunks
+  /// (chunked_prefill, for a prompt policy that observes prompt queries: not DapQ's pseudo
+  /// tokens, not the policies that read none), as the CPU compressor's chunk rows.
+  bool buffers_chunks() const noexcept { return chunk_window_ > 0; }
   /// Whether each head keeps its own AdaKV share (AdaKV heads, per-head keep sets).
   bool allocates_heads() const noexcept {
     return options_.heads == head_allocation::adakv && options_.scope == selection_scope::per_head;
@@ -405,7 +410,7 @@ class compressor_layout {
   /// prompt turn's window is its own, the decode rows are not its).
   template <class T, class Q>
   std::int64_t chunk_rows(const sequence_io<T, Q>& io, std::int64_t layer) const noexcept {
-    if (!buffers_windows()) return 0;
+    if (!buffers_chunks()) return 0;
     const detail::host_window_state* w = window_record(io.host_state, layer);
     return w->decoding == 0 ? w->count : 0;
   }
@@ -773,6 +778,7 @@ class compressor_layout {
   std::int64_t first_head_ = 0;         ///< tensor parallelism: this rank's first KV head
   std::int64_t total_heads_ = 0;        ///< tensor parallelism: the group's KV heads
   std::int64_t window_capacity_ = 0;    ///< rows of a layer's ring: chunk queries, then decode queries (0: none)
+  std::int64_t chunk_window_ = 0;       ///< the prompt chunks' rows a layer keeps (0: none buffered)
   std::int64_t decode_window_ = 0;      ///< decode queries a decode-time compression observes with
   compressor_options decode_options_;   ///< kvevict::detail::decoding_options(options_)
   std::size_t window_offset_ = 0;       ///< where layer 0's window starts in the device state

@@ -63,10 +63,13 @@ struct window_ring {
 /// The order check of one call's queries (positions[0] after the window's newest, when earlier
 /// chunks were buffered), then the header written for the next call. A chunk (cancel null)
 /// raises the caller's flag when it comes out of order; prefill_end (cancel given) raises it and
-/// the call's cancel word when it or an earlier chunk did. One thread.
+/// the call's cancel word when it or an earlier chunk did. `keep`: the header holds a verdict
+/// an eviction still waits for (DeferKV's prompt window, read at its step d) that the first
+/// decode step's rows, checked against no earlier row, must not clear. One thread.
 __device__ inline void check_window_order(device_window_header* header, index_ptr positions, std::int64_t newest,
-                                          bool earlier, std::uint32_t* cancel, std::uint32_t* flags) {
-  const bool was = earlier && header->out_of_order != 0;
+                                          bool earlier, std::uint32_t* cancel, std::uint32_t* flags,
+                                          bool keep = false) {
+  const bool was = (earlier || keep) && header->out_of_order != 0;
   const bool late = earlier && positions[0] <= header->newest_position;
   if (cancel != nullptr ? was || late : late && !was) raise_flag(flags, flag_query_position);
   if ((was || late) && cancel != nullptr) atomicOr(cancel, flag_query_position);
@@ -94,15 +97,15 @@ __global__ void window_verdicts_kernel(const unsigned char* first, std::size_t s
     }
 }
 
-/// A chunk: its order checked against the window's newest (`chunk`: all its queries; block
-/// (0, 0)'s first thread: the header is no other thread's), and its last `tail.num_queries`
-/// rows into the ring from slot `slot` on (wrapping; none of the slots it keeps). Grid
-/// (rows, Hq), the threads over d.
+/// A chunk (or a decode step's queries): its order checked against the window's newest
+/// (`chunk`: all its queries; block (0, 0)'s first thread: the header is no other thread's;
+/// `keep`: see check_window_order), and its last `tail.num_queries` rows into the ring from
+/// slot `slot` on (wrapping; none of the slots it keeps). Grid (rows, Hq), the threads over d.
 template <class Q>
 __global__ void window_append_kernel(query_view<const Q> chunk, query_view<const Q> tail, window_ring<Q> ring,
-                                     std::int64_t slot, bool earlier, std::uint32_t* flags) {
+                                     std::int64_t slot, bool earlier, std::uint32_t* flags, bool keep) {
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
-    check_window_order(ring.header, chunk.positions, chunk.num_queries - 1, earlier, nullptr, flags);
+    check_window_order(ring.header, chunk.positions, chunk.num_queries - 1, earlier, nullptr, flags, keep);
   const std::int64_t t = blockIdx.x, h = blockIdx.y, d = tail.head_dim;
   const std::int64_t at = (slot + t) % ring.capacity;
   Q* row = ring.rows + (h * ring.capacity + at) * d;
