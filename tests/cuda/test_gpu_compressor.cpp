@@ -1179,6 +1179,13 @@ TEST_CASE("GPU compressor: decode-time budgets hold a long generation at target 
     o.scope = kvevict::selection_scope::per_layer;
     composed(o, kvevict::policy::knorm(), 0, false, 68);
   }
+  SECTION("DeferKV delay 2 at the prompt, SnapKV over 4 decode queries (its ring filled from the first decode step)") {
+    kvevict::compressor_options o = deferkv_options(dtype::bf16, dtype::bf16, 2);
+    kvevict::window_config w = kvevict::presets::kvpress_snapkv();
+    w.window = 4;
+    w.scoring.pool = {kvevict::pooling_kind::none, 1, true};
+    composed(o, kvevict::policy::snapkv(w), 0, true, 71);
+  }
   SECTION("KNorm at the prompt (prefill_end hands no queries), SnapKV over 4 decode queries, per-head sets, paged") {
     kvevict::compressor_options o = base_options(dtype::bf16, dtype::bf16);
     o.policy = kvevict::policy::knorm();
