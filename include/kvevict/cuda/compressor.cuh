@@ -465,19 +465,7 @@ class compressor : private detail::compressor_checks {
                            static_cast<long long>(options_.limits.max_pool_blocks));
     KVEVICT_RETURN_IF_ERROR(kvevict::detail::check_compressor_options(&options_, base_budget(), &window_, fn));
     const compressor_options& o = options_;
-    if (!kvevict::detail::with_policy_traits(o.policy.kind(), false,
-                                             [](auto traits) { return decltype(traits)::on_gpu; }))
-      return status::error(errc::unsupported, fn, "policy.kind",
-                           "%s is not implemented on the GPU compressor (its traits do not state on_gpu)",
-                           to_string(o.policy.kind()));
-    KVEVICT_RETURN_IF_ERROR(kvevict::detail::with_policy_traits(o.policy.kind(), status(), [&](auto traits) {
-      using Tr = decltype(traits);
-      if constexpr (detail::observation_scorer<Tr>::exists) {
-        return detail::observation_scorer<Tr>::plan_check(Tr::config(o.policy), fn);
-      } else {
-        return status();
-      }
-    }));
+    KVEVICT_RETURN_IF_ERROR(check_gpu_policy(o.policy, fn));
     // Tensor parallelism: per-head keep sets under uniform or PyramidKV budgets need nothing
     // from the other ranks (each head's set is its own scores'), as on the CPU, whose run() then
     // makes no collective; AdaKV and keep sets shared by heads exchange scores between ranks.
@@ -492,21 +480,7 @@ class compressor : private detail::compressor_checks {
     decode_window_ = kvevict::detail::decoding_window(o);
     if (o.decoding.enabled()) {
       const policy_config& d = o.decoding.policy;
-      if (!kvevict::detail::with_policy_traits(d.kind(), false, [](auto traits) { return decltype(traits)::on_gpu; }))
-        return status::error(errc::unsupported, fn, "decoding.policy.kind",
-                             "%s is not implemented on the GPU compressor (its traits do not state on_gpu)",
-                             to_string(d.kind()));
-      KVEVICT_RETURN_IF_ERROR(kvevict::detail::decoding_named(
-          kvevict::detail::with_policy_traits(d.kind(), status(),
-                                              [&](auto traits) {
-                                                using Tr = decltype(traits);
-                                                if constexpr (detail::observation_scorer<Tr>::exists) {
-                                                  return detail::observation_scorer<Tr>::plan_check(Tr::config(d), fn);
-                                                } else {
-                                                  return status();
-                                                }
-                                              }),
-          fn));
+      KVEVICT_RETURN_IF_ERROR(kvevict::detail::decoding_named(check_gpu_policy(d, fn), fn));
       KVEVICT_RETURN_IF_ERROR(
           kvevict::detail::decoding_named(detail::check_pooling_fits(scoring_params_of(d).pool, fn), fn));
       if (decode_window_ > o.limits.max_queries)
@@ -544,6 +518,24 @@ class compressor : private detail::compressor_checks {
                            rows > 1 ? "Hkv x max_tokens (AdaKV)" : "max_tokens",
                            static_cast<long long>(detail::select_tile), static_cast<long long>(o.limits.max_tokens));
     return status();
+  }
+
+  /// Whether the GPU serves policy p (its traits state on_gpu), and its observation scorer's
+  /// plan check: for the prompt policy and the decode scorer alike (errors name `policy.`; the
+  /// decode scorer's are renamed under `decoding.`).
+  static status check_gpu_policy(const policy_config& p, const char* fn) {
+    if (!kvevict::detail::with_policy_traits(p.kind(), false, [](auto traits) { return decltype(traits)::on_gpu; }))
+      return status::error(errc::unsupported, fn, "policy.kind",
+                           "%s is not implemented on the GPU compressor (its traits do not state on_gpu)",
+                           to_string(p.kind()));
+    return kvevict::detail::with_policy_traits(p.kind(), status(), [&](auto traits) {
+      using Tr = decltype(traits);
+      if constexpr (detail::observation_scorer<Tr>::exists) {
+        return detail::observation_scorer<Tr>::plan_check(Tr::config(p), fn);
+      } else {
+        return status();
+      }
+    });
   }
 
   /// The queries a prefill_end observes with: its own last ones, or the window assembled from
